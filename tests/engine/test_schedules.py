@@ -1,0 +1,262 @@
+"""Schedules as data: generators, lowering and the validator (pure data, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.schedules import (
+    SCHEDULES,
+    Action,
+    Comm,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    lower,
+    validate,
+)
+from engine.simulate import simulate
+
+
+def names(acts) -> list[str]:
+    return [str(a) for a in acts]
+
+
+def acts(text: str) -> list[Action]:
+    return [Action.parse(t) for t in text.split()]
+
+
+def valid_grid():
+    for p in range(1, 6):
+        for m in range(1, 10):
+            for name in SCHEDULES:
+                if name == "interleaved-1f1b":
+                    if m % p == 0:
+                        for v in (2, 3):
+                            yield name, p, m, v
+                else:
+                    yield name, p, m, 1
+
+
+GRID = list(valid_grid())
+
+
+# ----------------------------------------------------------------------------- Action
+
+
+def test_action_str_and_parse_round_trip():
+    a = Action("F", 2, 0)
+    assert str(a) == "2F0"
+    assert Action.parse("12W34") == Action("W", 12, 34)
+    assert Action.parse(str(Action("I", 3, 7))) == Action("I", 3, 7)
+    with pytest.raises(ValueError, match="2F0"):
+        Action.parse("F2")
+    with pytest.raises(ValueError, match="kind"):
+        Action("X", 0, 0)
+
+
+# ----------------------------------------------------------------------------- literal orders
+
+
+def test_1f1b_p3_m4_literal():
+    s = build_schedule("1f1b", 3, 4)
+    assert [names(a) for a in s.actions] == [
+        "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3".split(),
+        "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3".split(),
+        "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3".split(),
+    ]
+
+
+def test_gpipe_p2_m3_literal():
+    s = build_schedule("gpipe", 2, 3)
+    assert [names(a) for a in s.actions] == [
+        "0F0 0F1 0F2 0B0 0B1 0B2".split(),
+        "1F0 1F1 1F2 1B0 1B1 1B2".split(),
+    ]
+
+
+def test_interleaved_p2_m4_v2_literal():
+    # Megatron: chunks 0,2 on rank 0 and 1,3 on rank 1; rank 0 warms up
+    # (p - r - 1) * 2 + (v - 1) * p = 4 forwards, rank 1 two; groups of p microbatches.
+    s = build_schedule("interleaved-1f1b", 2, 4, virtual_stages=2)
+    assert [names(a) for a in s.actions] == [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3".split(),
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3".split(),
+    ]
+
+
+def test_zb_h1_small_case_rules():
+    p, m = 3, 5
+    s = build_schedule("zb-h1", p, m)
+    validate(s)
+    for r, row in enumerate(s.actions):
+        assert {a.kind for a in row} == {"F", "I", "W"}
+        assert len(row) == 3 * m
+        assert all(a.stage == r for a in row)
+        # same warm-up as 1F1B: its warm-up forwards plus the first steady forward
+        warm = min(p - r, m)
+        assert [a.kind for a in row[:warm]] == ["F"] * warm
+        # forwards and input-gradients in microbatch order (keeps links FIFO)
+        assert [a.microbatch for a in row if a.kind == "F"] == list(range(m))
+        assert [a.microbatch for a in row if a.kind == "I"] == list(range(m))
+        for i in range(m):
+            assert row.index(Action("I", r, i)) < row.index(Action("W", r, i))
+    # the last rank defers its W's (it would otherwise idle waiting for the next forward)
+    assert names(s.actions[p - 1][:4]) == "2F0 2I0 2F1 2I1".split()
+
+
+# ----------------------------------------------------------------------------- in-flight
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 5), (3, 4), (4, 2), (5, 9)])
+def test_inflight_gpipe_and_1f1b(p, m):
+    g = simulate(build_schedule("gpipe", p, m), 1.0, 2.0)
+    o = simulate(build_schedule("1f1b", p, m), 1.0, 2.0)
+    z = simulate(build_schedule("zb-h1", p, m), 1.0, 2.0, weight_s=1.0)
+    assert g.peak_inflight == [m] * p
+    assert o.peak_inflight == [min(p - r, m) for r in range(p)]
+    # H1: the pipeline's peak (first rank's) is 1F1B's; later ranks may hold up to it
+    assert max(z.peak_inflight) == max(o.peak_inflight) == min(p, m)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 8, 3), (3, 6, 2), (4, 4, 2), (4, 12, 3)])
+def test_inflight_interleaved_per_megatron(p, m, v):
+    r_ = simulate(build_schedule("interleaved-1f1b", p, m, v), 1.0, 2.0)
+    expected = []
+    for r in range(p):
+        warm = min((p - r - 1) * 2 + (v - 1) * p, m * v)
+        expected.append(min(warm + 1, m * v))
+    assert r_.peak_inflight == expected
+
+
+# ----------------------------------------------------------------------------- validate accepts
+
+
+@pytest.mark.parametrize("name,p,m,v", GRID, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in GRID])
+def test_every_generator_validates(name, p, m, v):
+    s = build_schedule(name, p, m, v)
+    assert s.num_chunks == p * v and len(s.actions) == p
+    validate(s)
+    for r in range(p):
+        assert {a.stage for a in s.actions[r]} == set(s.stages_of(r))
+
+
+# ----------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("pipedream", 2, 4), "1f1b"),
+        (("1f1b", 0, 4), "num_stages"),
+        (("1f1b", 2, 0), "microbatches"),
+        (("gpipe", 2, 4, 2), "virtual_stages=1"),
+        (("zb-h1", 2, 4, 3), "virtual_stages=1"),
+        (("interleaved-1f1b", 2, 4, 1), "virtual_stages >= 2"),
+        (("interleaved-1f1b", 4, 6, 2), "m=4 or 8"),
+        (("1f1b", 2.5, 4), "integer"),
+    ],
+)
+def test_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        build_schedule(*args)
+
+
+# ----------------------------------------------------------------------------- validate rejects
+
+
+def hand(p: int, m: int, rows: list[str], v: int = 1) -> Schedule:
+    return Schedule("hand", p, m, v, [acts(r) for r in rows])
+
+
+def rejected(s: Schedule, *needles: str) -> str:
+    with pytest.raises(ScheduleError) as info:
+        validate(s)
+    msg = str(info.value)
+    assert "rank 0" in msg and "rank 1" in msg, msg  # the grid is shown
+    for needle in needles:
+        assert needle in msg, msg
+    return msg
+
+
+def test_hand_schedule_that_is_right_passes():
+    validate(hand(2, 2, ["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"]))
+
+
+def test_rejects_backward_before_forward():
+    rejected(hand(2, 2, ["0F0 0F1 0B0 0B1", "1B0 1F0 1F1 1B1"]), "before 1F0", "[1B0]")
+
+
+def test_rejects_missing_action():
+    rejected(hand(2, 2, ["0F0 0F1 0B0", "1F0 1F1 1B0 1B1"]), "0B1 is missing", "[0F1]")
+
+
+def test_rejects_duplicated_action():
+    rejected(hand(2, 2, ["0F0 0F1 0B0 0B1 0F1", "1F0 1F1 1B0 1B1"]), "twice", "[0F1]")
+
+
+def test_rejects_action_on_wrong_rank():
+    rejected(hand(2, 1, ["0F0 0B0 1F0", "1B0"]), "lives on rank 1", "[1F0]")
+
+
+def test_rejects_b_mixed_with_i_w():
+    rejected(hand(2, 1, ["0F0 0B0 0W0", "1F0 1B0"]), "both", "[0B0]")
+
+
+def test_rejects_w_before_i():
+    rejected(hand(2, 1, ["0F0 0W0 0I0", "1F0 1B0"]), "before 0I0", "[0W0]")
+
+
+def test_rejects_deadlock_from_one_swap():
+    # GPipe with 0B0 and 0F1 swapped: rank 0 waits for 1's gradient before sending 0F1's
+    # output, which rank 1 needs before it can run 1B0.
+    msg = rejected(hand(2, 2, ["0F0 0B0 0F1 0B1", "1F0 1F1 1B0 1B1"]), "deadlock", "[0B0]")
+    assert "rank 1 waits at 1F1" in msg
+
+
+def test_rejects_fifo_mismatch():
+    # No deadlock with non-blocking sends, but rank 1 receives in a different order than
+    # rank 0 sends, which in-order matching (NCCL) would pair wrongly.
+    rejected(hand(2, 2, ["0F0 0F1 0B0 0B1", "1F1 1F0 1B0 1B1"]), "order mismatch", "[1F1]")
+
+
+def test_rejects_local_chunk_order_with_one_rank():
+    s = hand(1, 1, ["1F0 0F0 1B0 0B0"], v=2)
+    with pytest.raises(ScheduleError, match=r"before 0F0[\s\S]*\[1F0\]"):
+        validate(s)
+
+
+def test_grid_marks_the_action():
+    g = build_schedule("1f1b", 2, 2).grid(mark=(1, 2))
+    assert "[1F1]" in g and g.count("[") == 2  # the mark and the legend line
+
+
+# ----------------------------------------------------------------------------- lowering
+
+
+def test_lower_1f1b_two_ranks():
+    low = lower(build_schedule("1f1b", 2, 1))
+    assert [str(op) for op in low[0]] == ["0F0", "SEND_F(0,0)->r1", "RECV_B(0,0)<-r1", "0B0"]
+    assert [str(op) for op in low[1]] == ["RECV_F(1,0)<-r0", "1F0", "1B0", "SEND_B(1,0)->r0"]
+
+
+def test_lower_interleaved_edges_and_wraparound():
+    s = build_schedule("interleaved-1f1b", 2, 2, virtual_stages=2)
+    low = lower(s)
+    comms = [op for row in low for op in row if isinstance(op, Comm)]
+    # 3 boundaries x 2 microbatches x (send + recv) x (F + B)
+    assert len(comms) == 3 * 2 * 2 * 2
+    assert Comm("SEND_F", 1, 0, 0) in low[1] and Comm("RECV_F", 2, 0, 1) in low[0]
+    assert not any(c.kind == "RECV_F" and c.stage == 0 for c in comms)
+    assert not any(c.kind == "RECV_B" and c.stage == 3 for c in comms)
+    assert not any(c.kind == "SEND_B" and c.stage == 0 for c in comms)
+    for row in low:  # each receive sits right before the compute that needs it
+        for k, op in enumerate(row):
+            if isinstance(op, Comm) and op.kind.startswith("RECV"):
+                nxt = row[k + 1]
+                assert isinstance(nxt, Action) and nxt.stage == op.stage
+                assert nxt.kind == ("F" if op.kind == "RECV_F" else "B")
+
+
+def test_lower_single_rank_is_local():
+    low = lower(build_schedule("interleaved-1f1b", 1, 3, virtual_stages=3))
+    assert all(isinstance(op, Action) for op in low[0])
