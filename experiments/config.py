@@ -1,0 +1,546 @@
+"""Structured configuration for pipeshard experiments (Hydra + OmegaConf).
+
+Every config group under `conf/` is backed by a dataclass registered in Hydra's ConfigStore, so
+a misspelt key, a wrong type or an unknown choice fails when Hydra composes the config. Checks
+that span several fields live in `validate_config`, which entry points call before any worker
+starts.
+
+Example:
+    >>> from hydra import compose, initialize_config_dir
+    >>> from experiments.config import CONF_DIR, register_configs, validate_config
+    >>> register_configs()
+    >>> with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    ...     cfg = compose("config", overrides=["pipeline.stages=2", "optimizer=sgd"])
+    >>> validate_config(cfg)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+__all__ = [
+    "CONF_DIR",
+    "ConfigError",
+    "Choice",
+    "ScheduleName",
+    "PartitionMethod",
+    "ProfileMode",
+    "OptimizerName",
+    "OptimizerBackend",
+    "Precision",
+    "LoggerMode",
+    "MLPProfile",
+    "HFArch",
+    "Device",
+    "NonFinite",
+    "ModelConfig",
+    "GPTConfig",
+    "MLPConfig",
+    "HFModelConfig",
+    "PipelineConfig",
+    "PartitionerConfig",
+    "OptimConfig",
+    "DataConfig",
+    "TextDataConfig",
+    "SyntheticDataConfig",
+    "LoggerConfig",
+    "TrainConfig",
+    "CheckpointConfig",
+    "BenchConfig",
+    "Config",
+    "register_configs",
+    "validate_config",
+    "parse_size",
+    "parse_memory_limit",
+    "count_pipeline_layers",
+    "to_plain_dict",
+    "get_field",
+    "choice_text",
+    "optimizer_kwargs",
+]
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+"""The repository's `conf/` directory (primary config `config.yaml`)."""
+
+
+class ConfigError(ValueError):
+    """A configuration that composes but cannot run; the message says how to fix it."""
+
+
+# --------------------------------------------------------------------------- choices
+class Choice(str, Enum):
+    """A string choice: compares equal to its text, prints as its text, JSON-serialises as text.
+
+    Member names equal their values (`ScheduleName["1f1b"]`), because OmegaConf looks enum
+    values up by name.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+def _choice(name: str, values: tuple[str, ...]) -> type[Choice]:
+    enum = Choice(name, [(v, v) for v in values])  # type: ignore[call-overload]
+    enum.__module__ = __name__
+    return enum
+
+
+ScheduleName = _choice("ScheduleName", ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"))
+PartitionMethod = _choice("PartitionMethod", ("optimal", "uniform", "parameters", "greedy"))
+ProfileMode = _choice("ProfileMode", ("measure", "analytic"))
+OptimizerName = _choice("OptimizerName", ("sgd", "adam", "adamw"))
+OptimizerBackend = _choice("OptimizerBackend", ("auto", "torch", "deepspeed"))
+Precision = _choice("Precision", ("fp32", "bf16", "fp16"))
+LoggerMode = _choice("LoggerMode", ("offline", "online", "disabled"))
+MLPProfile = _choice("MLPProfile", ("uniform", "ramp", "hourglass"))
+HFArch = _choice("HFArch", ("gpt2", "llama"))
+Device = _choice("Device", ("auto", "cpu", "cuda"))
+NonFinite = _choice("NonFinite", ("raise", "skip"))
+
+
+# --------------------------------------------------------------------------- model
+@dataclass
+class ModelConfig:
+    """Base of the `model` group; `name` selects the builder in `experiments.models.build_model`."""
+
+    name: str = MISSING  # builder name: gpt | mlp | hf_gpt2 | hf_llama (set by the option's schema)
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    """`model=gpt`: decoder-only transformer, pipeline layers = embedding, `layers` blocks, head."""
+
+    name: str = "gpt"
+    layers: int = 4  # transformer blocks (the pipeline has layers + 2 layers)
+    dim: int = 128  # hidden size; must be divisible by heads
+    heads: int = 4  # attention heads
+    vocab: int = 256  # vocabulary size; >= 256 for byte-level text data
+    seq_len: int = 128  # context length (tokens per sample)
+    dropout: float = 0.0  # dropout after embedding, attention and MLP
+    mlp_ratio: int = 4  # MLP hidden size = mlp_ratio * dim
+    tie_embeddings: bool = False  # share the token embedding with the LM head (summed gradients)
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    """`model=mlp`: deep residual MLP whose blocks have unequal hidden widths (unequal costs)."""
+
+    name: str = "mlp"
+    depth: int = 16  # residual blocks (the pipeline has depth + 2 layers); ignored if widths is set
+    dim: int = 256  # residual stream width
+    width: int = 256  # base hidden width of a block
+    profile: MLPProfile = MLPProfile["hourglass"]  # how hidden widths vary: uniform | ramp | hourglass
+    ratio: float = 4.0  # widest / narrowest hidden width in ramp and hourglass
+    widths: Optional[List[int]] = None  # explicit hidden width per block (overrides depth/width/profile)
+    in_dim: int = 64  # input features
+    classes: int = 10  # output classes (cross-entropy)
+    dropout: float = 0.0  # dropout on each block's output
+
+
+@dataclass
+class HFModelConfig(ModelConfig):
+    """`model=hf_gpt2` / `model=hf_llama`: a transformers model from its config class, random weights."""
+
+    name: str = "hf_gpt2"
+    arch: HFArch = HFArch["gpt2"]  # transformers architecture: gpt2 | llama
+    layers: int = 4  # decoder blocks (the pipeline has layers + 2 layers)
+    dim: int = 128  # hidden size
+    heads: int = 4  # attention heads
+    vocab: int = 256  # vocabulary size; >= 256 for byte-level text data
+    seq_len: int = 128  # context length (max positions)
+    dropout: float = 0.0  # attention / residual / embedding dropout
+    tie_embeddings: bool = True  # tie input and output embeddings (as the HF models do by default)
+    kv_heads: Optional[int] = None  # Llama only: key/value heads (grouped-query attention); None = heads
+    intermediate: Optional[int] = None  # Llama only: MLP hidden size; None = 4 * dim
+
+
+# --------------------------------------------------------------------------- pipeline etc.
+@dataclass
+class PipelineConfig:
+    """`pipeline`: how the model is pipelined and replicated."""
+
+    stages: int = 2  # pipeline ranks (p)
+    schedule: ScheduleName = ScheduleName["1f1b"]  # gpipe | 1f1b | interleaved-1f1b | zb-h1
+    microbatches: int = 4  # microbatches per step per replica (m)
+    virtual_stages: int = 1  # model chunks per rank (v); >= 2 only with interleaved-1f1b
+    data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel
+    activation_checkpointing: bool = False  # recompute each chunk's forward during backward
+    comm_timeout_s: float = 60.0  # a point-to-point transfer waiting longer than this fails the job
+    nonfinite: NonFinite = NonFinite["raise"]  # a non-finite loss/gradient: raise (stop) | skip (drop the step)
+
+
+@dataclass
+class PartitionerConfig:
+    """`partitioner`: how layers are profiled and split into stages."""
+
+    method: PartitionMethod = PartitionMethod["optimal"]  # optimal | uniform | parameters | greedy
+    profile: ProfileMode = ProfileMode["measure"]  # measure (time layers here) | analytic (FLOPs on meta)
+    memory_limit: Optional[str] = None  # per-stage cap like 24GiB, or comma list per stage; null = none
+    repeats: int = 5  # measure: timed repeats per layer (median is used)
+    warmup: int = 2  # measure: untimed repeats before timing
+    device_spec: Optional[str] = None  # analytic: device preset (partitioner.DEVICE_PRESETS, e.g. h100); null = this CPU
+    link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs; null = free transfers
+
+
+@dataclass
+class OptimConfig:
+    """`optimizer`: mirrors `engine.OptimizerConfig` (see `optimizer_kwargs`)."""
+
+    name: OptimizerName = OptimizerName["adamw"]  # sgd | adam | adamw
+    lr: float = 3e-3  # peak learning rate
+    momentum: float = 0.0  # sgd momentum
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # adam / adamw (beta1, beta2)
+    weight_decay: float = 0.0  # decoupled for adamw, L2 for sgd / adam
+    eps: float = 1e-8  # adam / adamw epsilon
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over this many steps
+    decay_steps: Optional[int] = None  # cosine decay to min_lr_ratio * lr over this many steps; null = constant
+    min_lr_ratio: float = 0.1  # floor of the cosine decay, as a fraction of lr
+    grad_clip: Optional[float] = None  # clip the global gradient norm (whole pipeline); null = off
+    zero_stage: int = 0  # DeepSpeed ZeRO stage over the data-parallel group: 0, 1 or 2
+    backend: OptimizerBackend = OptimizerBackend["auto"]  # auto | torch | deepspeed (auto: deepspeed iff zero_stage > 0)
+
+
+@dataclass
+class DataConfig:
+    """Base of the `data` group; `name` selects the dataset in `experiments.data.make_dataset`."""
+
+    name: str = MISSING  # text | synthetic (set by the option's schema)
+
+
+@dataclass
+class TextDataConfig(DataConfig):
+    """`data=text`: byte-level LM on the Python standard library's own source (no download)."""
+
+    name: str = "text"
+    root: Optional[str] = None  # directory of text files; null = this Python's stdlib
+    suffix: str = ".py"  # files read under root (sorted, recursive)
+    max_bytes: int = 8_000_000  # corpus size budget in bytes (files read in order until reached)
+    holdout_fraction: float = 0.05  # last fraction of the bytes held out for the evaluation loss
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
+    """`data=synthetic`: random tokens (language models) or teacher-labelled features (mlp)."""
+
+    name: str = "synthetic"
+    holdout_seed_offset: int = 1_000_003  # evaluation batches use seed + this (disjoint stream)
+
+
+@dataclass
+class LoggerConfig:
+    """`logger`: Weights & Biases and the console."""
+
+    mode: LoggerMode = LoggerMode["offline"]  # offline (no account) | online | disabled
+    project: str = "pipeshard"  # W&B project
+    entity: Optional[str] = None  # W&B entity (team or user); null = your default
+    run_name: Optional[str] = None  # W&B run name; null = the experiment name and schedule
+    group: Optional[str] = None  # W&B group (e.g. a sweep); null = none
+    tags: List[str] = field(default_factory=list)  # W&B tags
+    progress: bool = True  # show a progress bar with loss and throughput
+    timeline: bool = True  # log the predicted vs measured timeline picture
+
+
+@dataclass
+class TrainConfig:
+    """`train`: the training loop."""
+
+    steps: int = 400  # optimizer steps
+    batch_size: int = 16  # global batch (all replicas, all microbatches)
+    seed: int = 0  # model init (layer i under seed + i) and the data stream
+    log_every: int = 10  # console / progress refresh interval in steps (metrics.jsonl gets every step)
+    eval_every: int = 100  # held-out loss every this many steps; 0 = only at the end
+    eval_batches: int = 4  # batches per evaluation
+    device: Device = Device["auto"]  # auto (cuda if available) | cpu | cuda
+    timeout_s: Optional[float] = None  # whole-job limit for the local launcher; null = none
+
+
+@dataclass
+class CheckpointConfig:
+    """`checkpoint`: layer-keyed checkpoints that can be resumed with another split."""
+
+    every_steps: int = 0  # save every this many steps; 0 = off
+    dir: Optional[str] = None  # where to write; null = <run dir>/checkpoints
+    keep_last: int = 2  # checkpoints kept (older ones deleted)
+    resume: Optional[str] = None  # checkpoint directory to resume from; null = fresh start
+
+
+@dataclass
+class BenchConfig:
+    """`bench`: `python -m experiments.bench` settings."""
+
+    warmup_steps: int = 2  # steps run before timing (excluded)
+    steps: int = 5  # timed steps; the median is reported
+    systems: List[str] = field(
+        default_factory=lambda: ["single", "pipeshard", "torch-pipelining", "deepspeed"]
+    )  # systems to run
+    schedules: List[str] = field(
+        default_factory=lambda: ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+    )  # pipeshard / torch schedules to run
+    methods: List[str] = field(default_factory=lambda: ["optimal", "uniform", "parameters"])  # splits compared
+    timeout_s: float = 600.0  # per-system limit
+
+
+@dataclass
+class Config:
+    """The whole experiment (`conf/config.yaml`)."""
+
+    model: ModelConfig = MISSING  # model group: gpt | mlp | hf_gpt2 | hf_llama
+    data: DataConfig = MISSING  # data group: text | synthetic
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)
+    optimizer: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    precision: Precision = Precision["fp32"]  # fp32 | bf16 | fp16 (mixed precision compute)
+    name: str = "default"  # experiment name (run directory, W&B run name)
+
+
+_REGISTERED = False
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (idempotent; call before composing).
+
+    Names: `pipeshard_schema` (primary), `model/{gpt,mlp,hf}_schema`, `data/{text,synthetic}_schema`.
+    """
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="pipeshard_schema", node=Config)
+    cs.store(group="model", name="gpt_schema", node=GPTConfig)
+    cs.store(group="model", name="mlp_schema", node=MLPConfig)
+    cs.store(group="model", name="hf_schema", node=HFModelConfig)
+    cs.store(group="data", name="text_schema", node=TextDataConfig)
+    cs.store(group="data", name="synthetic_schema", node=SyntheticDataConfig)
+    _REGISTERED = True
+
+
+register_configs()
+
+
+# --------------------------------------------------------------------------- helpers
+_UNITS = {
+    "b": 1,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: str | int | float) -> int:
+    """Bytes in a size like `24GiB`, `1.5 GB`, `512MiB`, `4096` or `4096B`.
+
+    Units: B, KiB, MiB, GiB, TiB (powers of 1024) and KB, MB, GB, TB (powers of 1000).
+
+    >>> parse_size("24GiB"), parse_size("1.5KB"), parse_size(4096)
+    (25769803776, 1500, 4096)
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"size {value!r} is not a size; write e.g. 24GiB, 512MiB or a number of bytes")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), "b"
+    else:
+        match = _SIZE.match(str(value))
+        if not match:
+            raise ConfigError(
+                f"cannot parse size {value!r}; write a number and a unit, e.g. 24GiB, 512MiB, 80GB or 4096B"
+            )
+        number, unit = float(match.group(1)), (match.group(2) or "b").lower()
+    if unit not in _UNITS:
+        raise ConfigError(
+            f"unknown size unit in {value!r}; use one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB (e.g. 24GiB)"
+        )
+    size = number * _UNITS[unit]
+    if size <= 0:
+        raise ConfigError(f"size {value!r} must be positive; e.g. 24GiB")
+    return int(size)
+
+
+def parse_memory_limit(value: Any) -> int | list[int] | None:
+    """`partitioner.memory_limit` in bytes: None, one size, or a comma-separated size per stage.
+
+    >>> parse_memory_limit(None), parse_memory_limit("1KiB"), parse_memory_limit("1KiB, 2KiB")
+    (None, 1024, [1024, 2048])
+    """
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "none")):
+        return None
+    if isinstance(value, str) and "," in value:
+        return [parse_size(part) for part in value.split(",")]
+    return parse_size(value)
+
+
+def get_field(cfg: Any, path: str, default: Any = None) -> Any:
+    """`cfg` at a dotted path, for a DictConfig, a dataclass or a nested dict (`default` if absent).
+
+    >>> get_field({"pipeline": {"stages": 2}}, "pipeline.stages")
+    2
+    """
+    node = cfg
+    for key in path.split("."):
+        if node is None:
+            return default
+        if isinstance(node, dict):
+            node = node.get(key, default)
+        elif isinstance(node, DictConfig):
+            node = node.get(key, default)
+        else:
+            node = getattr(node, key, default)
+    return node
+
+
+_get = get_field
+
+
+def choice_text(value: Any) -> str:
+    """A choice (Enum member or string) as its plain text: `choice_text(ScheduleName["1f1b"]) == "1f1b"`."""
+    return str(value.value) if isinstance(value, Enum) else str(value)
+
+
+def count_pipeline_layers(model: Any) -> int:
+    """Pipeline layers of a model config without building it (embedding + blocks + head).
+
+    >>> count_pipeline_layers({"name": "gpt", "layers": 4})
+    6
+    """
+    name = choice_text(_get(model, "name"))
+    if name == "mlp":
+        widths = _get(model, "widths")
+        return (len(widths) if widths else int(_get(model, "depth"))) + 2
+    return int(_get(model, "layers")) + 2
+
+
+def to_plain_dict(cfg: Any) -> dict:
+    """The resolved config as plain Python (choices as strings): for W&B, JSON and workers."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def optimizer_kwargs(cfg: Any) -> dict:
+    """Keyword arguments for `engine.OptimizerConfig` from the `optimizer` group (or the whole config).
+
+    >>> optimizer_kwargs({"name": "sgd", "lr": 0.1})["name"]
+    'sgd'
+    """
+    opt = _get(cfg, "optimizer") if _get(cfg, "optimizer") is not None else cfg
+    plain = to_plain_dict(opt) if isinstance(opt, DictConfig) else dict(opt)
+    out = {k: (choice_text(v) if isinstance(v, Enum) else v) for k, v in plain.items()}
+    if "betas" in out and out["betas"] is not None:
+        out["betas"] = tuple(float(b) for b in out["betas"])
+    return out
+
+
+def validate_config(cfg: Any) -> None:
+    """Cross-field checks run before any worker starts; raises `ConfigError` saying how to fix it.
+
+    Works on a composed `DictConfig`, a `Config` dataclass or a nested dict.
+    """
+    p = _get(cfg, "pipeline")
+    stages = int(_get(p, "stages"))
+    micro = int(_get(p, "microbatches"))
+    virtual = int(_get(p, "virtual_stages", 1))
+    dp = int(_get(p, "data_parallel", 1))
+    schedule = choice_text(_get(p, "schedule"))
+    batch = int(_get(cfg, "train.batch_size"))
+
+    for key, value in (("pipeline.stages", stages), ("pipeline.microbatches", micro),
+                       ("pipeline.virtual_stages", virtual), ("pipeline.data_parallel", dp),
+                       ("train.batch_size", batch), ("train.steps", int(_get(cfg, "train.steps", 1)))):
+        if value < 1:
+            raise ConfigError(f"{key}={value}; it must be at least 1")
+
+    schedules = [m.value for m in ScheduleName]
+    if schedule not in schedules:
+        raise ConfigError(f"pipeline.schedule={schedule!r}; choose one of {schedules}")
+    per_step = dp * micro
+    if batch % per_step:
+        fixed = max(per_step, round(batch / per_step) * per_step)
+        raise ConfigError(
+            f"train.batch_size={batch} does not split into pipeline.data_parallel={dp} replicas x "
+            f"pipeline.microbatches={micro} microbatches; set train.batch_size to a multiple of {per_step} "
+            f"(e.g. train.batch_size={fixed}) or change pipeline.microbatches"
+        )
+    if schedule == "interleaved-1f1b":
+        if virtual < 2:
+            raise ConfigError(
+                f"pipeline.schedule=interleaved-1f1b needs pipeline.virtual_stages >= 2 (got {virtual}); "
+                "set pipeline.virtual_stages=2, or use pipeline.schedule=1f1b"
+            )
+        if micro % stages:
+            fixed = max(stages, round(micro / stages) * stages)
+            raise ConfigError(
+                f"pipeline.schedule=interleaved-1f1b needs pipeline.microbatches ({micro}) to be a multiple of "
+                f"pipeline.stages ({stages}); set pipeline.microbatches={fixed}"
+            )
+    elif virtual != 1:
+        raise ConfigError(
+            f"pipeline.virtual_stages={virtual} only works with pipeline.schedule=interleaved-1f1b; "
+            f"set pipeline.virtual_stages=1 or pipeline.schedule=interleaved-1f1b"
+        )
+
+    model = _get(cfg, "model")
+    layers = count_pipeline_layers(model)
+    chunks = stages * virtual
+    if layers < chunks:
+        raise ConfigError(
+            f"the model has {layers} pipeline layers but pipeline.stages x pipeline.virtual_stages = {chunks} "
+            f"chunks need at least one layer each; use fewer stages (pipeline.stages<={layers // virtual}) "
+            f"or a deeper model"
+        )
+
+    precision = choice_text(_get(cfg, "precision", "fp32"))
+    precisions = [m.value for m in Precision]
+    if precision not in precisions:
+        raise ConfigError(f"precision={precision!r}; choose exactly one of {precisions} (e.g. precision=bf16)")
+
+    try:
+        limit = parse_memory_limit(_get(cfg, "partitioner.memory_limit"))
+    except ConfigError as err:
+        raise ConfigError(f"partitioner.memory_limit: {err}") from None
+    if isinstance(limit, list) and len(limit) != stages:
+        raise ConfigError(
+            f"partitioner.memory_limit gives {len(limit)} per-stage sizes for pipeline.stages={stages}; "
+            f"give one size for all stages or exactly {stages} comma-separated sizes"
+        )
+
+    zero = int(_get(cfg, "optimizer.zero_stage", 0))
+    if zero not in (0, 1, 2):
+        raise ConfigError(f"optimizer.zero_stage={zero}; choose 0 (off), 1 (optimizer state) or 2 (+ gradients)")
+    if float(_get(cfg, "optimizer.lr", 1.0)) <= 0:
+        raise ConfigError("optimizer.lr must be positive, e.g. optimizer.lr=3e-3")
+    if choice_text(_get(cfg, "optimizer.backend", "auto")) == "torch" and zero > 0:
+        raise ConfigError(
+            f"optimizer.zero_stage={zero} needs DeepSpeed; set optimizer.backend=auto (or deepspeed), "
+            "or optimizer.zero_stage=0"
+        )
+
+    model_name = choice_text(_get(model, "name"))
+    data_name = choice_text(_get(cfg, "data.name"))
+    if model_name == "mlp" and data_name != "synthetic":
+        raise ConfigError(f"model=mlp takes feature vectors, not text; use data=synthetic (got data={data_name})")
+    if model_name in ("gpt", "hf_gpt2", "hf_llama"):
+        vocab = int(_get(model, "vocab"))
+        if data_name == "text" and vocab < 256:
+            raise ConfigError(f"data=text is byte-level (256 symbols) but model.vocab={vocab}; set model.vocab>=256")
+        dim, heads = int(_get(model, "dim")), int(_get(model, "heads"))
+        if dim % heads:
+            raise ConfigError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
+
+    for key in ("train.log_every", "train.eval_every", "checkpoint.every_steps"):
+        value = _get(cfg, key)
+        if value is not None and int(value) < 0:
+            raise ConfigError(f"{key}={value}; it must be >= 0 (0 turns it off)")

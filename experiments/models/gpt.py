@@ -1,0 +1,150 @@
+"""Decoder-only transformer (GPT) as a list of pipeline layers.
+
+Layer 0 is the token + position embedding (`LongTensor [b, t] -> [b, t, d]`), layers 1..L are
+pre-norm blocks (causal self-attention and a 4x MLP), the last layer is the final LayerNorm and
+the LM head producing logits `[b, t, vocab]`. With a large vocabulary the first and last layers
+cost much more than a block, which is what makes the choice of split matter.
+
+Example:
+    >>> spec = build_gpt({"layers": 2, "dim": 32, "heads": 2, "vocab": 256, "seq_len": 16})
+    >>> model = compose(spec.layers)
+    >>> logits = model(spec.example_input(3))
+    >>> spec.loss_fn(logits, spec.example_target(3)).ndim
+    0
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from experiments.models.spec import ModelSpec, compose, count_params
+
+__all__ = ["GPTEmbedding", "GPTBlock", "GPTHead", "build_gpt", "lm_loss", "random_tokens", "compose"]
+
+_INIT_STD = 0.02
+
+
+def _field(cfg: Any, name: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+class GPTEmbedding(nn.Module):
+    """Token + learned position embedding: `[b, t]` int64 -> `[b, t, dim]`."""
+
+    def __init__(self, vocab: int, dim: int, seq_len: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq_len, dim)
+        self.drop = nn.Dropout(dropout)
+        nn.init.normal_(self.tok.weight, std=_INIT_STD)
+        nn.init.normal_(self.pos.weight, std=_INIT_STD)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.pos.num_embeddings:
+            raise ValueError(
+                f"sequence length {t} exceeds model.seq_len={self.pos.num_embeddings}; "
+                "raise model.seq_len or feed shorter sequences"
+            )
+        positions = torch.arange(t, device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(positions))
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block: `x + attn(ln(x))`, then `x + mlp(ln(x))`; `[b, t, d] -> [b, t, d]`."""
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0, mlp_ratio: int = 4, num_blocks: int = 1) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
+        self.heads = heads
+        self.dropout = dropout
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, mlp_ratio * dim)
+        self.fc_out = nn.Linear(mlp_ratio * dim, dim)
+        self.drop = nn.Dropout(dropout)
+        # GPT-2 init: residual projections scaled by 1/sqrt(2 * blocks) so depth does not blow up.
+        for lin in (self.qkv, self.fc):
+            nn.init.normal_(lin.weight, std=_INIT_STD)
+            nn.init.zeros_(lin.bias)
+        for lin in (self.proj, self.fc_out):
+            nn.init.normal_(lin.weight, std=_INIT_STD / math.sqrt(2 * num_blocks))
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).reshape(b, t, d)
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class GPTHead(nn.Module):
+    """Final LayerNorm and LM head: `[b, t, d] -> [b, t, vocab]` logits."""
+
+    def __init__(self, dim: int, vocab: int) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        nn.init.normal_(self.head.weight, std=_INIT_STD)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over all positions: logits `[b, t, v]`, targets `[b, t]`."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def random_tokens(batch: int, *, seq_len: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Deterministic random token ids `[batch, seq_len]` (example inputs and targets)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq_len), generator=gen, dtype=torch.int64)
+
+
+def build_gpt(cfg: Any) -> ModelSpec:
+    """Build the GPT layer factories from a model config (`experiments.config.GPTConfig` or a mapping).
+
+    Fields: layers, dim, heads, vocab, seq_len, dropout, mlp_ratio (4), tie_embeddings (False).
+    """
+    layers = int(_field(cfg, "layers", 4))
+    dim = int(_field(cfg, "dim", 128))
+    heads = int(_field(cfg, "heads", 4))
+    vocab = int(_field(cfg, "vocab", 256))
+    seq_len = int(_field(cfg, "seq_len", 128))
+    dropout = float(_field(cfg, "dropout", 0.0))
+    mlp_ratio = int(_field(cfg, "mlp_ratio", 4))
+    tie = bool(_field(cfg, "tie_embeddings", False))
+    if dim % heads:
+        raise ValueError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
+    factories = [partial(GPTEmbedding, vocab, dim, seq_len, dropout)]
+    factories += [partial(GPTBlock, dim, heads, dropout, mlp_ratio, layers) for _ in range(layers)]
+    factories.append(partial(GPTHead, dim, vocab))
+    ties = [("0.tok.weight", f"{layers + 1}.head.weight")] if tie else []
+    return ModelSpec(
+        layers=factories,
+        loss_fn=lm_loss,
+        example_input=partial(random_tokens, seq_len=seq_len, vocab=vocab, seed=0),
+        example_target=partial(random_tokens, seq_len=seq_len, vocab=vocab, seed=1),
+        ties=ties,
+        name=f"gpt-L{layers}-d{dim}-v{vocab}",
+        num_params=count_params(factories, ties),
+        tokens_per_sample=seq_len,
+        extra={"vocab": vocab, "seq_len": seq_len},
+    )

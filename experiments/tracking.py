@@ -1,0 +1,433 @@
+"""Run tracking: `metrics.jsonl`, Weights & Biases, a progress bar and plots.
+
+One `Tracker` per job, created on the rank that owns the loss (other ranks pass
+`enabled=False` and get a no-op). `metrics.jsonl` in the run directory gets one JSON object per
+step with `step`, `loss`, `step_time_s`, `samples_per_s`, `tokens_per_s`, per-stage figures as
+lists (`stage_<name>`, index = pipeline stage) and any extra keys; W&B gets the same metrics,
+the resolved config, the plan as a table, pictures and a summary. `wandb` and `matplotlib`
+are imported only when used.
+
+Example:
+    >>> with Tracker(run_dir, config={"lr": 1e-3}, mode="disabled") as tracker:   # doctest: +SKIP
+    ...     tracker.log_step(0, loss=5.5, step_time_s=0.2, batch_size=16, tokens_per_sample=128,
+    ...                      stages=[{"forward_s": 0.03}, {"forward_s": 0.05}])
+    >>> read_metrics(run_dir / "metrics.jsonl")[0]["stage_forward_s"]                # doctest: +SKIP
+    [0.03, 0.05]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = [
+    "Tracker",
+    "ProgressBar",
+    "read_metrics",
+    "plot_loss",
+    "plan_rows",
+    "OfflineRun",
+    "read_offline_run",
+    "METRICS_FILE",
+]
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON value: tensors/NumPy scalars to Python numbers, non-finite floats to None."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "tolist"):
+        return _jsonable(value.tolist())
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _transpose_stages(stages: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    keys: list[str] = []
+    for stage in stages:
+        keys += [k for k in stage if k not in keys]
+    return {f"stage_{k}": [stage.get(k) for stage in stages] for k in keys}
+
+
+def plan_rows(plan: Any) -> list[dict[str, Any]]:
+    """One row per chunk from a `partitioner.Plan` (or anything with `stage_ranges` etc.).
+
+    Columns: stage (chunk index), rank (chunk % num_stages), start, stop, layers, time_s,
+    memory_bytes, and activation_bytes where the plan has it.
+    """
+    ranges = list(getattr(plan, "stage_ranges"))
+    n = len(ranges)
+    ranks = int(getattr(plan, "num_stages", 0) or n)
+    times = list(getattr(plan, "stage_time_s", None) or [None] * n)
+    memory = list(getattr(plan, "stage_memory_bytes", None) or [None] * n)
+    activation = getattr(plan, "stage_activation_bytes", None)
+    rows = []
+    for j, (a, b) in enumerate(ranges):
+        row = {"stage": j, "rank": j % ranks, "start": int(a), "stop": int(b), "layers": int(b) - int(a),
+               "time_s": times[j], "memory_bytes": memory[j]}
+        if activation:
+            row["activation_bytes"] = activation[j]
+        rows.append(row)
+    return rows
+
+
+class Tracker:
+    """Writes `metrics.jsonl` into `run_dir` and logs the same to W&B (one run per job).
+
+    `mode`: "offline" (default; no account, `wandb sync` later), "online", or "disabled" (no W&B
+    at all; `metrics.jsonl` is still written). `enabled=False` makes every method a no-op (use it
+    on ranks that do not own the loss).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        config: Mapping[str, Any] | None = None,
+        mode: str = "offline",
+        project: str = "pipeshard",
+        name: str | None = None,
+        entity: str | None = None,
+        group: str | None = None,
+        tags: Sequence[str] = (),
+        enabled: bool = True,
+    ) -> None:
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.mode = str(getattr(mode, "value", mode))
+        self.run: Any = None
+        self._file = None
+        self._summary: dict[str, Any] = {}
+        if not enabled:
+            return
+        if self.mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logger.mode={self.mode!r}; choose offline, online or disabled")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self._file = open(self.metrics_path, "a", encoding="utf-8")
+        if self.mode != "disabled":
+            import wandb
+
+            self.run = wandb.init(
+                mode=self.mode,
+                dir=str(self.run_dir),
+                project=project,
+                entity=entity,
+                name=name,
+                group=group,
+                tags=list(tags) or None,
+                config=_jsonable(dict(config or {})),
+                settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+            )
+
+    # ------------------------------------------------------------------ per step
+    def log_step(
+        self,
+        step: int,
+        *,
+        loss: float,
+        step_time_s: float,
+        batch_size: int,
+        tokens_per_sample: int = 1,
+        stages: Sequence[Mapping[str, Any]] | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """Record one step; returns the JSON object written to `metrics.jsonl`.
+
+        `stages`: one mapping per pipeline stage (e.g. forward_s, backward_s, idle_fraction,
+        peak_activation_bytes); written as lists `stage_<key>` and to W&B as `stage/<key>/<j>`.
+        """
+        samples_per_s = batch_size / step_time_s if step_time_s > 0 else float("nan")
+        record: dict[str, Any] = {
+            "step": int(step),
+            "loss": loss,
+            "step_time_s": step_time_s,
+            "samples_per_s": samples_per_s,
+            "tokens_per_s": samples_per_s * tokens_per_sample,
+        }
+        if stages:
+            record.update(_transpose_stages(stages))
+        record.update(extra)
+        record = _jsonable(record)
+        if not self.enabled:
+            return record
+        assert self._file is not None
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.run is not None:
+            flat = {k: v for k, v in record.items() if not k.startswith("stage_") and k != "step"}
+            for key, values in record.items():
+                if key.startswith("stage_") and isinstance(values, list):
+                    for j, v in enumerate(values):
+                        if isinstance(v, (int, float)):
+                            flat[f"stage/{key[6:]}/{j}"] = v
+            self.run.log({k: v for k, v in flat.items() if v is not None and not isinstance(v, (list, dict))},
+                         step=int(step))
+        return record
+
+    # ------------------------------------------------------------------ tables, pictures, summary
+    def log_table(self, key: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Log rows (dicts with the same keys) as a W&B table."""
+        if not (self.enabled and self.run is not None and rows):
+            return
+        import wandb
+
+        columns = list(rows[0].keys())
+        data = [[_jsonable(row.get(c)) for c in columns] for row in rows]
+        self.run.log({key: wandb.Table(columns=columns, data=data)})
+
+    def log_plan(self, plan: Any, key: str = "plan") -> None:
+        """Log a partition plan (stage ranges, predicted time and memory) as a W&B table and summary."""
+        rows = plan if isinstance(plan, list) else plan_rows(plan)
+        self.log_table(key, rows)
+        for attr in ("step_s", "bottleneck_s", "bubble_fraction", "lower_bound_s"):
+            value = getattr(plan, attr, None)
+            if isinstance(value, (int, float)):
+                self.summary({f"{key}/{attr}": value})
+
+    def log_image(self, key: str, path: str | os.PathLike, caption: str | None = None) -> None:
+        """Log a picture file (e.g. the timeline PNG) to W&B."""
+        if not (self.enabled and self.run is not None):
+            return
+        import wandb
+
+        self.run.log({key: wandb.Image(str(path), caption=caption)})
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        """Set run-summary values (W&B summary; also returned by `finish`)."""
+        if not self.enabled:
+            return
+        values = _jsonable(dict(values))
+        self._summary.update(values)
+        if self.run is not None:
+            for k, v in values.items():
+                self.run.summary[k] = v
+
+    def finish(self) -> dict[str, Any]:
+        """Close `metrics.jsonl` and the W&B run; returns the summary set so far."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+        return dict(self._summary)
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.finish()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a `metrics.jsonl` file (or of the one in a run directory)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss(records: Iterable[Mapping[str, Any]], path: str | os.PathLike, title: str = "") -> Path:
+    """Save a loss-vs-step PNG (training loss, and `eval_loss` points where present)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    records = list(records)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    steps = [r["step"] for r in records if r.get("loss") is not None]
+    ax.plot(steps, [r["loss"] for r in records if r.get("loss") is not None], label="train loss", lw=1)
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="held-out loss", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+class ProgressBar:
+    """A rich progress bar showing step, loss and throughput (no-op when disabled).
+
+    >>> with ProgressBar(total=10, enabled=False) as bar:
+    ...     bar.update(1, loss=5.0, samples_per_s=80.0)
+    """
+
+    def __init__(self, total: int, *, enabled: bool = True, description: str = "train") -> None:
+        self.enabled = enabled
+        self._progress: Any = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[rate]}"),
+            TimeRemainingColumn(),
+        )
+        self._task = self._progress.add_task(description, total=total, loss="-", rate="")
+        self._progress.start()
+
+    def update(self, completed: int, *, loss: float | None = None, samples_per_s: float | None = None,
+               tokens_per_s: float | None = None) -> None:
+        """Move to `completed` steps and show the latest loss and throughput."""
+        if self._progress is None:
+            return
+        fields: dict[str, Any] = {}
+        if loss is not None:
+            fields["loss"] = f"{loss:.4f}"
+        if tokens_per_s is not None:
+            fields["rate"] = f"{tokens_per_s:,.0f} tok/s"
+        elif samples_per_s is not None:
+            fields["rate"] = f"{samples_per_s:,.1f} samples/s"
+        self._progress.update(self._task, completed=completed, **fields)
+
+    def close(self) -> None:
+        """Stop the bar (leaves the last state on screen)."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- offline run reader
+@dataclass
+class OfflineRun:
+    """What an offline W&B run recorded: its config, history rows (one per logged step) and summary."""
+
+    path: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+_HEADER = b":W&B"
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _records(data: bytes) -> Iterable[bytes]:
+    """Split W&B's transaction log (LevelDB log format after a 7-byte ':W&B' header) into records."""
+    if not data.startswith(_HEADER):
+        raise ValueError("not a W&B run file (missing the ':W&B' header)")
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if _BLOCK - pos % _BLOCK < 7:  # block trailer too short for a header: skip the padding
+            pos += _BLOCK - pos % _BLOCK
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == _FULL:
+            yield chunk
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind == _MIDDLE:
+            pending += chunk
+        elif kind == _LAST:
+            yield pending + chunk
+            pending = b""
+        elif kind == 0 and length == 0:  # zero padding at the end of a block
+            pos += _BLOCK - pos % _BLOCK if pos % _BLOCK else 0
+        else:
+            raise ValueError(f"corrupt W&B run file: record type {kind} at byte {pos}")
+
+
+def _item_value(item: Any) -> Any:
+    if item.value_json:
+        return json.loads(item.value_json)
+    for name in ("number", "integer", "boolean", "text", "json"):
+        try:
+            if item.HasField(name):
+                value = getattr(item, name)
+                return json.loads(value) if name == "json" else value
+        except ValueError:  # field absent in this protobuf version
+            continue
+    return None
+
+
+def _item_key(item: Any) -> str:
+    return "/".join(item.nested_key) if item.nested_key else item.key
+
+
+def _parse_run_file(path: Path) -> tuple[OfflineRun, bool]:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    run = OfflineRun(path=path)
+    complete = False
+    try:
+        raws = list(_records(path.read_bytes()))
+    except ValueError:  # a record still being written
+        return run, False
+    for raw in raws:
+        record = pb.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        if kind in ("config", "run"):
+            updates = record.config.update if kind == "config" else record.run.config.update
+            for item in updates:
+                key = _item_key(item)
+                if key != "_wandb":
+                    run.config[key] = _item_value(item)
+        elif kind == "history":
+            run.history.append({_item_key(item): _item_value(item) for item in record.history.item})
+        elif kind == "summary":
+            for item in record.summary.update:
+                run.summary[_item_key(item)] = _item_value(item)
+        elif kind == "exit":
+            complete = True
+    return run, complete
+
+
+def read_offline_run(path: str | os.PathLike, *, wait_s: float = 30.0) -> OfflineRun:
+    """Read an offline run's `.wandb` file back (a run directory, its `wandb/` folder or the file).
+
+    Uses the record protobufs that ship with wandb (`wandb.proto.wandb_internal_pb2`). wandb's
+    service process may still be writing for a moment after `finish()` returns, so this waits up
+    to `wait_s` seconds for the run's exit record, then returns what is there.
+    """
+    import time
+
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*.wandb") if "latest-run" not in p.parts)
+        if not found:
+            raise FileNotFoundError(f"no .wandb file under {path}; was the run logged with logger.mode=offline?")
+        path = found[-1]
+    deadline = time.monotonic() + wait_s
+    while True:
+        run, complete = _parse_run_file(path)
+        if complete or time.monotonic() >= deadline:
+            return run
+        time.sleep(0.05)

@@ -1,0 +1,190 @@
+"""Hydra compose tests for every config group option and experiment preset, and validate_config."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from experiments.config import (
+    CONF_DIR,
+    Config,
+    ConfigError,
+    GPTConfig,
+    HFModelConfig,
+    MLPConfig,
+    ScheduleName,
+    count_pipeline_layers,
+    optimizer_kwargs,
+    parse_memory_limit,
+    parse_size,
+    to_plain_dict,
+    validate_config,
+)
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def test_default_config_has_the_documented_keys_and_values():
+    cfg = _compose()
+    validate_config(cfg)
+    assert cfg.pipeline.stages == 2 and cfg.pipeline.schedule == "1f1b"
+    assert cfg.model.name == "gpt" and cfg.data.name == "text"
+    assert cfg.logger.mode == "offline"
+    assert cfg.optimizer.name == "adamw"
+    assert str(cfg.precision) == "fp32"
+    for key in ("pipeline.stages", "pipeline.schedule", "pipeline.microbatches", "pipeline.virtual_stages",
+                "pipeline.data_parallel", "pipeline.activation_checkpointing", "partitioner.method",
+                "partitioner.profile", "partitioner.memory_limit", "optimizer.name", "optimizer.lr",
+                "optimizer.zero_stage", "optimizer.grad_clip", "optimizer.warmup_steps",
+                "optimizer.weight_decay", "optimizer.momentum", "optimizer.betas", "precision",
+                "model.layers", "model.dim", "model.heads", "model.vocab", "model.seq_len", "model.dropout",
+                "train.steps", "train.batch_size", "train.seed", "train.log_every", "train.eval_every",
+                "logger.mode", "logger.project", "checkpoint.every_steps", "checkpoint.dir",
+                "checkpoint.keep_last"):
+        assert OmegaConf.select(cfg, key, default="<absent>") != "<absent>", key
+
+
+@pytest.mark.parametrize("group", ["model", "pipeline", "partitioner", "optimizer", "data", "logger"])
+def test_every_group_option_composes(group):
+    options = _options(group)
+    assert options, f"conf/{group} has no options"
+    for option in options:
+        extra = ["data=synthetic"] if (group, option) == ("model", "mlp") else []
+        if (group, option) == ("data", "synthetic"):
+            extra = []
+        cfg = _compose(f"{group}={option}", *extra)
+        validate_config(cfg)
+
+
+def test_model_options_have_their_schema_types():
+    assert OmegaConf.get_type(_compose("model=gpt").model) is GPTConfig
+    assert OmegaConf.get_type(_compose("model=mlp", "data=synthetic").model) is MLPConfig
+    llama = _compose("model=hf_llama")
+    assert OmegaConf.get_type(llama.model) is HFModelConfig and llama.model.arch == "llama"
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
+def test_every_experiment_preset_composes_and_validates(preset):
+    cfg = _compose(f"experiment={preset}")
+    validate_config(cfg)
+    assert cfg.name == preset  # presets are global packages: they set top-level keys
+
+
+def test_presets_exist():
+    assert {"smoke", "gpt_small", "mlp_profile", "bench"} <= set(_options("experiment"))
+
+
+def test_overrides_reach_typed_fields():
+    cfg = _compose("pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2", "precision=bf16",
+                   "partitioner.memory_limit=24GiB", "optimizer=sgd", "optimizer.lr=0.5")
+    validate_config(cfg)
+    assert cfg.pipeline.schedule is ScheduleName["interleaved-1f1b"]
+    assert cfg.partitioner.memory_limit == "24GiB"
+    assert optimizer_kwargs(cfg) == {**optimizer_kwargs(cfg), "name": "sgd", "lr": 0.5}
+    plain = to_plain_dict(cfg)
+    assert plain["pipeline"]["schedule"] == "interleaved-1f1b" and type(plain["precision"]) is str
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.layrs=3"],                       # misspelt key
+        ["pipeline.stage=3"],                    # misspelt key
+        ["train.steps=many"],                    # wrong type
+        ["pipeline.activation_checkpointing=maybe"],
+        ["model=mlp", "model.heads=3"],          # key of another model's schema
+        ["model=transformer"],                   # unknown option
+    ],
+)
+def test_bad_keys_and_types_fail_at_composition(overrides):
+    with pytest.raises(ConfigCompositionException):
+        _compose(*overrides)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["pipeline.schedule=1F1B", "pipeline.schedule=pipedream", "partitioner.method=best",
+     "partitioner.profile=guess", "optimizer.name=lamb", "precision=fp8", "logger.mode=on",
+     "model=mlp,model.profile=diamond"],
+)
+def test_bad_choice_fails_at_composition(override):
+    with pytest.raises(ConfigCompositionException):
+        _compose(*override.split(","))
+
+
+@pytest.mark.parametrize(
+    "overrides, remedy",
+    [
+        (["train.batch_size=10"], "train.batch_size to a multiple of 4"),
+        (["pipeline.data_parallel=2", "train.batch_size=12"], "multiple of 8"),
+        (["pipeline.schedule=interleaved-1f1b"], "pipeline.virtual_stages=2"),
+        (["pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2", "pipeline.stages=3",
+          "pipeline.microbatches=4", "train.batch_size=12"], "pipeline.microbatches=3"),
+        (["pipeline.virtual_stages=2"], "pipeline.virtual_stages=1"),
+        (["pipeline.stages=7"], "pipeline.stages<=6"),
+        (["pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=4"], "fewer stages"),
+        (["partitioner.memory_limit='24 GB GB'"], "e.g. 24GiB"),
+        (["partitioner.memory_limit=24XB"], "GiB"),
+        (["partitioner.memory_limit='1GiB,2GiB,3GiB'"], "exactly 2"),
+        (["optimizer.zero_stage=3"], "choose 0"),
+        (["model.vocab=128"], "model.vocab>=256"),
+        (["model=mlp"], "data=synthetic"),
+        (["model.heads=3"], "heads dividing dim"),
+        (["optimizer.backend=torch", "optimizer.zero_stage=1"], "optimizer.backend=auto"),
+        (["optimizer.lr=0"], "optimizer.lr=3e-3"),
+    ],
+)
+def test_validate_config_rejects_with_a_remedy(overrides, remedy):
+    cfg = _compose(*overrides)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert remedy in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_validate_config_checks_precision_outside_hydra():
+    cfg = to_plain_dict(_compose())
+    cfg["precision"] = "fp16,bf16"
+    with pytest.raises(ConfigError, match="exactly one"):
+        validate_config(cfg)
+
+
+def test_validate_accepts_a_dataclass():
+    cfg = Config(model=GPTConfig(), data=__import__("experiments.config").config.TextDataConfig())
+    validate_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("24GiB", 24 * 2**30), ("24 GB", 24 * 10**9), ("512MiB", 512 * 2**20), ("1.5KiB", 1536),
+     ("100KB", 100_000), ("4096", 4096), ("4096B", 4096), (2048, 2048), ("1e3MB", 10**9)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "12 parsecs", "-1GiB", "0", "24 G iB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ConfigError):
+        parse_size(text)
+
+
+def test_parse_memory_limit_forms():
+    assert parse_memory_limit(None) is None and parse_memory_limit("null") is None
+    assert parse_memory_limit("1MiB,2MiB") == [2**20, 2 * 2**20]
+
+
+def test_count_pipeline_layers():
+    assert count_pipeline_layers(_compose().model) == 4 + 2
+    assert count_pipeline_layers(_compose("model=mlp", "data=synthetic", "model.depth=5").model) == 7
+    assert count_pipeline_layers({"name": "mlp", "widths": [1, 2, 3], "depth": 99}) == 5
+    assert count_pipeline_layers(_compose("model=hf_gpt2", "model.layers=3").model) == 5

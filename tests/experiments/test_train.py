@@ -1,0 +1,62 @@
+"""experiments.train's pure parts: the config turns into arguments the partitioner and engine accept."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.config import CONF_DIR, ConfigError
+from experiments.models import build_model
+from experiments.train import (
+    engine_optimizer_kwargs,
+    microbatch_size,
+    partition_kwargs,
+    pipeline_kwargs,
+    profile_kwargs,
+    run_name,
+    world_size,
+)
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_names_and_sizes():
+    cfg = _compose("pipeline.data_parallel=2", "train.batch_size=32", "pipeline.schedule=zb-h1")
+    assert microbatch_size(cfg) == 4 and world_size(cfg) == 4
+    assert run_name(cfg) == "default-zb-h1-p2-d2"
+    assert run_name(_compose("logger.run_name=mine")) == "mine"
+
+
+def test_partition_kwargs_are_plain_and_accepted_by_partition():
+    partitioner = pytest.importorskip("partitioner")
+    cfg = _compose("experiment=smoke", "partitioner.memory_limit=1GiB", "partitioner.profile=analytic")
+    kwargs = partition_kwargs(cfg)
+    assert kwargs["schedule"] == "1f1b" and type(kwargs["schedule"]) is str
+    assert kwargs["memory_limit_bytes"] == 2**30
+    spec = build_model(cfg.model)
+    prof = partitioner.profile(spec.layers, spec.example_input(microbatch_size(cfg)), **profile_kwargs(cfg))
+    plan = partitioner.partition(prof, **kwargs)
+    assert len(plan.stage_ranges) == cfg.pipeline.stages
+    assert plan.stage_ranges[0][0] == 0 and plan.stage_ranges[-1][1] == len(spec.layers)
+
+
+def test_pipeline_and_optimizer_kwargs_match_the_engine_signatures():
+    engine = pytest.importorskip("engine")
+    cfg = _compose("precision=bf16", "optimizer=sgd")
+    spec = build_model(cfg.model)
+    kwargs = pipeline_kwargs(cfg, [(0, 3), (3, 6)], ties=spec.ties)
+    params = inspect.signature(engine.Pipeline.__init__).parameters
+    assert set(kwargs) <= set(params), set(kwargs) - set(params)
+    assert kwargs["precision"] == "bf16" and type(kwargs["schedule"]) is str
+    opt = engine.OptimizerConfig(**engine_optimizer_kwargs(cfg))
+    assert opt.name == "sgd" and opt.momentum == 0.9 and isinstance(opt.betas, tuple)
+
+
+def test_pipeline_kwargs_validates_first():
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        pipeline_kwargs(_compose("train.batch_size=6"), [(0, 3), (3, 6)])
