@@ -1,0 +1,26 @@
+"""pipeshard's partitioner: profile layer costs, find the optimal pipeline split, explain it.
+
+Example::
+
+    import torch, torch.nn as nn
+    import partitioner
+    layers = [lambda: nn.Linear(512, 512) for _ in range(16)]
+    prof = partitioner.profile(layers, torch.randn(64, 512), mode="analytic", device_spec="h100")
+    plan = partitioner.partition(prof, 4, microbatches=8, memory_limit_bytes=2 << 30)
+    print(plan.summary())
+
+Importing this package pulls in numpy only; torch is imported when profiling, and the
+engine's simulator when a plan is predicted.
+"""
+
+from .costs import LayerCost, Profile
+from .devices import DEVICE_PRESETS, DeviceSpec, get_device_spec, measure_cpu_spec
+from .memory import SCHEDULES, inflight_per_chunk, static_factor
+from .plan import PartitionError, Plan
+from .planner import METHODS, partition
+from .profile import profile
+
+__all__ = [
+    "LayerCost", "Profile", "profile", "partition", "Plan", "PartitionError", "DeviceSpec", "DEVICE_PRESETS",
+    "get_device_spec", "measure_cpu_spec", "SCHEDULES", "METHODS", "inflight_per_chunk", "static_factor",
+]

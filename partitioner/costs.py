@@ -1,0 +1,137 @@
+"""Per-layer costs and the profile that holds them.
+
+A :class:`Profile` is the only input the solver needs. It can come from
+:func:`partitioner.profile`, from another profiler, or be written by hand::
+
+    from partitioner import LayerCost, Profile
+    prof = Profile([LayerCost(forward_s=1e-3, backward_s=2e-3, param_bytes=4_000_000,
+                              activation_bytes=1_000_000, output_bytes=250_000)] * 8)
+    text = prof.to_json()
+    assert Profile.from_json(text) == prof
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LayerCost", "Profile"]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Costs of one layer for one microbatch.
+
+    - ``forward_s`` / ``backward_s``: compute time; ``backward_s`` is the full backward
+      (input and weight gradients).
+    - ``param_bytes``: bytes of the layer's parameters in the profiled dtype.
+    - ``activation_bytes``: bytes saved for backward per microbatch (parameters excluded).
+    - ``output_bytes``: bytes of the output, i.e. what crosses a cut placed after this layer.
+    - ``weight_grad_s``: the part of ``backward_s`` that computes parameter gradients
+      (zero-bubble schedules defer it); None when unknown (treated as half of ``backward_s``).
+    - ``name``: a label for tables (e.g. the module class).
+    - ``forward_flops`` / ``backward_flops``: FLOPs when known (analytic profiles).
+    - ``shared_input_bytes``: bytes of the layer's input that it saves for backward but that the
+      previous layer already counted in its ``activation_bytes`` (e.g. ReLU then Linear save the
+      same tensor). A stage starting at this layer receives its own copy, so the memory model
+      adds these bytes per in-flight microbatch only when a cut falls just before the layer.
+    """
+
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    activation_bytes: int
+    output_bytes: int
+    weight_grad_s: float | None = None
+    name: str = ""
+    forward_flops: float | None = None
+    backward_flops: float | None = None
+    shared_input_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for f in ("forward_s", "backward_s", "param_bytes", "activation_bytes", "output_bytes"):
+            v = getattr(self, f)
+            if v is None or v < 0:
+                raise ValueError(f"LayerCost.{f} must be >= 0, got {v!r}")
+        if self.weight_grad_s is not None and not (0 <= self.weight_grad_s <= self.backward_s * (1 + 1e-9) + 1e-12):
+            raise ValueError(
+                f"LayerCost.weight_grad_s={self.weight_grad_s!r} must lie in [0, backward_s={self.backward_s!r}]"
+            )
+
+    @property
+    def weight_s(self) -> float:
+        """Weight-gradient time, defaulting to half of the backward when unknown."""
+        return self.backward_s / 2 if self.weight_grad_s is None else self.weight_grad_s
+
+    @property
+    def compute_s(self) -> float:
+        """Forward plus backward time."""
+        return self.forward_s + self.backward_s
+
+
+@dataclass
+class Profile:
+    """An ordered list of :class:`LayerCost` plus how it was obtained.
+
+    ``dtype`` is the parameter/activation dtype of the profile (it sets bytes per parameter
+    for the optimizer-state model); ``meta`` is free-form provenance (device, mode, ...).
+    """
+
+    layers: list[LayerCost]
+    dtype: str = "float32"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.layers = list(self.layers)
+        if not self.layers:
+            raise ValueError("Profile needs at least one layer")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per parameter element for ``dtype``."""
+        return _ITEMSIZE.get(self.dtype.replace("torch.", ""), 4)
+
+    @property
+    def total_params(self) -> int:
+        """Number of parameters (elements) of the whole model."""
+        return sum(lc.param_bytes for lc in self.layers) // self.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "meta": self.meta, "layers": [asdict(lc) for lc in self.layers]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        known = {f.name for f in fields(LayerCost)}
+        layers = []
+        for i, row in enumerate(d["layers"]):
+            extra = set(row) - known
+            if extra:
+                raise ValueError(f"layer {i}: unknown LayerCost fields {sorted(extra)}; known: {sorted(known)}")
+            layers.append(LayerCost(**row))
+        return cls(layers=layers, dtype=d.get("dtype", "float32"), meta=dict(d.get("meta", {})))
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """Serialise to a JSON string (and write it to ``path`` when given)."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "Profile":
+        """Parse a JSON string, or read a file path, written by :meth:`to_json`."""
+        s = str(text_or_path)
+        if not s.lstrip().startswith("{"):
+            s = Path(s).read_text()
+        return cls.from_dict(json.loads(s))
+
+
+_ITEMSIZE = {
+    "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8, "double": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}

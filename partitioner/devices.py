@@ -1,0 +1,112 @@
+"""Device descriptions that turn FLOPs and bytes into seconds (analytic profiles).
+
+Presets: ``"a100"``, ``"h100"``, ``"h200"`` (SXM datasheet peaks, dense) and ``"cpu"``,
+which is measured once per process by timing a matmul and a large copy::
+
+    from partitioner import get_device_spec
+    h100 = get_device_spec("h100")
+    t = h100.op_time(flops=2 * 4096**3, bytes_moved=3 * 4096**2 * 2, dtype="bfloat16")
+
+``efficiency`` scales the datasheet peaks to what kernels reach (default 0.7 for GPU
+presets; 1.0 for the measured CPU, whose figures are already achieved ones).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+__all__ = ["DeviceSpec", "DEVICE_PRESETS", "get_device_spec", "measure_cpu_spec"]
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Peak FLOP/s per dtype, memory bandwidth, memory size and link bandwidth of one device."""
+
+    name: str
+    peak_flops: dict[str, float]          # dtype name -> FLOP/s
+    memory_bandwidth: float               # bytes/s
+    memory_bytes: int = 0
+    link_bytes_per_s: float | None = None  # to the next pipeline stage
+    efficiency: float = 1.0               # fraction of peak reached in practice
+    overhead_s: float = 0.0               # per-op launch/dispatch overhead
+    notes: str = ""
+
+    def flops_per_s(self, dtype: str = "float32") -> float:
+        d = dtype.replace("torch.", "")
+        if d in self.peak_flops:
+            return self.peak_flops[d] * self.efficiency
+        return self.peak_flops.get("float32", max(self.peak_flops.values())) * self.efficiency
+
+    def op_time(self, flops: float, bytes_moved: float, dtype: str = "float32") -> float:
+        """Roofline time of one op: max(compute time, memory time) plus the per-op overhead."""
+        return max(flops / self.flops_per_s(dtype), bytes_moved / (self.memory_bandwidth * self.efficiency)) + self.overhead_s
+
+
+# Datasheet figures (dense, SXM parts). fp32 uses TF32 tensor cores for matmuls on these GPUs.
+DEVICE_PRESETS: dict[str, DeviceSpec] = {
+    "a100": DeviceSpec("a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+                       2.039e12, 80 * 2**30, 300e9, efficiency=0.7, overhead_s=5e-6,
+                       notes="A100 SXM 80GB; NVLink3 600 GB/s bidirectional"),
+    "h100": DeviceSpec("h100", {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+                       3.35e12, 80 * 2**30, 450e9, efficiency=0.7, overhead_s=5e-6,
+                       notes="H100 SXM 80GB; NVLink4 900 GB/s bidirectional"),
+    "h200": DeviceSpec("h200", {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+                       4.8e12, 141 * 10**9, 450e9, efficiency=0.7, overhead_s=5e-6,
+                       notes="H200 SXM 141GB; NVLink4 900 GB/s bidirectional"),
+}
+
+_CPU_CACHE: dict[str, DeviceSpec] = {}
+
+
+def measure_cpu_spec(size: int = 384, copy_mb: int = 64, repeats: int = 5) -> DeviceSpec:
+    """Measure this CPU once (cached): matmul FLOP/s (fp32) and copy bandwidth."""
+    if "cpu" in _CPU_CACHE:
+        return _CPU_CACHE["cpu"]
+    import torch
+
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    flops = 2 * size**3 / best
+    n = copy_mb * 2**20 // 4
+    src = torch.ones(n)
+    dst = torch.empty(n)
+    dst.copy_(src)
+    best_c = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best_c = min(best_c, time.perf_counter() - t0)
+    bw = 2 * n * 4 / best_c  # read + write
+    try:
+        import os
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 0
+    spec = DeviceSpec("cpu", {"float32": flops, "bfloat16": flops / 2, "float16": flops / 4},
+                      bw, mem, None, efficiency=1.0, overhead_s=2e-6,
+                      notes=f"measured: {size}^3 fp32 matmul, {copy_mb} MiB copy, {torch.get_num_threads()} threads")
+    _CPU_CACHE["cpu"] = spec
+    return spec
+
+
+def get_device_spec(spec: "str | DeviceSpec", **overrides: object) -> DeviceSpec:
+    """A preset by name (``a100``, ``h100``, ``h200``, ``cpu``) or a given spec, with field overrides."""
+    if isinstance(spec, DeviceSpec):
+        out = spec
+    else:
+        key = str(spec).lower()
+        if key == "cpu":
+            out = measure_cpu_spec()
+        elif key in DEVICE_PRESETS:
+            out = DEVICE_PRESETS[key]
+        else:
+            raise ValueError(f"unknown device spec {spec!r}; use one of {sorted(DEVICE_PRESETS) + ['cpu']} "
+                             "or pass a DeviceSpec(...)")
+    return replace(out, **overrides) if overrides else out

@@ -1,0 +1,222 @@
+"""The partition plan: stage ranges, predicted time and memory, explanation, exports.
+
+Example::
+
+    plan = partitioner.partition(prof, 4, microbatches=8)
+    print(plan.summary())
+    plan.to_json("plan.json")
+    parts = plan.to_deepspeed_parts()             # [0, b1, b2, b3, n]
+    spec = plan.to_pipelining_split_points()      # {"5": SplitPoint.BEGINNING, ...}
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["Plan", "PartitionError"]
+
+
+class PartitionError(ValueError):
+    """The problem has no solution; the message names what would work."""
+
+
+@dataclass
+class Plan:
+    """A pipeline split and its predicted cost.
+
+    Per chunk (``num_stages * virtual_stages`` entries, chunk c runs on rank c % num_stages):
+    ``stage_ranges`` (half-open layer ranges), ``stage_time_s`` (forward + backward, plus
+    recomputation and boundary transfers), ``stage_memory_bytes`` (predicted peak),
+    ``stage_activation_bytes`` (saved-for-backward bytes at the peak), ``stage_inflight``,
+    ``stage_recompute``. Per rank: ``rank_memory_bytes``, ``rank_fits``.
+
+    ``step_s`` / ``bubble_fraction``: from ``engine.simulate`` on these costs (see
+    ``predicted_by``). ``lower_bound_s``: a lower bound on the step of this schedule for any
+    split, using ``bottleneck_lower_bound_s = max(largest layer, total / chunks)`` (gpipe and
+    1f1b: ``(m - 1) * that + total``; other schedules: ``max(m * per-rank bound, total)``).
+    ``gap = step_s / lower_bound_s - 1``.
+    """
+
+    stage_ranges: list[tuple[int, int]]
+    stage_time_s: list[float]
+    stage_memory_bytes: list[int]
+    bottleneck_s: float
+    step_s: float
+    bubble_fraction: float
+    lower_bound_s: float
+    schedule: str = "1f1b"
+    num_stages: int = 1
+    microbatches: int = 1
+    virtual_stages: int = 1
+    data_parallel: int = 1
+    zero_stage: int = 1
+    optimizer: str = "adamw"
+    method: str = "optimal"
+    fits: bool = True
+    memory_limit_bytes: list[int] | None = None
+    link_bytes_per_s: float | None = None
+    bottleneck_lower_bound_s: float = 0.0
+    closed_form_step_s: float = 0.0
+    predicted_by: str = "engine.simulate"
+    stage_activation_bytes: list[int] = field(default_factory=list)
+    stage_inflight: list[int] = field(default_factory=list)
+    stage_recompute: list[bool] = field(default_factory=list)
+    stage_forward_s: list[float] = field(default_factory=list)
+    stage_backward_s: list[float] = field(default_factory=list)
+    stage_weight_s: list[float] = field(default_factory=list)
+    boundary_comm_s: list[float] = field(default_factory=list)
+    rank_memory_bytes: list[int] = field(default_factory=list)
+    rank_fits: list[bool] = field(default_factory=list)
+    layer_names: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stage_ranges = [(int(a), int(b)) for a, b in self.stage_ranges]
+
+    # -- derived ----------------------------------------------------------------------
+    @property
+    def gap(self) -> float:
+        """Optimality gap against the schedule's lower bound: step_s / lower_bound_s - 1."""
+        return self.step_s / self.lower_bound_s - 1 if self.lower_bound_s > 0 else 0.0
+
+    @property
+    def num_layers(self) -> int:
+        return self.stage_ranges[-1][1]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.stage_ranges)
+
+    @property
+    def stage_layers(self) -> list[int]:
+        """Number of layers per chunk."""
+        return [b - a for a, b in self.stage_ranges]
+
+    # -- JSON -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stage_ranges"] = [list(r) for r in self.stage_ranges]
+        d["gap"] = self.gap
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """JSON text (also written to ``path`` when given)."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "Plan":
+        s = str(text_or_path)
+        if not s.lstrip().startswith("{"):
+            s = Path(s).read_text()
+        return cls.from_dict(json.loads(s))
+
+    # -- table ------------------------------------------------------------------------
+    def summary(self, width: int = 110) -> str:
+        """A readable table of the plan (rich when available, else plain text)."""
+        head = ["stage", "rank", "layers", "#", "time ms", "mem GiB", "act GiB", "in-flight", "limit GiB", "fits"]
+        rows = []
+        p = self.num_stages
+        for c, (a, b) in enumerate(self.stage_ranges):
+            r = c % p
+            lim = self.memory_limit_bytes[r] if self.memory_limit_bytes else None
+            rows.append([
+                str(c), str(r), f"{a}-{b - 1}" + (" R" if self.stage_recompute and self.stage_recompute[c] else ""),
+                str(b - a), f"{self.stage_time_s[c] * 1e3:.3f}", f"{self.stage_memory_bytes[c] / 2**30:.3f}",
+                f"{self.stage_activation_bytes[c] / 2**30:.3f}" if self.stage_activation_bytes else "-",
+                str(self.stage_inflight[c]) if self.stage_inflight else "-",
+                "-" if lim is None else f"{lim / 2**30:.3f}",
+                ("yes" if self.rank_fits[r] else "NO") if self.rank_fits else "-",
+            ])
+        title = (f"{self.method} split: {self.num_layers} layers, {self.schedule}, p={p}, m={self.microbatches}"
+                 + (f", v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+                 + (f", dp={self.data_parallel} zero={self.zero_stage}" if self.data_parallel > 1 else ""))
+        foot = [
+            f"step {self.step_s * 1e3:.3f} ms ({self.predicted_by}); bubble {self.bubble_fraction:.1%}; "
+            f"bottleneck {self.bottleneck_s * 1e3:.3f} ms",
+            f"lower bound {self.lower_bound_s * 1e3:.3f} ms; gap {self.gap:.1%}; fits: {'yes' if self.fits else 'NO'}",
+        ] + [f"- {n}" for n in self.notes]
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:  # pragma: no cover - rich is a dependency, plain text is a fallback
+            return _plain(title, head, rows, foot)
+        t = Table(title=title)
+        for h in head:
+            t.add_column(h, justify="right" if h not in ("layers",) else "left")
+        for r in rows:
+            t.add_row(*r)
+        buf = io.StringIO()
+        con = Console(file=buf, width=width, force_terminal=False, color_system=None)
+        con.print(t)
+        for line in foot:
+            con.print(line, highlight=False, markup=False)
+        return buf.getvalue()
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    # -- exports ----------------------------------------------------------------------
+    def to_deepspeed_parts(self) -> list[int]:
+        """Stage boundaries as DeepSpeed's ``PipelineModule.parts``: ``[0, b1, ..., n]``
+        (stage i owns layers ``parts[i]:parts[i+1]``). DeepSpeed's pipeline has no
+        interleaving, so this needs ``virtual_stages == 1``."""
+        if self.virtual_stages != 1:
+            raise ValueError("DeepSpeed's PipelineModule has one chunk per stage; re-plan with virtual_stages=1")
+        return [self.stage_ranges[0][0]] + [b for _, b in self.stage_ranges]
+
+    def to_deepspeed_module(self, layers: Sequence[Any], **kwargs: Any) -> Any:
+        """Build a ``deepspeed.pipe.PipelineModule`` that uses these boundaries.
+
+        DeepSpeed only knows ``partition_method`` = uniform | parameters | type:regex, so the
+        returned module is a subclass whose ``_partition_layers`` installs
+        :meth:`to_deepspeed_parts` (checked against DeepSpeed 0.19.8). Needs DeepSpeed's
+        process group initialised (world size a multiple of ``num_stages``), as any
+        PipelineModule does. ``kwargs`` go to ``PipelineModule`` (``loss_fn``, ...).
+        """
+        from deepspeed.pipe import PipelineModule
+
+        parts = self.to_deepspeed_parts()
+        if len(layers) != parts[-1]:
+            raise ValueError(f"the plan covers {parts[-1]} layers but {len(layers)} were given")
+
+        class PlannedPipelineModule(PipelineModule):
+            def _partition_layers(self, method: str = "uniform") -> None:  # noqa: ARG002
+                self.parts = list(parts)
+                stage_id = self._topo.get_coord(self.global_rank).pipe
+                self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+        kwargs.setdefault("num_stages", self.num_stages)
+        return PlannedPipelineModule(layers=list(layers), **kwargs)
+
+    def to_pipelining_split_points(self, module_names: Sequence[str] | None = None) -> dict[str, Any]:
+        """``split_spec`` for ``torch.distributed.pipelining.pipeline``: the first layer of every
+        chunk after the first mapped to ``SplitPoint.BEGINNING``.
+
+        ``module_names[i]`` is the qualified name of layer i inside the traced module
+        (default ``str(i)``: the children of an ``nn.Sequential``).
+        """
+        from torch.distributed.pipelining import SplitPoint
+
+        names = [str(i) for i in range(self.num_layers)] if module_names is None else list(module_names)
+        if len(names) != self.num_layers:
+            raise ValueError(f"module_names has {len(names)} names but the plan has {self.num_layers} layers")
+        return {names[a]: SplitPoint.BEGINNING for a, _ in self.stage_ranges[1:]}
+
+
+def _plain(title: str, head: list[str], rows: list[list[str]], foot: list[str]) -> str:
+    w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w[i]) for i, c in enumerate(cells))  # noqa: E731
+    out = [title, line(head), "  ".join("-" * x for x in w)] + [line(r) for r in rows] + foot
+    return "\n".join(out) + "\n"

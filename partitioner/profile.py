@@ -1,0 +1,423 @@
+"""Per-layer costs by measurement on a device or by counting on the meta device.
+
+``layers`` is an ``nn.Sequential``, a list of modules, or a list of zero-argument factories
+(one per layer; a factory is called once, so a model larger than memory can be profiled).
+Layers are called like ``nn.Sequential`` does: each gets the previous layer's output as its
+single argument (a tensor or a tuple of tensors).
+
+Example::
+
+    import torch, torch.nn as nn
+    from partitioner import profile
+    layers = [lambda: nn.Linear(256, 256) for _ in range(4)]
+    prof = profile(layers, torch.randn(32, 256), mode="measure", repeats=3)
+    big = profile(layers, torch.randn(32, 256), mode="analytic", device_spec="h100")
+
+"measure": forward, backward and (with ``weight_grad=True``) input-only backward are timed
+with warm-up and the median of ``repeats`` (device synchronisation on CUDA); the weight-gradient
+time is full backward minus input-only backward. Activation bytes are the storages the layer
+saves for backward (``saved_tensors_hooks``), deduplicated by storage, without parameters and
+buffers, and without the layer's input when the previous layer already saved that same tensor
+(it is counted once, by the producer).
+
+"analytic": every layer is built under ``torch.device("meta")`` (nothing is allocated). Each
+aten op of the forward and of the backward is costed by the roofline of ``device_spec``
+(``max(flops / peak, bytes / bandwidth) + overhead``), FLOPs from
+``torch.utils.flop_counter`` (its registry, cross-checked by ``FlopCounterMode``) and bytes from
+the op's tensor shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any, Callable
+
+from .costs import LayerCost, Profile
+from .devices import DeviceSpec, get_device_spec
+
+__all__ = ["profile", "layer_sources"]
+
+
+def layer_sources(layers: Any) -> list[Callable[[], Any]]:
+    """Normalise ``layers`` to a list of zero-argument callables returning a module."""
+    import torch.nn as nn
+
+    if isinstance(layers, nn.Module):
+        if not isinstance(layers, nn.Sequential):
+            raise TypeError("pass an nn.Sequential, a list of modules, or a list of zero-argument factories; "
+                            f"got a single {type(layers).__name__}")
+        layers = list(layers)
+    out = []
+    for i, item in enumerate(layers):
+        if isinstance(item, nn.Module):
+            out.append((lambda m=item: m))
+        elif callable(item):
+            out.append(item)
+        else:
+            raise TypeError(f"layer {i}: expected an nn.Module or a zero-argument factory, got {type(item).__name__}")
+    if not out:
+        raise ValueError("layers is empty")
+    return out
+
+
+def _tensors(obj: Any) -> list:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _map(fn: Callable, obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(_map(fn, o) for o in obj)
+    if isinstance(obj, list):
+        return [_map(fn, o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _map(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def _shapes(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return tuple(obj.shape)
+    if isinstance(obj, (tuple, list)):
+        return tuple(_shapes(o) for o in obj)
+    return type(obj).__name__
+
+
+def _prep_input(x: Any, device, dtype, requires_grad: bool) -> Any:
+    def f(t):
+        t = t.detach()
+        if device is not None and t.device != device:
+            t = t.to(device) if device.type != "meta" else t.new_empty(t.shape, device="meta")
+        if t.is_floating_point():
+            if dtype is not None and t.dtype != dtype:
+                t = t.to(dtype)
+            t.requires_grad_(requires_grad)
+        return t
+
+    return _map(f, x)
+
+
+def _storage_key(t) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _call(layer, x, i: int, prev_name: str, name: str):
+    try:
+        return layer(x)
+    except Exception as e:  # noqa: BLE001 - re-raised with both layers named
+        src = "example_input" if i == 0 else f"the output of layer {i - 1} ({prev_name})"
+        raise ValueError(
+            f"layer {i} ({name}) cannot take {src} with shapes {_shapes(x)}: {type(e).__name__}: {e}. "
+            "Check that consecutive layers agree on shapes (each layer gets the previous output as its single argument)."
+        ) from e
+
+
+def _forward_saved(layer, x, i, prev_name, name, skip_keys):
+    """One forward under saved_tensors_hooks; returns (out, activation_bytes, saved_keys,
+    shared_bytes), shared_bytes being what it saved of storages in ``skip_keys``."""
+    import torch
+
+    exclude = {_storage_key(p) for p in layer.parameters()} | {_storage_key(b) for b in layer.buffers()}
+    saved: dict[int, int] = {}
+    shared: dict[int, int] = {}
+
+    def pack(t):
+        k = _storage_key(t)
+        if k in skip_keys:
+            shared[k] = t.untyped_storage().nbytes()
+        elif k not in exclude and k not in saved:
+            saved[k] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = _call(layer, x, i, prev_name, name)
+    return out, sum(saved.values()), set(saved), sum(shared.values())
+
+
+def _backward(outs, inputs, grads):
+    import torch
+
+    if outs and inputs:
+        torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+
+
+def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: Any = None, dtype: Any = None,
+            repeats: int = 5, warmup: int = 2, weight_grad: bool = True,
+            device_spec: "str | DeviceSpec | None" = None, cache: bool = True) -> Profile:
+    """Profile every layer; see the module docstring. Returns a :class:`Profile`.
+
+    ``device``: where "measure" runs (default: CPU). ``dtype``: cast floating parameters and
+    inputs (default: keep). ``device_spec``: for "analytic" (a preset name or a
+    :class:`DeviceSpec`; default ``"cpu"``, measured once). ``cache`` (analytic only): cost
+    identical layers once (same class, parameter shapes, plain attributes of every submodule
+    such as a head count, and input shapes).
+    """
+    import torch
+
+    if mode not in ("measure", "analytic"):
+        raise ValueError(f"mode must be 'measure' or 'analytic', got {mode!r}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be >= 1 and warmup >= 0")
+    sources = layer_sources(layers)
+    tdtype = dtype if (dtype is None or isinstance(dtype, torch.dtype)) else getattr(torch, str(dtype))
+    if mode == "analytic":
+        spec = get_device_spec(device_spec or "cpu")
+        return _profile_analytic(sources, example_input, tdtype, spec, cache)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "meta":
+        raise ValueError("mode='measure' needs a real device; use mode='analytic' for the meta device")
+    return _profile_measure(sources, example_input, dev, tdtype, repeats, warmup, weight_grad)
+
+
+def _build(src, dev, dtype):
+    import torch
+
+    mod = src()
+    if not isinstance(mod, torch.nn.Module):
+        raise TypeError(f"a layer factory returned {type(mod).__name__}, expected an nn.Module")
+    params = list(mod.parameters()) + list(mod.buffers())
+    needs_move = any(p.device != dev for p in params) or (
+        dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in params))
+    if needs_move:
+        if any(p.device.type != "meta" for p in params):
+            mod = copy.deepcopy(mod)  # never change the caller's module in place
+        if dev.type == "meta":
+            mod = mod.to("meta")
+        else:
+            mod = mod.to(dev)
+        if dtype is not None:
+            mod = mod.to(dtype)
+    return mod
+
+
+def _dtype_name(layer_dtype, x) -> str:
+    import torch
+
+    if layer_dtype is not None:
+        return str(layer_dtype).replace("torch.", "")
+    for t in _tensors(x):
+        if t.is_floating_point():
+            return str(t.dtype).replace("torch.", "")
+    return str(torch.get_default_dtype()).replace("torch.", "")
+
+
+def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight_grad) -> Profile:
+    import torch
+
+    costs: list[LayerCost] = []
+    x = _prep_input(example_input, dev, dtype, False)
+    prev_name: str = ""
+    skip_keys: set[int] = set()
+    found_dtype = None
+    for i, src in enumerate(sources):
+        with torch.device(dev):
+            layer = _build(src, dev, dtype)
+        name = type(layer).__name__
+        for p in layer.parameters():
+            if p.is_floating_point():
+                found_dtype = found_dtype or p.dtype
+                break
+        param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+        out, act_bytes, saved_keys, shared_bytes = _forward_saved(layer, x, i, prev_name, name, skip_keys)
+        out_tensors = _tensors(out)
+        out_bytes = sum(t.numel() * t.element_size() for t in out_tensors)
+        # what the next layer gets: the output, detached (same storage), graph freed
+        nxt = _map(lambda t: t.detach(), out)
+        skip_keys = {_storage_key(t) for t in out_tensors} & saved_keys
+        grads = [torch.ones_like(t) for t in out_tensors if t.requires_grad]
+        params = [p for p in layer.parameters() if p.requires_grad]
+        xs = [t for t in _tensors(x) if t.requires_grad]
+        del out, out_tensors
+        fw, bw, bi = [], [], []
+        for r in range(warmup + repeats):
+            _sync(dev)
+            t0 = time.perf_counter()
+            o = layer(x)
+            _sync(dev)
+            t1 = time.perf_counter()
+            _backward([t for t in _tensors(o) if t.requires_grad], params + xs, grads)
+            _sync(dev)
+            t2 = time.perf_counter()
+            del o
+            ti = 0.0
+            if weight_grad and params and xs:
+                o = layer(x)
+                oo = [t for t in _tensors(o) if t.requires_grad]
+                _sync(dev)
+                t3 = time.perf_counter()
+                _backward(oo, xs, grads)
+                _sync(dev)
+                ti = time.perf_counter() - t3
+                del o, oo
+            if r >= warmup:
+                fw.append(t1 - t0)
+                bw.append(t2 - t1)
+                bi.append(ti)
+        f_s, b_s = statistics.median(fw), statistics.median(bw)
+        if not params:
+            w_s: float | None = 0.0
+        elif not xs:
+            w_s = b_s  # no input gradient: the whole backward is weight gradients
+        elif weight_grad:
+            w_s = min(max(b_s - statistics.median(bi), 0.0), b_s)
+        else:
+            w_s = None
+        costs.append(LayerCost(forward_s=f_s, backward_s=b_s, param_bytes=int(param_bytes),
+                               activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
+                               weight_grad_s=w_s, name=name, shared_input_bytes=int(shared_bytes)))
+        x = _map(lambda t: t.requires_grad_(True) if t.is_floating_point() else t, nxt)
+        prev_name = name
+        del layer, nxt
+    return Profile(costs, dtype=_dtype_name(dtype or found_dtype, example_input),
+                   meta={"mode": "measure", "device": str(dev), "repeats": repeats, "warmup": warmup,
+                         "threads": torch.get_num_threads()})
+
+
+def _roofline_mode(spec: DeviceSpec, dtype_name: str):
+    """A TorchDispatchMode that sums per-op roofline time, FLOPs and bytes."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.flop_counter import flop_registry
+
+    class Roofline(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.time_s = 0.0
+            self.flops = 0.0
+            self.bytes = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if getattr(func, "is_view", False):
+                return out
+            fl = 0
+            fn = flop_registry.get(func._overloadpacket)
+            if fn is not None:
+                fl = fn(*args, **kwargs, out_val=out)
+            moved = 0
+            for t in tree_flatten((args, kwargs))[0] + tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    moved += t.numel() * t.element_size()
+            if fl or moved:
+                self.flops += fl
+                self.bytes += moved
+                self.time_s += spec.op_time(fl, moved, dtype_name)
+            return out
+
+    return Roofline()
+
+
+def _plain_attrs(mod) -> tuple:
+    plain = (int, float, str, bool, tuple, type(None))
+    return tuple((name, type(m).__name__, tuple(sorted((k, repr(v)) for k, v in vars(m).items()
+                                                        if not k.startswith("_") and isinstance(v, plain))))
+                 for name, m in mod.named_modules())
+
+
+def _layer_key(layer, x, skip_keys) -> tuple:
+    """Identity of a layer for analytic caching: class, parameter/buffer shapes, plain
+    attributes of every submodule, input shapes/dtypes and whether the input is shared."""
+    ts = [(tuple(p.shape), p.dtype, p.requires_grad) for p in layer.parameters()]
+    bs = [(tuple(b.shape), b.dtype) for b in layer.buffers()]
+    xs = [(tuple(t.shape), t.dtype, t.requires_grad) for t in _tensors(x)]
+    shared = tuple(_storage_key(t) in skip_keys for t in _tensors(x))
+    return (type(layer), tuple(ts), tuple(bs), _plain_attrs(layer), _shapes(x), tuple(xs), shared)
+
+
+def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bool = True) -> Profile:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    meta = torch.device("meta")
+    costs: list[LayerCost] = []
+    x = _prep_input(example_input, meta, dtype, False)
+    dname = _dtype_name(dtype, x)
+    prev_name: str = ""
+    skip_keys: set[int] = set()
+    total_flops_check = 0.0
+    found_dtype = None
+    memo: dict = {}
+    for i, src in enumerate(sources):
+        with torch.device(meta):
+            layer = _build(src, meta, dtype)
+        name = type(layer).__name__
+        for p in layer.parameters():
+            if p.is_floating_point():
+                found_dtype = found_dtype or p.dtype
+                break
+        pdname = dname if dtype is not None or found_dtype is None else str(found_dtype).replace("torch.", "")
+        key = _layer_key(layer, x, skip_keys) if cache else None
+        if key is not None and key in memo:  # an identical layer was already costed
+            cost, nxt_c, skip_c = memo[key]
+            costs.append(cost)
+            x, skip_keys, prev_name = nxt_c, skip_c, name
+            del layer
+            continue
+        param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+        fwd = _roofline_mode(spec, pdname)
+        with FlopCounterMode(display=False) as fc_f:
+            with fwd:
+                out, act_bytes, saved_keys, shared_bytes = _forward_saved(layer, x, i, prev_name, name, skip_keys)
+        out_tensors = _tensors(out)
+        out_bytes = sum(t.numel() * t.element_size() for t in out_tensors)
+        outs = [t for t in out_tensors if t.requires_grad]
+        grads = [torch.ones_like(t) for t in outs]
+        params = [p for p in layer.parameters() if p.requires_grad]
+        xs = [t for t in _tensors(x) if t.requires_grad]
+        bwd = _roofline_mode(spec, pdname)
+        with FlopCounterMode(display=False) as fc_b:
+            with bwd:
+                _backward(outs, params + xs, grads)
+        w_s: float = 0.0
+        if params and xs:
+            o2 = layer(x)
+            oo = [t for t in _tensors(o2) if t.requires_grad]
+            inp = _roofline_mode(spec, pdname)
+            with inp:
+                _backward(oo, xs, grads)
+            w_s = max(bwd.time_s - inp.time_s, 0.0)
+            del o2, oo
+        elif params:
+            w_s = bwd.time_s
+        total_flops_check += abs(fc_f.get_total_flops() - fwd.flops) + abs(fc_b.get_total_flops() - bwd.flops)
+        costs.append(LayerCost(forward_s=fwd.time_s, backward_s=bwd.time_s, param_bytes=int(param_bytes),
+                               activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
+                               weight_grad_s=min(w_s, bwd.time_s), name=name,
+                               forward_flops=float(fc_f.get_total_flops()),
+                               backward_flops=float(fc_b.get_total_flops()), shared_input_bytes=int(shared_bytes)))
+        nxt = _map(lambda t: t.detach(), out)
+        skip_keys = {_storage_key(t) for t in out_tensors} & saved_keys
+        del out, out_tensors, outs
+        x = _map(lambda t: t.requires_grad_(True) if t.is_floating_point() else t, nxt)
+        if key is not None:
+            memo[key] = (costs[-1], x, skip_keys)
+        prev_name = name
+        del layer
+    return Profile(costs, dtype=_dtype_name(dtype or found_dtype, example_input),
+                   meta={"mode": "analytic", "unique_layers_costed": len(memo) if cache else len(costs), "device_spec": spec.name, "flops_per_s": spec.flops_per_s(dname),
+                         "memory_bandwidth": spec.memory_bandwidth, "efficiency": spec.efficiency,
+                         "flop_count_mismatch": total_flops_check})

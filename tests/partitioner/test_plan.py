@@ -1,0 +1,243 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from partitioner import LayerCost, PartitionError, Plan, Profile, inflight_per_chunk, partition
+from partitioner.memory import inflight_from_schedule, static_factor
+
+
+def uneven_profile(n=24, seed=0):
+    rng = np.random.default_rng(seed)
+    layers = []
+    for i in range(n):
+        heavy = 6.0 if i in (0, n - 1) else 1.0  # embedding / head much heavier than a block
+        f = float(rng.uniform(0.8, 1.2)) * heavy * 1e-3
+        layers.append(LayerCost(forward_s=f, backward_s=2 * f, param_bytes=int(heavy * 4e6),
+                                activation_bytes=int(rng.uniform(5e6, 9e6)), output_bytes=1 << 20,
+                                shared_input_bytes=(1 << 20) * (i % 2),
+                                weight_grad_s=f, name="Embed" if i == 0 else ("Head" if i == n - 1 else "Block")))
+    return Profile(layers, meta={"source": "test"})
+
+
+def test_profile_and_plan_json_round_trip(tmp_path):
+    prof = uneven_profile()
+    assert Profile.from_json(prof.to_json()) == prof
+    prof.to_json(tmp_path / "p.json")
+    assert Profile.from_json(tmp_path / "p.json") == prof
+    plan = partition(prof, 4, microbatches=8, memory_limit_bytes=1 << 30)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    d = json.loads(plan.to_json(tmp_path / "plan.json"))
+    assert d["gap"] == pytest.approx(plan.gap) and Plan.from_json(tmp_path / "plan.json") == plan
+    with pytest.raises(ValueError, match="unknown LayerCost fields"):
+        Profile.from_dict({"layers": [{"forward_s": 1, "backward_s": 1, "param_bytes": 1, "activation_bytes": 1,
+                                       "output_bytes": 1, "fwd": 2}]})
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_optimal_beats_or_ties_every_baseline(schedule):
+    prof = uneven_profile()
+    for p in (2, 4, 8):
+        best = partition(prof, p, microbatches=8, schedule=schedule)
+        assert best.predicted_by == "engine.simulate"
+        assert best.lower_bound_s <= best.step_s * (1 + 1e-9) and best.gap >= -1e-9
+        for method in ("uniform", "parameters", "greedy"):
+            base = partition(prof, p, microbatches=8, schedule=schedule, method=method)
+            assert base.bottleneck_s >= best.bottleneck_s * (1 - 1e-12), method
+            assert base.method == method and len(base.stage_ranges) == p
+
+
+def test_memory_limit_respected_and_baselines_report_misfit():
+    prof = uneven_profile()
+    free = partition(prof, 4, microbatches=8)
+    limit = (_smallest_limit(prof, 4, 8) + max(free.stage_memory_bytes)) // 2
+    assert not partition(prof, 4, microbatches=8, memory_limit_bytes=limit, method="optimal").stage_ranges \
+        == free.stage_ranges or max(free.stage_memory_bytes) <= limit
+    plan = partition(prof, 4, microbatches=8, memory_limit_bytes=limit)
+    assert plan.fits and all(m <= limit for m in plan.stage_memory_bytes)
+    uni = partition(prof, 4, microbatches=8, memory_limit_bytes=limit, method="uniform")
+    assert uni.rank_fits == [m <= limit for m in uni.rank_memory_bytes]
+    if not uni.fits:
+        assert any("does NOT fit" in n for n in uni.notes)
+    assert "fits" in plan.summary() and "gap" in plan.summary()
+
+
+def _smallest_limit(prof, p, m):
+    with pytest.raises(PartitionError) as e:
+        partition(prof, p, microbatches=m, memory_limit_bytes=1000)
+    return int(str(e.value).split("smallest memory_limit_bytes that works is ")[1].split()[0])
+
+
+def test_infeasible_error_names_the_smallest_limit_that_works():
+    prof = uneven_profile()
+    with pytest.raises(PartitionError) as e:
+        partition(prof, 4, microbatches=8, memory_limit_bytes=10_000_000)
+    msg = str(e.value)
+    assert isinstance(e.value, ValueError)
+    need = int(msg.split("smallest memory_limit_bytes that works is ")[1].split()[0])
+    plan = partition(prof, 4, microbatches=8, memory_limit_bytes=need)
+    assert plan.fits and max(plan.rank_memory_bytes) <= need
+    with pytest.raises(PartitionError):
+        partition(prof, 4, microbatches=8, memory_limit_bytes=int(need * 0.999))
+
+
+def test_infeasible_per_rank_limits_suggest_scaled_limits():
+    prof = uneven_profile()
+    caps = [8_000_000, 9_000_000, 10_000_000, 12_000_000]
+    with pytest.raises(PartitionError) as e:
+        partition(prof, 4, microbatches=8, memory_limit_bytes=caps)
+    need = json.loads(str(e.value).split("memory_limit_bytes=")[1].split("]")[0] + "]")
+    assert len(need) == 4 and all(a > b for a, b in zip(need, caps))
+    assert partition(prof, 4, microbatches=8, memory_limit_bytes=need).fits
+
+
+def test_more_stages_than_layers_names_the_layer_count():
+    prof = uneven_profile(n=5)
+    with pytest.raises(PartitionError, match="the model has 5 layers"):
+        partition(prof, 6, microbatches=4)
+    with pytest.raises(PartitionError, match="at most 2 stages"):
+        partition(prof, 3, microbatches=6, schedule="interleaved-1f1b", virtual_stages=2)
+
+
+def test_heterogeneous_limits_shift_layers_to_the_big_device():
+    prof = Profile([LayerCost(1e-3, 2e-3, 1 << 20, 4 << 20, 1 << 16)] * 16)
+    even = partition(prof, 2, microbatches=4)
+    assert even.stage_layers == [8, 8]
+    small_first = partition(prof, 2, microbatches=4, memory_limit_bytes=[30 << 20, 1 << 30])
+    assert small_first.fits and small_first.stage_layers[0] < 8
+
+
+def test_closed_form_agrees_with_simulator_for_equal_stages():
+    prof = Profile([LayerCost(1e-3, 2e-3, 1 << 20, 1 << 20, 1 << 16, weight_grad_s=1e-3)] * 32)
+    for sched in ("gpipe", "1f1b"):
+        for p, m in ((2, 4), (4, 8), (8, 16)):
+            plan = partition(prof, p, microbatches=m, schedule=sched)
+            assert plan.step_s == pytest.approx(plan.closed_form_step_s, rel=0.01)
+            assert plan.step_s == pytest.approx((m + p - 1) * 3e-3 * 32 / p, rel=1e-9)
+            assert plan.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-6)
+            assert 0 <= plan.gap < (p - 1) / m
+
+
+def test_memory_model_matches_engine_schedules():
+    build = pytest.importorskip("engine.schedules").build_schedule
+    for p, m in ((2, 4), (4, 8), (4, 2), (3, 6)):
+        for sched in ("gpipe", "1f1b", "zb-h1"):
+            assert inflight_per_chunk(sched, p, m) == inflight_from_schedule(build(sched, p, m)), (sched, p, m)
+        if m % p == 0:
+            for v in (2, 3):
+                got = inflight_from_schedule(build("interleaved-1f1b", p, m, v))
+                assert inflight_per_chunk("interleaved-1f1b", p, m, v) == got, (p, m, v)
+
+
+def test_stage_memory_is_the_documented_sum():
+    prof = uneven_profile()
+    plan = partition(prof, 4, microbatches=8, optimizer="adamw", zero_stage=1, data_parallel=2)
+    sf = static_factor(4, "adamw", 1, 2)
+    assert sf == pytest.approx((4 + 4 + 8 / 2) / 4)
+    L = prof.layers
+    for j, (s, e) in enumerate(plan.stage_ranges):
+        held = sum(c.activation_bytes for c in L[s:e]) + (L[s].shared_input_bytes if s else 0)
+        want = (sf * sum(c.param_bytes for c in L[s:e]) + plan.stage_inflight[j] * held
+                + (L[s - 1].output_bytes if s else 0) + (L[e - 1].output_bytes if e < len(L) else 0))
+        assert plan.stage_memory_bytes[j] == pytest.approx(want, abs=1)
+        assert plan.stage_activation_bytes[j] == pytest.approx(plan.stage_inflight[j] * held, abs=1)
+
+
+def test_auto_checkpointing_recomputes_only_where_needed():
+    prof = uneven_profile()
+    limit = int(_smallest_limit(prof, 4, 8) * 0.9)
+    with pytest.raises(PartitionError, match="activation_checkpointing='auto' would also fit"):
+        partition(prof, 4, microbatches=8, memory_limit_bytes=limit)
+    plan = partition(prof, 4, microbatches=8, memory_limit_bytes=limit, activation_checkpointing="auto")
+    assert plan.fits and any(plan.stage_recompute)
+    assert any("checkpointing on stage" in n for n in plan.notes)
+    every = partition(prof, 4, microbatches=8, memory_limit_bytes=limit, activation_checkpointing=True)
+    assert plan.bottleneck_s <= every.bottleneck_s * (1 + 1e-12)
+    assert not all(plan.stage_recompute) or plan.bottleneck_s == pytest.approx(every.bottleneck_s)
+
+
+def test_link_adds_transfers_to_stages_and_step():
+    prof = uneven_profile()
+    free = partition(prof, 4, microbatches=8)
+    slow = partition(prof, 4, microbatches=8, link_bytes_per_s=1e9)
+    assert all(c == pytest.approx((1 << 20) / 1e9) for c in slow.boundary_comm_s)
+    assert slow.step_s > free.step_s and slow.bottleneck_s > free.bottleneck_s
+
+
+def test_interleaved_plan_sums_chunks_per_rank():
+    prof = uneven_profile()
+    plan = partition(prof, 2, microbatches=4, schedule="interleaved-1f1b", virtual_stages=2,
+                     memory_limit_bytes=1 << 30)
+    assert len(plan.stage_ranges) == 4
+    for r in range(2):
+        assert plan.rank_memory_bytes[r] == pytest.approx(plan.stage_memory_bytes[r] + plan.stage_memory_bytes[r + 2], abs=2)
+    with pytest.raises(ValueError, match="virtual_stages=1"):
+        plan.to_deepspeed_parts()
+
+
+def test_pipelining_split_points_split_a_sequential_the_same_way():
+    from torch.distributed.pipelining import pipeline
+
+    seq = nn.Sequential(*[nn.Linear(8, 8) for _ in range(7)])
+    prof = Profile([LayerCost(1e-3 * (1 + i % 3), 2e-3, 288, 64, 64) for i in range(7)])
+    plan = partition(prof, 3, microbatches=4)
+    spec = plan.to_pipelining_split_points()
+    pipe = pipeline(seq, mb_args=(torch.randn(2, 8),), split_spec=spec)
+    assert pipe.num_stages == 3
+    for i, (s, e) in enumerate(plan.stage_ranges):
+        names = {n.split(".")[0] for n, _ in pipe.get_stage_module(i).named_parameters()}
+        assert names == {str(j) for j in range(s, e)}
+    named = plan.to_pipelining_split_points([f"layers.{i}" for i in range(7)])
+    assert set(named) == {f"layers.{s}" for s, _ in plan.stage_ranges[1:]}
+
+
+def test_deepspeed_parts_are_stage_boundaries():
+    prof = uneven_profile(n=10)
+    plan = partition(prof, 3, microbatches=4, method="uniform")
+    assert plan.to_deepspeed_parts() == [0, 4, 7, 10]  # same as DeepSpeed's partition_uniform
+    opt = partition(prof, 3, microbatches=4)
+    parts = opt.to_deepspeed_parts()
+    assert [(parts[i], parts[i + 1]) for i in range(3)] == opt.stage_ranges
+
+
+def test_predicted_stage_activations_match_a_direct_count_of_each_stage():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64),
+                        nn.ReLU(), nn.Linear(64, 16))
+    x = torch.randn(8, 32)
+    from partitioner import profile
+
+    prof = profile(seq, x, repeats=1, warmup=0)
+    for p in (2, 3, 4):
+        for method in ("uniform", "parameters", "greedy", "optimal"):
+            plan = partition(prof, p, microbatches=p, method=method)
+            h = x
+            for j, (s, e) in enumerate(plan.stage_ranges):
+                stage = seq[s:e]
+                inp = h.detach().requires_grad_(j > 0)
+                params = {p_.untyped_storage()._cdata for p_ in stage.parameters()}
+                seen = {}
+
+                def pack(t):
+                    key = t.untyped_storage()._cdata
+                    if key not in params:
+                        seen[key] = t.untyped_storage().nbytes()
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    h = stage(inp)
+                per_mb = plan.stage_activation_bytes[j] / plan.stage_inflight[j]
+                assert per_mb == sum(seen.values()), (method, p, j, plan.stage_ranges)
+
+
+def test_import_partitioner_is_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, partitioner; bad = [m for m in ('torch', 'deepspeed', 'wandb', 'matplotlib', 'hydra') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    assert r.returncode == 0, r.stdout + r.stderr

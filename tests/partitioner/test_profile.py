@@ -1,0 +1,169 @@
+import resource
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from partitioner import Profile, profile
+from _layers import Block, gpt_factories
+
+
+class Work(nn.Module):
+    """A chain of `reps` d x d matmuls: twice the reps, twice the work."""
+
+    def __init__(self, dim: int, reps: int) -> None:
+        super().__init__()
+        self.lin = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(reps))
+
+    def forward(self, x):
+        for lin in self.lin:
+            x = lin(x)
+        return x
+
+
+def test_twice_the_work_measures_about_twice_the_time():
+    torch.set_num_threads(1)
+    dim = 512
+    layers = [lambda: nn.Linear(dim, dim), lambda: Work(dim, 2), lambda: Work(dim, 4)]
+    ratios = []
+    for _attempt in range(5):  # the machine is shared: allow a noisy run to be repeated
+        prof = profile(layers, torch.randn(512, dim), repeats=5, warmup=1)
+        one, two = prof.layers[1:]
+        ratios.append((two.forward_s / one.forward_s, two.compute_s / one.compute_s))
+        if all(1.4 <= r <= 2.8 for r in ratios[-1]):
+            break
+    assert all(1.4 <= r <= 2.8 for r in ratios[-1]), ratios
+    # both have input and weight gradients: the weight part is a real share of the backward
+    assert 0 < two.weight_grad_s < two.backward_s
+
+
+def test_saved_bytes_of_linear_match_hand_count():
+    B, k, n = 32, 64, 48
+    prof = profile([lambda: nn.Linear(k, n), lambda: nn.Linear(n, 16)], torch.randn(B, k), repeats=1, warmup=0)
+    first, second = prof.layers
+    # Linear saves its input (weight is a parameter: not activation memory)
+    assert first.activation_bytes == B * k * 4
+    assert second.activation_bytes == B * n * 4
+    assert first.output_bytes == B * n * 4
+    assert first.param_bytes == (k * n + n) * 4
+    assert first.weight_grad_s == first.backward_s  # no input gradient for layer 0
+
+
+def test_relu_then_linear_counts_the_shared_tensor_once():
+    prof = profile([lambda: nn.Linear(32, 32), lambda: nn.ReLU(), lambda: nn.Linear(32, 8)],
+                   torch.randn(10, 32), repeats=1, warmup=0)
+    relu, lin = prof.layers[1], prof.layers[2]
+    assert relu.activation_bytes == 10 * 32 * 4  # ReLU saves its output
+    assert lin.activation_bytes == 0  # ...which is the Linear's saved input, counted by the producer
+    assert lin.shared_input_bytes == 10 * 32 * 4  # and held again only if a cut separates them
+    assert relu.shared_input_bytes == 0  # Linear 0 does not save its output
+
+
+def test_saved_bytes_of_transformer_block_match_hand_count():
+    B, T, d, H = 2, 16, 32, 4
+    prof = profile([lambda: Block(d, H)], torch.randn(B, T, d), repeats=1, warmup=0)
+    N = B * T
+    # x, ln1 out, q, k, v, y, x1, ln2 out: 8 N d; fc1 out (gelu input) and gelu out: 2 * 4 N d;
+    # two LayerNorms' mean and rstd: 4 N; softmax output (shared with the second bmm): B H T T
+    floats = 8 * N * d + 8 * N * d + 4 * N + B * H * T * T
+    assert prof.layers[0].activation_bytes == floats * 4
+
+
+def test_tuple_outputs_flow_between_layers():
+    class Split(nn.Module):
+        def forward(self, x):
+            return x[:, :8], x[:, 8:]
+
+    class Join(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 4)
+
+        def forward(self, xs):
+            return self.a(xs[0]) + xs[1][:, :4]
+
+    prof = profile([lambda: nn.Linear(16, 16), lambda: Split(), lambda: Join()], torch.randn(5, 16),
+                   repeats=1, warmup=0)
+    assert prof.layers[1].output_bytes == 5 * 16 * 4
+    assert prof.layers[2].backward_s > 0
+
+
+def test_shape_mismatch_names_both_layers():
+    with pytest.raises(ValueError) as e:
+        profile([lambda: nn.Linear(16, 16), lambda: nn.ReLU(), lambda: nn.Linear(8, 2)], torch.randn(4, 16),
+                repeats=1, warmup=0)
+    msg = str(e.value)
+    assert "layer 2 (Linear)" in msg and "layer 1 (ReLU)" in msg and "(4, 16)" in msg
+
+
+def test_modules_and_sequential_are_not_modified():
+    seq = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    w = seq[0].weight.detach().clone()
+    prof = profile(seq, torch.randn(3, 8), dtype=torch.float64, repeats=1, warmup=0)
+    assert prof.dtype == "float64" and prof.layers[0].param_bytes == (64 + 8) * 8
+    assert seq[0].weight.dtype == torch.float32 and torch.equal(seq[0].weight, w)
+
+
+def test_analytic_linear_flops_are_2mnk():
+    m, k, n = 64, 128, 96
+    prof = profile([lambda: nn.Linear(k, n), lambda: nn.Linear(n, n)], torch.randn(m, k), mode="analytic",
+                   device_spec="a100")
+    first, second = prof.layers
+    assert first.forward_flops == 2 * m * n * k
+    assert first.backward_flops == 2 * m * n * k       # weight gradient only (input needs none)
+    assert second.backward_flops == 2 * (2 * m * n * n)  # input and weight gradients
+    assert first.activation_bytes == m * k * 4 and first.output_bytes == m * n * 4
+    assert prof.meta["flop_count_mismatch"] == 0
+    assert first.forward_s > 0 and first.backward_s > 0
+
+
+def test_analytic_matches_measured_saved_bytes():
+    B, T, d, H, V = 2, 16, 32, 4, 50
+    layers = gpt_factories(V, d, H, 2, T)
+    ids = torch.randint(0, V, (B, T))
+    meas = profile(layers, ids, repeats=1, warmup=0)
+    ana = profile(layers, ids, mode="analytic", device_spec="h100")
+    assert [c.activation_bytes for c in meas.layers] == [c.activation_bytes for c in ana.layers]
+    assert [c.param_bytes for c in meas.layers] == [c.param_bytes for c in ana.layers]
+    assert [c.output_bytes for c in meas.layers] == [c.output_bytes for c in ana.layers]
+
+
+def test_analytic_profiles_a_100b_gpt_in_seconds_without_allocating():
+    V, d, H, L, T = 50257, 12288, 96, 96, 2048
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    prof = profile(gpt_factories(V, d, H, L, T), torch.zeros(1, T, dtype=torch.long), mode="analytic",
+                   dtype=torch.bfloat16, device_spec="h100")
+    elapsed = time.perf_counter() - t0
+    grew_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+    assert prof.total_params >= 100e9
+    assert prof.dtype == "bfloat16"
+    assert elapsed < 20, elapsed
+    assert grew_kib < 2 * 2**20, grew_kib  # < 2 GiB; the weights alone are ~350 GB
+    block = prof.layers[1]
+    # ~ 2 * params * tokens forward FLOPs for a block (+ attention)
+    assert 2 * 12 * d * d * T <= block.forward_flops <= 2 * 12 * d * d * T * 1.5
+    assert 1.5 <= block.backward_s / block.forward_s <= 2.5
+    assert Profile.from_json(prof.to_json()) == prof
+
+
+def test_cpu_device_spec_is_measured_once():
+    from partitioner import get_device_spec
+
+    a = get_device_spec("cpu")
+    b = get_device_spec("cpu")
+    assert a is b and a.peak_flops["float32"] > 1e8 and a.memory_bandwidth > 1e8
+    with pytest.raises(ValueError, match="unknown device spec"):
+        get_device_spec("tpu9")
+
+
+def test_analytic_cache_changes_nothing_and_tells_configs_apart():
+    B, T, d, V = 2, 16, 32, 50
+    layers = [lambda: Block(d, 4), lambda: Block(d, 4), lambda: Block(d, 2)]  # same params, other head count
+    x = torch.randn(B, T, d)
+    cached = profile(layers, x, mode="analytic", device_spec="h100")
+    fresh = profile(layers, x, mode="analytic", device_spec="h100", cache=False)
+    assert cached.layers == fresh.layers
+    assert cached.meta["unique_layers_costed"] == 3  # block 0 sees a non-grad input, 1 and 2 differ
+    assert cached.layers[1].activation_bytes != cached.layers[2].activation_bytes  # B*H*T*T differs
