@@ -1,0 +1,65 @@
+"""The single-process reference: the whole model in one fresh process, SGD.
+
+Two modes, each a row with ``system="single"``:
+
+- ``"microbatched"`` (the reference for ``ideal_step_s``): the global batch split into the
+  same ``m`` microbatches as the pipelines, forward + backward of ``loss_i / m`` each, gradients
+  accumulated, one optimizer step. It does exactly the work a pipeline does, minus transfers
+  and bubbles, so ``single / p x (m + p - 1) / m`` is what a perfectly balanced pipeline of
+  p stages would take.
+- ``"full-batch"``: one forward + backward of the whole batch (``microbatches=1``): what a
+  user without a pipeline would run; usually faster per sample (bigger matmuls).
+
+Example::
+
+    from experiments.peers.single import run_single
+    from experiments.peers.spec import tiny_spec
+
+    run_single(tiny_spec(), mode="microbatched")["step_s"]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from experiments.peers.common import make_row, named_params, timed_loop
+from experiments.peers.harness import spawn_workers
+from experiments.peers.spec import BenchSpec, build_chunk
+
+__all__ = ["run_single", "SINGLE_MODES"]
+
+SINGLE_MODES = ("microbatched", "full-batch")
+
+
+def _single_worker(rank: int, world_size: int, spec: BenchSpec, mode: str,
+                   return_params: bool) -> dict[str, Any]:
+    model = build_chunk(spec, 0, spec.num_layers)
+    opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
+    m = spec.microbatches if mode == "microbatched" else 1
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m)):
+            loss = spec.loss_fn(model(x), y)
+            (loss / m).backward()
+            total += loss.detach()
+        opt.step()
+        return float(total / m)
+
+    result = timed_loop(spec, step, rank=rank)
+    if return_params:
+        result["params"] = named_params([model])
+    return result
+
+
+def run_single(spec: BenchSpec, *, mode: str = "microbatched", return_params: bool = False,
+               timeout_s: float = 600.0) -> dict[str, Any]:
+    """One row: the whole model in one fresh process (see the module docstring for ``mode``)."""
+    if mode not in SINGLE_MODES:
+        raise ValueError(f"mode must be one of {SINGLE_MODES}, got {mode!r}")
+    results = spawn_workers(_single_worker, 1, spec, mode, return_params, timeout_s=timeout_s)
+    m = spec.microbatches if mode == "microbatched" else 1
+    return make_row("single", mode, spec, results, stages=1, microbatches=m)

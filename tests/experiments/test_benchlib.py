@@ -1,0 +1,182 @@
+"""Benchmark harness and peer runners at tiny size: rows, same math as a single process, failures.
+
+No speed assertions: the machine is shared. Multi-process runs are few and tiny (one DeepSpeed job).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import pytest
+import torch
+
+from experiments import benchlib
+from experiments.benchlib import (BenchSpec, WorkerFailure, add_ideal, bar_chart, format_table,
+                                  ideal_step_s, json_rows, run_deepspeed, run_peers, run_pipeshard,
+                                  run_single, run_torch_pipelining, spawn_workers, tiny_spec)
+from experiments.peers.faults import FailingLayer, hang_worker
+from experiments.peers.spec import ResidualMLPBlock, uniform_ranges
+from experiments.peers.torch_pp import chunk_to_rank
+
+ROW_KEYS = {"system", "schedule", "stages", "microbatches", "step_s", "step_s_all", "samples_per_s",
+            "peak_rss_bytes", "loss"}
+
+
+def _spec(**kw) -> BenchSpec:
+    args = dict(layers=8, width=32, batch=16, stages=2, microbatches=4, steps=2, warmup=0, lr=0.5)
+    args.update(kw)
+    return tiny_spec(**args)
+
+
+def _check_row(row: dict, system: str, stages: int, steps: int = 2) -> None:
+    assert ROW_KEYS <= set(row), sorted(ROW_KEYS - set(row))
+    assert "error" not in row, row.get("traceback")
+    assert row["system"] == system and row["stages"] == stages
+    assert len(row["step_s_all"]) == steps and row["step_s"] > 0
+    assert len(row["peak_rss_bytes"]) == stages and min(row["peak_rss_bytes"]) > 10 * 2**20
+    assert row["threads"] == [1] * stages
+    json.dumps(json_rows([row]))
+
+
+def _assert_same_math(row: dict, ref: dict) -> None:
+    """Same losses at every step and same parameters after the last SGD step (fp32)."""
+    assert row["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert row["losses"][0] != pytest.approx(row["losses"][-1], rel=1e-3)  # training did move
+    assert set(row["params"]) == set(ref["params"])
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(row["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def spec() -> BenchSpec:
+    return _spec()
+
+
+@pytest.fixture(scope="module")
+def single_ref(spec: BenchSpec) -> dict:
+    return run_single(spec, mode="microbatched", return_params=True)
+
+
+# ---- pure helpers --------------------------------------------------------------------------
+
+def test_ideal_step_s_formula_and_add_ideal() -> None:
+    assert ideal_step_s(1.0, 2, 8) == pytest.approx(0.5 * 9 / 8)
+    assert ideal_step_s(3.0, 1, 5) == pytest.approx(3.0)
+    with pytest.raises(ValueError):
+        ideal_step_s(1.0, 0, 8)
+    rows = [{"system": "single", "schedule": "microbatched", "stages": 1, "microbatches": 8, "step_s": 2.0},
+            {"system": "x", "schedule": "1f1b", "stages": 4, "microbatches": 8, "step_s": 1.0},
+            {"system": "y", "schedule": "1f1b", "stages": 2, "microbatches": 3, "step_s": 1.0}]
+    add_ideal(rows)
+    assert rows[1]["ideal_step_s"] == pytest.approx(2.0 / 4 * 11 / 8)
+    assert rows[2]["ideal_step_s"] is None  # no single row with 3 microbatches
+
+
+def test_spec_rejects_bad_ranges_and_splits_uniformly() -> None:
+    assert uniform_ranges(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    with pytest.raises(ValueError, match="cover"):
+        BenchSpec(layers=[ResidualMLPBlock] * 4, loss_fn=torch.nn.functional.mse_loss,
+                  batches=lambda s: (None, None), stage_ranges=[(0, 2), (2, 3)], microbatches=2)
+    with pytest.raises(ValueError, match="contiguous"):
+        BenchSpec(layers=[ResidualMLPBlock] * 4, loss_fn=torch.nn.functional.mse_loss,
+                  batches=lambda s: (None, None), stage_ranges=[(0, 2), (3, 4)], microbatches=2)
+    assert _spec().ranges_for(2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+def test_chunk_placement() -> None:
+    assert chunk_to_rank(2, 4, "loop") == [0, 1, 0, 1]
+    assert chunk_to_rank(3, 6, "v") == [0, 1, 2, 2, 1, 0]
+
+
+def test_table_and_chart_show_rows_and_errors(tmp_path) -> None:
+    rows = [{"system": "single", "schedule": "microbatched", "stages": 1, "microbatches": 8,
+             "step_s": 0.2, "samples_per_s": 320.0, "peak_rss_bytes": [300 * 2**20], "loss": 1.5},
+            {"system": "torch-pipelining", "schedule": "1f1b", "stages": 2, "microbatches": 8,
+             "step_s": 0.125, "samples_per_s": 512.0, "peak_rss_bytes": [2**28, 2**29], "loss": 1.5},
+            {"system": "deepspeed", "schedule": "1f1b", "stages": 2, "microbatches": 8, "step_s": None,
+             "samples_per_s": None, "peak_rss_bytes": [], "loss": None, "error": "rank 1: boom"}]
+    add_ideal(rows)
+    text = format_table(rows)
+    assert "torch-pipelining" in text and "rank 1: boom" in text
+    assert "125.0" in text and "1.11" in text  # 0.125 s vs ideal 0.1125 s
+    assert "512" in text  # max RSS over ranks, MiB
+    path = tmp_path / "bench.png"
+    bar_chart(rows, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- harness ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_harness_times_out() -> None:
+    with pytest.raises(WorkerFailure, match="timed out"):
+        spawn_workers(hang_worker, 1, 60.0, timeout_s=3)
+
+
+# ---- runners -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_single_modes_agree(spec: BenchSpec, single_ref: dict) -> None:
+    _check_row(single_ref, "single", 1)
+    assert single_ref["schedule"] == "microbatched" and single_ref["microbatches"] == 4
+    full = run_single(spec, mode="full-batch", return_params=True)
+    _check_row(full, "single", 1)
+    assert full["microbatches"] == 1
+    _assert_same_math(full, single_ref)  # microbatched accumulation = full-batch mean gradient
+
+
+@pytest.mark.slow
+def test_torch_1f1b_matches_single_process(spec: BenchSpec, single_ref: dict) -> None:
+    row = run_torch_pipelining(spec, "1f1b", return_params=True)
+    _check_row(row, "torch-pipelining", 2)
+    _assert_same_math(row, single_ref)
+
+
+@pytest.mark.slow
+def test_other_torch_schedules_give_rows(spec: BenchSpec, single_ref: dict) -> None:
+    names = ("gpipe", "interleaved-1f1b", "zbv")  # interleaved-zb: same code path as zbv, left out for time
+    rows = run_peers(spec, systems=("torch-pipelining",), torch_schedules=names, log=None)
+    assert [r["schedule"] for r in rows] == list(names)
+    by_name = {r["schedule"]: r for r in rows}
+    for name in ("gpipe", "interleaved-1f1b"):  # these must run; zero-bubble may be an error row
+        assert "error" not in by_name[name], by_name[name].get("traceback")
+    for row in rows:
+        if "error" not in row:
+            _check_row(row, "torch-pipelining", 2)
+            assert row["losses"] == pytest.approx(single_ref["losses"], rel=1e-5), row["schedule"]
+    assert by_name["zbv"]["virtual_stages"] == 2
+
+
+@pytest.mark.slow
+def test_deepspeed_matches_single_process(spec: BenchSpec, single_ref: dict) -> None:
+    row = run_deepspeed(spec, return_params=True)
+    _check_row(row, "deepspeed", 2)
+    _assert_same_math(row, single_ref)
+
+
+@pytest.mark.slow
+def test_pipeshard_runner_matches_single_process(spec: BenchSpec, single_ref: dict) -> None:
+    row = run_pipeshard(spec, "zb-h1", return_params=True)
+    _check_row(row, "pipeshard", 2)
+    _assert_same_math(row, single_ref)
+
+
+@pytest.mark.slow
+def test_a_failing_run_becomes_an_error_row() -> None:
+    base = _spec(layers=4)
+    layers = list(base.layers[:3]) + [functools.partial(FailingLayer, "boom in the last layer")]
+    bad = BenchSpec(layers=layers, loss_fn=base.loss_fn, batches=base.batches,
+                    stage_ranges=base.stage_ranges, microbatches=base.microbatches, steps=1, warmup=0)
+    t0 = time.monotonic()
+    rows = run_peers(bad, systems=("torch-pipelining",), torch_schedules=("1f1b", "no-such-schedule"),
+                     log=None, timeout_s=120)
+    # rank 0, blocked on a receive from the failed rank 1, was killed rather than waited for
+    assert time.monotonic() - t0 < 60
+    assert len(rows) == 2
+    assert rows[0]["error"].startswith("rank 1:") and "boom in the last layer" in rows[0]["error"]
+    assert "unknown torch schedule" in rows[1]["error"]
+    assert rows[0]["step_s"] is None and "Traceback" in rows[0]["traceback"]
+    assert rows[0]["error"] in format_table(rows)
+    assert benchlib.json_rows(rows)[0]["error"] == rows[0]["error"]
