@@ -1,0 +1,502 @@
+"""DeepSpeed ZeRO backend for one pipeline rank's parameters (the only module that imports DeepSpeed).
+
+`DeepSpeedStageOptimizer` implements `engine.optim.StageOptimizer` for ``zero_stage`` 0, 1 and 2.
+DeepSpeed is imported lazily, inside the constructor, so ``import engine`` stays light.
+
+How the pipeline drives DeepSpeed
+---------------------------------
+The runtime does its own autograd (``torch.autograd.backward``) because a pipeline stage receives
+the gradient of its output from the next stage and may split backward into an input half and a
+weight half (zero-bubble). DeepSpeed's engine is used only for what it is good at: reducing and
+sharding gradients over the data-parallel group, clipping, and the optimizer step on the fp32
+(partitioned) master weights. Concretely:
+
+* The engine is built with ``gradient_accumulation_steps=1`` and
+  ``managed_gradient_accumulation=False``: every ``backward`` only accumulates gradients and the
+  single ``engine.step()`` at the end of the microbatches is the accumulation boundary. Nothing is
+  divided by DeepSpeed, so the usual double-division trap (``engine.backward`` dividing a
+  gradient that already carries ``1/m``) cannot occur: the last stage back-propagates
+  ``scale_loss(loss) = loss / m * loss_scale`` and every other gradient arrives already scaled.
+  DeepSpeed then averages over the data-parallel replicas.
+* ``backward`` runs plain ``torch.autograd.backward(tensors, grad_tensors, inputs=...)`` and then
+  ``engine.allreduce_gradients()``. For ZeRO-2 that is DeepSpeed's per-backward epilogue (flush
+  of the reduce-scatter bucket that its gradient hooks filled); for ZeRO 0/1 it is a no-op
+  outside ``step()`` (they reduce once, at the boundary, like DeepSpeed's own PipelineEngine).
+  So the input-gradient half of a zero-bubble backward (``inputs=[stage_input]``) touches no
+  parameter and the weight half (``inputs=params``) feeds DeepSpeed's hooks exactly once.
+* The mpu adapter gives DeepSpeed ``dp_group`` as its data-parallel group and ``pipeline_group``
+  as its model-parallel group, and every parameter is marked ``param.model_parallel = True``
+  (each stage's parameters are distinct, so each is counted once: DeepSpeed counts a
+  non-model-parallel parameter only on model-parallel rank 0). DeepSpeed therefore all-reduces
+  the gradient norm and the overflow flag over data-parallel *and* pipeline ranks: clipping is by
+  the global norm of the whole model and a non-finite gradient on any stage skips the step on all.
+
+Precision
+---------
+Parameters stay fp32 in every precision (fp32 master weights; the runtime runs forward under
+``torch.autocast`` for bf16/fp16). DeepSpeed's own bf16/fp16 modes are not used: they cast the
+module to 16-bit, which would drop the fp32 master copy the runtime's autocast relies on, and
+DeepSpeed's fused fp16 path expects an accelerator. fp16 uses this module's dynamic loss scaler:
+``scale_loss`` multiplies by the current scale, DeepSpeed is told the scale
+(``override_loss_scale``) so it unscales before clipping, and the scale halves after a skipped
+step and doubles after ``growth_interval`` clean ones. For ZeRO-0 (DeepSpeed's plain optimizer
+path) this module checks finiteness, unscales and clips itself, with the same global reductions.
+
+Restrictions
+------------
+ZeRO-2 works with every schedule: interleaved chunks (several in one module) and the split
+input/weight backward of zero-bubble, as the tests show (parameters equal a single process to
+~1e-8). ZeRO-2 is refused for parameters tied across stages (``norm_skip`` non-empty): the
+runtime sums a tie's gradients between stages before the step, and ZeRO-2 has already
+reduce-scattered them. Collective calls: ``step``, ``state_dict`` and ``load_state_dict`` must
+be called by every rank of the job (they reduce over the data-parallel and pipeline groups).
+DeepSpeed's CPU accelerator JIT-builds a small shared-memory op on first use (about a minute,
+then cached in ~/.cache/torch_extensions).
+
+Example::
+
+    opt = DeepSpeedStageOptimizer(OptimizerConfig(name="adamw", lr=1e-3, zero_stage=1), module,
+                                  dp_group=dp, pipeline_group=pp, microbatches=4, precision="fp32")
+    opt.backward([opt.scale_loss(loss)])              # last stage
+    opt.backward([out], [grad_from_next_stage])       # other stages
+    skipped, norm = opt.step()
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["DeepSpeedStageOptimizer", "ZeroMpu"]
+
+_PRECISIONS = ("fp32", "bf16", "fp16")
+_OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+class ZeroMpu:
+    """DeepSpeed "model parallel unit": data parallel = ``dp_group``, model parallel = ``pipeline_group``.
+
+    Example::
+
+        mpu = ZeroMpu(dp_group, pipeline_group)
+        mpu.get_model_parallel_world_size()   # number of pipeline ranks
+    """
+
+    def __init__(self, dp_group: Any, pipeline_group: Any) -> None:
+        self._dp = dp_group
+        self._pp = pipeline_group
+
+    def get_data_parallel_group(self) -> Any:
+        return self._dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._dp)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._dp)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self._dp)
+
+    def get_model_parallel_group(self) -> Any:
+        return self._pp
+
+    def get_model_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._pp)
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(self._pp)
+
+    def get_model_parallel_src_rank(self) -> int:
+        return dist.get_process_group_ranks(self._pp)[0]
+
+
+def _lr_at(config: Any, step: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): the runtime's one schedule."""
+    from engine.optim import lr_at  # light; imported here so engine.optim may import us lazily
+
+    return float(lr_at(config, step))
+
+
+def _ensure_deepspeed_env() -> None:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _as_list(x: Any) -> list:
+    if x is None:
+        return []
+    if isinstance(x, Tensor):
+        return [x]
+    return list(x)
+
+
+class DeepSpeedStageOptimizer:
+    """StageOptimizer over DeepSpeed ZeRO 0/1/2 for this rank's module (all of its chunks).
+
+    Example::
+
+        opt = DeepSpeedStageOptimizer(cfg, nn.ModuleList(chunks), dp_group=dp,
+                                      pipeline_group=pp, microbatches=4, precision="bf16")
+    """
+
+    def __init__(self, config: Any, module: nn.Module, *, dp_group: Any, pipeline_group: Any,
+                 microbatches: int, precision: str, total_steps: int | None = None,
+                 nonfinite: str = "raise", norm_skip: Iterable[str] = ()) -> None:
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        if precision not in _PRECISIONS:
+            raise ValueError(f"precision {precision!r} is not supported; use one of {_PRECISIONS}")
+        name = str(config.name).lower()
+        if name not in _OPTIMIZERS:
+            raise ValueError(f"optimizer {config.name!r} is not supported; use one of {_OPTIMIZERS}")
+        stage = int(config.zero_stage)
+        if stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage={stage} is not supported; use 0, 1 or 2 "
+                             "(ZeRO-3 partitions parameters, which a pipeline stage needs whole)")
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+        norm_skip = set(norm_skip)
+        if norm_skip and stage == 2:
+            raise ValueError(
+                "zero_stage=2 cannot be used with parameters tied across pipeline stages "
+                f"({sorted(norm_skip)}): their gradients must be summed between the stages "
+                "before the step, but ZeRO-2 reduce-scatters every gradient over the "
+                "data-parallel group as soon as backward produces it. Use zero_stage=1, or untie.")
+        if dp_group is None or pipeline_group is None:
+            raise ValueError("DeepSpeedStageOptimizer needs torch.distributed initialised and the "
+                             "mesh's dp_group and pipeline_group; for one process use the torch "
+                             "backend (optimizer.backend='torch', zero_stage=0)")
+        for p in module.parameters():
+            if p.dtype != torch.float32:
+                raise ValueError("DeepSpeedStageOptimizer keeps fp32 master weights in the module: "
+                                 f"found a {p.dtype} parameter; build the layers in fp32 and use "
+                                 "precision='bf16'/'fp16' (autocast) instead")
+        _ensure_deepspeed_env()
+        import deepspeed  # lazy: heavy, and only this module may import it
+
+        self.config = config
+        self.module = module
+        self.name = name
+        self.zero_stage = stage
+        self.microbatches = int(microbatches)
+        self.precision = precision
+        self.total_steps = total_steps
+        self.dp_group = dp_group
+        self.pipeline_group = pipeline_group
+        self.nonfinite = nonfinite
+        self.grad_clip = float(config.grad_clip) if config.grad_clip else 0.0
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+        unknown = norm_skip - set(self._names.values())
+        if unknown:
+            raise ValueError(f"norm_skip names {sorted(unknown)} are not parameters of this module")
+        self._norm_skip = {id(p) for p in self._params if self._names[id(p)] in norm_skip}
+        self._attempts = 0
+        for p in self._params:
+            p.model_parallel = True  # distinct per pipeline rank: count once in the global norm
+            # The second copy of a parameter tied across stages: DeepSpeed leaves it out of the
+            # norm (its own pipeline engine's mechanism for tied weights).
+            p.ds_pipe_replicated = id(p) in self._norm_skip
+
+        # fp16 dynamic loss scale (torch.amp.GradScaler's defaults).
+        self.loss_scale = 2.0 ** 16 if precision == "fp16" else 1.0
+        self.growth_interval = 2000
+        self._good_steps = 0
+        self._applied_steps = 0
+
+        base = self._make_torch_optimizer()
+        self._last_norm: float | None = None
+        self._last_overflow = False
+        if stage == 0:
+            base.step = self._wrap_plain_step(base.step)  # type: ignore[method-assign]
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "managed_gradient_accumulation": False,
+            "gradient_clipping": self.grad_clip if stage > 0 else 0.0,
+            "zero_optimization": {"stage": stage, "overlap_comm": False,
+                                  "contiguous_gradients": stage == 2, "reduce_scatter": True},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2 ** 31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        # DeepSpeed imports optional packages inside initialize(); a garbage collection running a
+        # finaliser that imports in the middle of that can corrupt CPython 3.11's import-lock
+        # table (KeyError in importlib._bootstrap), seen when several engines are built in turn.
+        gc.collect()
+        gc.disable()
+        try:
+            self.engine, self._ds_opt, _, _ = deepspeed.initialize(
+                model=module, optimizer=base, config=ds_config,
+                mpu=ZeroMpu(dp_group, pipeline_group), dist_init_required=False)
+        finally:
+            gc.enable()
+        self._base = base
+        if stage > 0 and precision == "fp16":
+            self._ds_opt.override_loss_scale(self.loss_scale)
+        self._set_lr(_lr_at(config, 0))
+
+    # ------------------------------------------------------------------ construction helpers
+    def _make_torch_optimizer(self) -> torch.optim.Optimizer:
+        c = self.config
+        if self.name == "sgd":
+            return torch.optim.SGD(self._params, lr=c.lr, momentum=c.momentum,
+                                   weight_decay=c.weight_decay, foreach=False)
+        cls = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
+        return cls(self._params, lr=c.lr, betas=tuple(c.betas), eps=c.eps,
+                   weight_decay=c.weight_decay, foreach=False)
+
+    def _wrap_plain_step(self, inner_step):
+        """ZeRO-0: DeepSpeed all-reduced the full grads; add overflow skip, unscale and clipping."""
+
+        def step(closure=None):
+            grads = [p.grad for p in self._params if p.grad is not None]
+            sq = torch.zeros(1, dtype=torch.float64)
+            for p in self._params:
+                if p.grad is not None and id(p) not in self._norm_skip:
+                    sq += p.grad.detach().double().pow(2).sum()
+            # Grads are identical across replicas after the all-reduce: sum over the pipeline only.
+            dist.all_reduce(sq, group=self.pipeline_group)
+            norm = math.sqrt(sq.item()) / self.loss_scale if math.isfinite(sq.item()) else math.inf
+            if not math.isfinite(norm):
+                self._last_overflow, self._last_norm = True, math.inf
+                return None
+            self._last_overflow, self._last_norm = False, norm
+            factor = 1.0 / self.loss_scale
+            if self.grad_clip > 0 and norm > self.grad_clip:
+                factor *= self.grad_clip / (norm + 1e-6)
+            if factor != 1.0:
+                for g in grads:
+                    g.mul_(factor)
+            return inner_step(closure) if closure is not None else inner_step()
+
+        return step
+
+    # ------------------------------------------------------------------ StageOptimizer protocol
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss / microbatches * loss_scale``: what the last stage back-propagates."""
+        return loss * (self.loss_scale / self.microbatches)
+
+    def backward(self, tensors: Tensor | Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | None = None,
+                 inputs: Sequence[Tensor] | None = None, retain_graph: bool = False) -> None:
+        """Accumulate gradients of ``tensors`` (seeded with ``grad_tensors``) into ``inputs``.
+
+        ``inputs=None`` means every leaf (a full backward); the zero-bubble halves pass the stage
+        input (I) or this chunk's parameters (W). DeepSpeed's ZeRO-2 hooks fire for parameters only.
+        """
+        ts = _as_list(tensors)
+        gs = _as_list(grad_tensors) if grad_tensors is not None else [None] * len(ts)
+        if len(gs) != len(ts):
+            raise ValueError(f"backward got {len(ts)} tensors but {len(gs)} grad_tensors")
+        pairs = [(t, g) for t, g in zip(ts, gs) if t is not None and t.requires_grad]
+        if not pairs:
+            return
+        ins = list(inputs) if inputs is not None else None
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=ins,
+                                retain_graph=retain_graph)
+        if ins is None or any(id(x) in self._names for x in ins):
+            self.engine.allreduce_gradients()
+
+    def zero_grad(self) -> None:
+        """Drop parameter gradients (``step`` already leaves none behind)."""
+        for p in self._params:
+            p.grad = None
+
+    def step(self) -> tuple[bool, float | None]:
+        """Reduce over replicas, clip by the global norm, update.
+
+        Returns ``(skipped, grad_norm)``; ``grad_norm`` is the pre-clip global norm over all
+        stages and replicas, None for a skipped step. A non-finite gradient anywhere skips the
+        step on every rank (fp16, or ``nonfinite="skip"``) or raises ``NonFiniteError`` on every
+        rank (``nonfinite="raise"`` with fp32/bf16).
+        """
+        self._attempts += 1
+        self._last_norm, self._last_overflow = None, False
+        previous_lr = self.lr()
+        self._set_lr(_lr_at(self.config, self._applied_steps))
+        self.engine.step()
+        if self.zero_stage > 0:
+            overflow = bool(getattr(self._ds_opt, "overflow", False))
+            raw = self._ds_opt._global_grad_norm if not overflow else math.inf
+            norm = float(raw) if raw is not None else None
+            if norm is not None and norm < 0:  # DeepSpeed's sentinel for a non-finite norm
+                norm = math.inf
+        else:
+            overflow, norm = self._last_overflow, self._last_norm
+            for p in self._params:  # a skipped step must not leak its grads into the next one
+                p.grad = None
+        self._update_loss_scale(overflow)
+        if overflow and self.precision != "fp16" and self.nonfinite == "raise":
+            from engine.optim import NonFiniteError
+            raise NonFiniteError(
+                f"non-finite gradient at optimizer step {self._attempts - 1} (found by the global "
+                "check over all stages and replicas; rank "
+                f"{dist.get_rank()}); lower the lr, enable grad_clip, or pass nonfinite='skip'")
+        if overflow:
+            self._set_lr(previous_lr)
+        else:
+            self._applied_steps += 1
+        return overflow, (None if overflow else norm)
+
+    def lr(self) -> float:
+        """Learning rate of the last applied step (before any: the first step's), as the torch
+        backend reports it."""
+        return float(self._base.param_groups[0]["lr"]) if self.zero_stage == 0 else float(self._ds_opt.get_lr())
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state (momentum / Adam moments) held by this rank: ~1/d under ZeRO>=1."""
+        inner = self._base if self.zero_stage == 0 else self._ds_opt.optimizer
+        total = 0
+        for st in inner.state.values():
+            for v in st.values():
+                if isinstance(v, Tensor) and v.dim() > 0:
+                    total += v.numel() * v.element_size()
+        return int(total)
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """This rank's accumulated parameter gradients before ``step`` (ZeRO 0/1: not yet reduced)."""
+        if self.zero_stage == 2:
+            raise NotImplementedError("full_grads() is unavailable with zero_stage=2: DeepSpeed "
+                                      "reduce-scatters each gradient as soon as it is computed; "
+                                      "compare parameters after step() instead")
+        return {self._names[id(p)]: p.grad.detach().clone() for p in self._params if p.grad is not None}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Full (unsharded) per-parameter state keyed by the module's parameter names.
+
+        Same layout as the torch backend's (``{"state": {name: {key: tensor}}, "steps": ...}``,
+        Adam entries carry a per-parameter ``"step"``), so either backend loads the other's
+        state, with any split. Collective over ``dp_group`` for ZeRO 1/2 (shards are gathered).
+        """
+        per_param: dict[str, dict[str, Tensor]] = {}
+        keys = self._state_keys()
+        for p in self._params:
+            entry: dict[str, Tensor] = {}
+            for k in keys:
+                v = self._get_state(p, k)
+                if v is not None:
+                    entry[k] = v.detach().to("cpu", copy=True).reshape(p.shape)
+            if entry and self.name in ("adam", "adamw"):
+                entry["step"] = torch.tensor(float(self._applied_steps))
+            if entry:
+                per_param[self._names[id(p)]] = entry
+        return {"optimizer": self.name, "state": per_param, "steps": self._applied_steps,
+                "attempts": self._attempts, "loss_scale": float(self.loss_scale),
+                "good_steps": self._good_steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Load state from either backend's ``state_dict()`` (any split or replica count).
+
+        Entries for parameters this rank does not hold are ignored. Call it after the module's
+        weights were loaded: the fp32 master copy is re-synced from them. Collective over all
+        ranks (for ZeRO 1/2 a zero-gradient, lr = 0 step first creates DeepSpeed's state).
+        """
+        name = sd.get("optimizer")
+        if name is not None and name != self.name:
+            raise ValueError(f"optimizer state is for {name!r}, this run uses {self.name!r}; "
+                             "use the same optimizer or start without optimizer state")
+        state = sd.get("state", {})
+        self._prime_state()
+        self._sync_master_from_module()
+        keys = set(self._state_keys())
+        for p in self._params:
+            entry = state.get(self._names[id(p)], {})
+            for k, v in entry.items():
+                if isinstance(v, Tensor) and v.dim() > 0 and k in keys:
+                    if v.shape != p.shape:
+                        raise ValueError(f"optimizer state {self._names[id(p)]}.{k} has shape "
+                                         f"{tuple(v.shape)}, the parameter {tuple(p.shape)}")
+                    self._set_state(p, k, v)
+        steps = int(sd.get("steps", sd.get("applied_steps", 0)))
+        self._applied_steps = steps
+        self._attempts = int(sd.get("attempts", steps))
+        self._set_step_counters(steps)
+        self.loss_scale = float(sd.get("loss_scale", self.loss_scale))
+        self._good_steps = int(sd.get("good_steps", 0))
+        if self.zero_stage > 0 and self.precision == "fp16":
+            self._ds_opt.override_loss_scale(self.loss_scale)
+        self._set_lr(_lr_at(self.config, self._applied_steps))
+
+    # ------------------------------------------------------------------ internals
+    def _set_lr(self, lr: float) -> None:
+        groups = self._base.param_groups if self.zero_stage == 0 else self._ds_opt.param_groups
+        for g in groups:
+            g["lr"] = lr
+
+    def _update_loss_scale(self, overflow: bool) -> None:
+        if self.precision != "fp16":
+            return
+        if overflow:
+            self.loss_scale = max(self.loss_scale / 2.0, 1.0)
+            self._good_steps = 0
+        else:
+            self._good_steps += 1
+            if self._good_steps >= self.growth_interval:
+                self.loss_scale *= 2.0
+                self._good_steps = 0
+        if self.zero_stage > 0:
+            self._ds_opt.override_loss_scale(self.loss_scale)
+
+    def _state_keys(self) -> list[str]:
+        """Names of the per-parameter state tensors (identical on every replica of this stage)."""
+        inner = self._base if self.zero_stage == 0 else self._ds_opt.optimizer
+        keys: set[str] = set()
+        for st in inner.state.values():
+            keys |= {k for k, v in st.items() if isinstance(v, Tensor) and v.dim() > 0}
+        return sorted(keys)
+
+    def _get_state(self, p: nn.Parameter, key: str) -> Tensor | None:
+        if self.zero_stage == 0:
+            return self._base.state.get(p, {}).get(key)
+        from deepspeed.utils import safe_get_full_optimizer_state
+        # Collective over dp_group: ranks owning no slice of p contribute zeros.
+        return safe_get_full_optimizer_state(p, key)
+
+    def _set_state(self, p: nn.Parameter, key: str, value: Tensor) -> None:
+        if self.zero_stage == 0:
+            self._base.state[p][key] = value.to(p.device, p.dtype).clone()
+            return
+        from deepspeed.utils import safe_set_full_optimizer_state
+        safe_set_full_optimizer_state(p, value.to(p.device, torch.float32), key)
+
+    def _set_step_counters(self, steps: int) -> None:
+        inner = self._base if self.zero_stage == 0 else self._ds_opt.optimizer
+        for st in inner.state.values():
+            if "step" in st:
+                st["step"] = torch.tensor(float(steps)) if isinstance(st["step"], Tensor) else steps
+
+    def _sync_master_from_module(self) -> None:
+        if self.zero_stage == 0:
+            return
+        from deepspeed.utils import safe_set_full_fp32_param
+        for p in self._params:
+            safe_set_full_fp32_param(p, p.detach().float())
+
+    def _prime_state(self) -> None:
+        """Create the optimizer's state tensors by a step with zero gradients and lr = 0."""
+        inner = self._base if self.zero_stage == 0 else self._ds_opt.optimizer
+        if inner.state:
+            return
+        saved = [(p.detach().clone()) for p in self._params]
+        groups = self._base.param_groups if self.zero_stage == 0 else self._ds_opt.param_groups
+        for g in groups:
+            g["lr"] = 0.0
+        scale, self.loss_scale = self.loss_scale, 1.0
+        if self.zero_stage > 0 and self.precision == "fp16":
+            self._ds_opt.override_loss_scale(1.0)
+        zero = sum((p * 0.0).sum() for p in self._params)
+        self.backward([zero])
+        self.engine.step()
+        self.loss_scale = scale
+        with torch.no_grad():
+            for p, s in zip(self._params, saved):
+                p.copy_(s)

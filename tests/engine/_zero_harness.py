@@ -1,0 +1,340 @@
+"""Test harness for engine.zero: a hand-written tiny pipeline x data-parallel mesh on gloo.
+
+World = p * d ranks, rank = replica * p + pipeline_rank (the runtime's layout). Each rank holds
+chunks c with c % p == its pipeline rank (v chunks per rank for the interleaved layout) and runs
+GPipe order by hand (isend / blocking recv). The reference is one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ROOT = str(Path(__file__).resolve().parents[2])
+if ROOT not in sys.path:  # the repo root, for `import engine` in spawned workers too
+    sys.path.insert(0, ROOT)
+
+DIMS = [(6, 8), (8, 8), (8, 8), (8, 3)]
+GLOBAL_BATCH = 8
+
+
+def make_config(**kw: Any) -> Any:
+    from engine.optim import OptimizerConfig
+
+    return OptimizerConfig(**kw, backend="deepspeed")
+
+
+def make_layer(i: int) -> nn.Module:
+    torch.manual_seed(1000 + i)
+    lin = nn.Linear(*DIMS[i])
+    return nn.Sequential(lin, nn.Tanh()) if i < len(DIMS) - 1 else lin
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + step)
+    return torch.randn(GLOBAL_BATCH, DIMS[0][0], generator=g), torch.randn(GLOBAL_BATCH, DIMS[-1][1], generator=g)
+
+
+def chunk_ranges(num_chunks: int) -> list[tuple[int, int]]:
+    n = len(DIMS)
+    assert n % num_chunks == 0
+    k = n // num_chunks
+    return [(c * k, (c + 1) * k) for c in range(num_chunks)]
+
+
+def torch_optimizer(cfg: Any, params) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
+    return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def reference(cfg: Any, steps: int | list[int], autocast: torch.dtype | None = None) -> dict:
+    """Single process, whole batch: losses, grad norms and final parameters.
+
+    ``steps``: a count, or the list of data steps whose updates are applied (a skipped step's
+    data is left out).
+    """
+    from engine.zero import _lr_at  # engine.optim.lr_at when it exists
+
+    model = nn.Sequential(*[make_layer(i) for i in range(len(DIMS))])
+    opt = torch_optimizer(cfg, model.parameters())
+    losses, norms = [], []
+    for applied, s in enumerate(range(steps) if isinstance(steps, int) else steps):
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(cfg, applied)
+        x, y = data(s)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            out = model(x)
+        loss = nn.functional.mse_loss(out.float(), y)
+        opt.zero_grad()
+        loss.backward()
+        if cfg.grad_clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+        else:
+            norms.append(float(torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+        opt.step()
+        losses.append(loss.item())
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state_numel = sum(p.numel() for p in model.parameters())
+    return {"losses": losses, "norms": norms, "params": params, "numel": state_numel}
+
+
+@dataclass
+class Mesh:
+    p: int
+    d: int
+    rank: int
+    pp_group: Any = None
+    dp_group: Any = None
+    pp_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def prank(self) -> int:
+        return self.rank % self.p
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.p
+
+
+def build_mesh(p: int, d: int) -> Mesh:
+    rank = dist.get_rank()
+    mesh = Mesh(p, d, rank)
+    for r in range(d):  # every rank must create every group, in the same order
+        ranks = [r * p + j for j in range(p)]
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mesh.pp_group, mesh.pp_ranks = g, ranks
+    for j in range(p):
+        ranks = [r * p + j for r in range(d)]
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mesh.dp_group = g
+    return mesh
+
+
+class Stage:
+    """This rank's chunks as one nn.ModuleList (what the runtime hands to the optimizer)."""
+
+    def __init__(self, mesh: Mesh, virtual: int) -> None:
+        self.mesh = mesh
+        self.ranges = chunk_ranges(mesh.p * virtual)
+        self.mine = [c for c in range(len(self.ranges)) if c % mesh.p == mesh.prank]
+        self.chunks = {c: nn.Sequential(*[make_layer(i) for i in range(*self.ranges[c])]) for c in self.mine}
+        self.module = nn.ModuleList([self.chunks[c] for c in self.mine])
+
+    def named_global_params(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for c in self.mine:
+            start = self.ranges[c][0]
+            for name, t in self.chunks[c].named_parameters():
+                j, rest = name.split(".", 1)
+                out[f"{start + int(j)}.{rest}"] = t
+        return out
+
+
+def pipeline_step(opt: Any, stage: Stage, step: int, *, split_backward: bool = False,
+                  microbatches: int = 2, poison: Callable[[int, int], bool] | None = None,
+                  autocast: torch.dtype | None = None) -> dict:
+    """One training step in GPipe order; returns the global mean loss and the optimizer result."""
+    mesh, ranges, m = stage.mesh, stage.ranges, microbatches
+    C = len(ranges)
+    x, y = data(step)
+    per = GLOBAL_BATCH // mesh.d
+    xs = x[mesh.replica * per:(mesh.replica + 1) * per].chunk(m)
+    ys = y[mesh.replica * per:(mesh.replica + 1) * per].chunk(m)
+    peer = lambda c: mesh.pp_ranks[c % mesh.p]  # noqa: E731
+    inputs, outputs, scaled, losses, sends = {}, {}, {}, [], []
+    for c in range(C):
+        if c not in stage.chunks:
+            continue
+        for i in range(m):
+            if c == 0:
+                inp = xs[i]
+            else:
+                inp = torch.empty(per // m, DIMS[ranges[c][0]][0])
+                dist.recv(inp, src=peer(c - 1))
+                inp.requires_grad_()
+            inputs[c, i] = inp
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                out = stage.chunks[c](inp)
+            out = out.float()
+            outputs[c, i] = out
+            if c == C - 1:
+                loss = nn.functional.mse_loss(out, ys[i])
+                losses.append(loss.item())
+                scaled[c, i] = opt.scale_loss(loss)
+            else:
+                sends.append(dist.isend(out.detach().contiguous(), dst=peer(c + 1)))
+    deferred = []
+    for c in reversed(range(C)):
+        if c not in stage.chunks:
+            continue
+        for i in range(m):
+            if c == C - 1:
+                tensors, grads = [scaled[c, i]], None
+            else:
+                g = torch.empty_like(outputs[c, i])
+                dist.recv(g, src=peer(c + 1))
+                if poison is not None and poison(c, i):
+                    g = g * math.inf
+                tensors, grads = [outputs[c, i]], [g]
+            if split_backward:
+                if c > 0:
+                    opt.backward(tensors, grads, inputs=[inputs[c, i]], retain_graph=True)
+                deferred.append((tensors, grads, list(stage.chunks[c].parameters())))
+            else:
+                opt.backward(tensors, grads)
+            if c > 0:
+                sends.append(dist.isend(inputs[c, i].grad.contiguous(), dst=peer(c - 1)))
+    for tensors, grads, params in deferred:  # weight halves, all after the input halves
+        opt.backward(tensors, grads, inputs=params)
+    for s in sends:
+        s.wait()
+    skipped, norm = opt.step()
+    loss = torch.tensor([sum(losses) / m if losses else 0.0], dtype=torch.float64)
+    dist.all_reduce(loss)  # only the last-stage ranks contribute
+    return {"loss": loss.item() / mesh.d, "skipped": skipped, "norm": norm, "lr": opt.lr()}
+
+
+# ---------------------------------------------------------------------------- spawning
+def spawn(fn: Callable, world: int, *args: Any) -> list[Any]:
+    """Run fn(*args) on `world` gloo ranks (tests/dist_helpers.run_workers); per-rank results."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dist_helpers import run_workers
+
+    return run_workers(fn, world, *args, timeout_s=600)
+
+
+# ---------------------------------------------------------------------------- workers
+def _snapshot(stage: Stage) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in stage.named_global_params().items()}
+
+
+def run_case(case: dict) -> dict:
+    """Build a fresh stage + DeepSpeedStageOptimizer and train ``case['steps']`` steps."""
+    from engine.zero import DeepSpeedStageOptimizer
+
+    mesh = case["mesh"]
+    stage = Stage(mesh, case.get("virtual", 1))
+    opt = DeepSpeedStageOptimizer(make_config(**case["cfg"]), stage.module, dp_group=mesh.dp_group,
+                                  pipeline_group=mesh.pp_group, microbatches=2,
+                                  precision=case.get("precision", "fp32"),
+                                  nonfinite=case.get("nonfinite", "raise"))
+    poison_step = case.get("poison_step")
+    results, scales = [], []
+    for s in range(case["steps"]):
+        poison = None
+        if s == poison_step and mesh.rank == 0:  # stage 0 of replica 0 only
+            poison = lambda c, i: i == 0  # noqa: E731
+        try:
+            results.append(pipeline_step(opt, stage, s, split_backward=case.get("split", False),
+                                         poison=poison, autocast=case.get("autocast")))
+        except FloatingPointError as exc:  # NonFiniteError
+            results.append({"raised": type(exc).__name__, "message": str(exc)})
+            break
+        scales.append(opt.loss_scale)
+    return {"results": results, "params": _snapshot(stage), "state_bytes": opt.optimizer_state_bytes(),
+            "scales": scales, "stage_numel": sum(p.numel() for p in stage.module.parameters())}
+
+
+def run_resume(case: dict) -> dict:
+    """Train 2 steps, save state, rebuild everything fresh, load, train step 3."""
+    from engine.zero import DeepSpeedStageOptimizer
+
+    mesh = case["mesh"]
+    kw = dict(dp_group=mesh.dp_group, pipeline_group=mesh.pp_group, microbatches=2, precision="fp32")
+    stage = Stage(mesh, 1)
+    opt = DeepSpeedStageOptimizer(make_config(**case["cfg"]), stage.module, **kw)
+    for s in range(2):
+        pipeline_step(opt, stage, s)
+    sd = opt.state_dict()
+    weights = _snapshot(stage)
+    lr_before = opt.lr()
+
+    fresh = Stage(mesh, 1)
+    with torch.no_grad():
+        for k, p in fresh.named_global_params().items():
+            p.copy_(weights[k])
+    opt2 = DeepSpeedStageOptimizer(make_config(**case["cfg"]), fresh.module, **kw)
+    # The optimizer is built before the weights are set in a real resume as well: perturb the
+    # module after construction so a stale DeepSpeed master copy would show.
+    with torch.no_grad():
+        for p in fresh.module.parameters():
+            p.add_(1.0)
+        for k, p in fresh.named_global_params().items():
+            p.copy_(weights[k])
+    opt2.load_state_dict(sd)
+    lr_after = opt2.lr()
+    res = pipeline_step(opt2, fresh, 2)
+    return {"params": _snapshot(fresh), "state": sd, "loss": res["loss"],
+            "lr": (lr_before, lr_after)}
+
+
+def run_cases(cases: list[dict], p: int = 2, d: int = 2) -> list[dict]:
+    mesh = build_mesh(p, d)
+    out = []
+    for case in cases:
+        case = dict(case, mesh=mesh)
+        out.append((run_resume if case.get("resume") else run_case)(case))
+    return out
+
+
+# ---------------------------------------------------------------------------- runtime resume
+RESUME_LAYERS = 6
+
+
+def _resume_layer(i: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh()) if i < RESUME_LAYERS - 1 else nn.Linear(8, 3)
+
+
+def _resume_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+
+
+def runtime_resume_job(p: int, d: int, zero: int, steps: int, save_dir: str | None,
+                       load_dir: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """engine.Pipeline (p stages x d replicas): optionally resume from `load_dir`, train `steps`
+    steps, optionally checkpoint into `save_dir` (replica 0 writes the layers). Returns the
+    losses and this rank's parameters by "<layer>.<name>"."""
+    import functools
+
+    from engine import Pipeline
+    from engine import checkpoint as ck
+    from engine.optim import OptimizerConfig
+
+    k = RESUME_LAYERS // p
+    cfg = OptimizerConfig(name="adamw", lr=0.01, weight_decay=0.01, warmup_steps=2, zero_stage=zero)
+    pipe = Pipeline([functools.partial(_resume_layer, i) for i in range(RESUME_LAYERS)],
+                    [(c * k, (c + 1) * k) for c in range(p)], loss_fn=nn.functional.mse_loss,
+                    schedule="1f1b", microbatches=2, data_parallel=d, optimizer=cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start = 0
+    if load_dir:
+        expected = {int(i): m.state_dict() for i, m in pipe.layer_module.items()}
+        c = ck.load_checkpoint(ck.latest_checkpoint(load_dir), sorted(expected), expected=expected,
+                               num_layers=RESUME_LAYERS, rank=rank, world=world)
+        pipe.load_state_dict({"layers": c.layers, "step": c.meta["step"],
+                              "optimizer": ck.merge_optimizer_state(c.optimizer, c.meta["optimizer"])})
+        start = c.meta["step"]
+    losses = [pipe.train_step(*_resume_data(s)).loss for s in range(start, start + steps)]
+    if save_dir:
+        sd = pipe.state_dict()  # collective with ZeRO (the optimizer state is gathered)
+        per_layer, scalars = ck.split_optimizer_state(sd["optimizer"])
+        first = rank < p
+        ck.save_checkpoint(save_dir, start + steps, layers=sd["layers"] if first else {},
+                           optimizer=per_layer if first else {}, num_layers=RESUME_LAYERS,
+                           meta={"step": start + steps, "optimizer": scalars}, rank=rank,
+                           world=world, barrier=dist.barrier)
+    named = {f"{i}.{n}": t.detach().clone()
+             for i, ps in pipe.named_layer_parameters().items() for n, t in ps.items()}
+    return losses, named
