@@ -1,0 +1,322 @@
+"""Point-to-point transfer of activations and gradients between pipeline ranks.
+
+Activations (direction ``"F"``) travel as a tensor or a flat tuple of tensors. The first
+activation message of a step on each channel (chunk ``s`` -> ``s + 1``) is preceded by a compact
+int64 header (tuple-ness, and per tensor dtype, requires_grad and shape); later microbatches of the
+same step reuse it, because all microbatches of a step have equal shapes. Gradients (direction
+``"B"``) never need a header: they have the shapes of the activations the receiver sent itself,
+one per float tensor that required grad.
+
+Sends are non-blocking and waited at the end of the step (:meth:`P2P.wait_sends`). Receives
+are posted ahead (:meth:`P2P.post`) and waited when the data is needed (:meth:`Recv.wait`), so
+compute overlaps the transfer. Every wait is bounded by ``timeout_s`` and fails with
+:class:`CommError` naming the peer and the awaited message. On gloo, every message carries a tag
+unique to (direction, chunk, microbatch, tensor), so matching is exact; on NCCL, which matches in
+order, activations and gradients use separate communicators and the schedule's validation
+guarantees the same order at both ends; consecutive transfers are batched with
+``batch_isend_irecv``.
+
+Example::
+
+    p2p = P2P(mesh, timeout_s=60)
+    p2p.send("F", stage=0, microbatch=0, value=out, peer=1)      # on rank 0
+    x = p2p.post("F", stage=1, microbatch=0, peer=0).wait()       # on rank 1
+    p2p.wait_sends()
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from engine.mesh import Mesh
+
+__all__ = ["P2P", "Recv", "Spec", "CommError", "spec_of", "flatten", "unflatten", "HEADER_LEN"]
+
+HEADER_LEN = 256
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+class CommError(RuntimeError):
+    """A point-to-point transfer failed or timed out."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Structure of a stage-boundary value: tuple or bare tensor; per tensor (shape, dtype, rg)."""
+    is_tuple: bool
+    tensors: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
+
+    def encode(self) -> Tensor:
+        vals = [1 if self.is_tuple else 0, len(self.tensors)]
+        for shape, dtype, rg in self.tensors:
+            vals += [_CODE[dtype], int(rg), len(shape), *shape]
+        if len(vals) > HEADER_LEN:
+            raise CommError(f"stage boundary value too complex for the {HEADER_LEN}-slot header "
+                            f"({len(self.tensors)} tensors); pass fewer tensors between stages")
+        return torch.tensor(vals + [0] * (HEADER_LEN - len(vals)), dtype=torch.int64)
+
+    @staticmethod
+    def decode(h: Tensor) -> "Spec":
+        v = h.tolist()
+        is_tuple, n, i, out = bool(v[0]), v[1], 2, []
+        for _ in range(n):
+            code, rg, nd = v[i], v[i + 1], v[i + 2]
+            out.append((tuple(v[i + 3:i + 3 + nd]), _DTYPES[code], bool(rg)))
+            i += 3 + nd
+        return Spec(is_tuple, tuple(out))
+
+    def grad_spec(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes/dtypes of the gradient message that answers a value of this spec."""
+        return [(s, d) for s, d, rg in self.tensors if rg]
+
+
+def flatten(value: Any) -> tuple[bool, list[Tensor]]:
+    """(is_tuple, tensors) of a stage-boundary value; raises for anything else."""
+    if isinstance(value, Tensor):
+        return False, [value]
+    if isinstance(value, (tuple, list)) and all(isinstance(t, Tensor) for t in value):
+        return True, list(value)
+    raise TypeError(f"a value passed between pipeline stages must be a Tensor or a flat tuple of "
+                    f"Tensors, got {type(value).__name__}; make the layer at the cut return "
+                    "tensors only (or move the cut)")
+
+
+def unflatten(is_tuple: bool, tensors: Sequence[Tensor]) -> Any:
+    return tuple(tensors) if is_tuple else tensors[0]
+
+
+def spec_of(value: Any) -> Spec:
+    is_tuple, ts = flatten(value)
+    for t in ts:
+        if t.dtype not in _CODE:
+            raise TypeError(f"dtype {t.dtype} cannot be sent between stages")
+    return Spec(is_tuple, tuple((tuple(t.shape), t.dtype,
+                                 bool(t.requires_grad and t.is_floating_point())) for t in ts))
+
+
+def _tag(direction: str, boundary: int, microbatch: int, idx: int) -> int:
+    # ``boundary`` b is the cut between chunks b and b + 1, the same number at both ends.
+    # < 2**31: boundary < 1024, microbatch wraps at 16384, idx < 64 (0 = header).
+    return ((((boundary % 1024) * 2 + (direction == "B")) << 20)
+            | ((microbatch % 16384) << 6) | (idx % 64))
+
+
+class Recv:
+    """A posted receive; :meth:`wait` returns the value (bare tensor, tuple, or grad list)."""
+
+    def __init__(self, p2p: "P2P", direction: str, stage: int, microbatch: int, peer: int):
+        self.p2p, self.direction, self.stage, self.microbatch, self.peer = \
+            p2p, direction, stage, microbatch, peer
+        self.header: tuple[Tensor, Any] | None = None
+        self.spec: Spec | None = None
+        self.bufs: list[Tensor] = []
+        self.works: list[Any] = []
+        self.value: Any = None
+        self.done = False
+
+    def what(self) -> str:
+        thing = "activations for chunk" if self.direction == "F" else \
+            "gradients of the output of chunk"
+        return (f"{thing} {self.stage} microbatch {self.microbatch} from rank "
+                f"{self.p2p.mesh.global_rank(self.peer)} (pipeline rank {self.peer})")
+
+    def wait(self) -> Any:
+        if self.done:
+            return self.value
+        if self.header is not None:
+            self.p2p._wait(self.header[1], self)
+            self.p2p._on_header(self, Spec.decode(self.header[0]))
+        for w in self.works:
+            self.p2p._wait(w, self)
+        self.works = []
+        if self.direction == "F":
+            ts = []
+            for t, (_, _, rg) in zip(self.bufs, self.spec.tensors):
+                ts.append(t.requires_grad_(True) if rg and t.is_floating_point() else t)
+            self.value = unflatten(self.spec.is_tuple, ts)
+        else:
+            self.value = self.bufs
+        self.done = True
+        return self.value
+
+
+class P2P:
+    """Point-to-point channels of one rank (see module docstring)."""
+
+    def __init__(self, mesh: Mesh, timeout_s: float = 60.0, device: torch.device | None = None):
+        self.mesh, self.timeout_s = mesh, timeout_s
+        self.device = device or torch.device("cpu")
+        self.nccl = mesh.backend == "nccl"
+        self._sends: list[tuple[Any, Any, str]] = []
+        self._pending_ops: list[Any] = []
+        self.wait_s = 0.0
+        self.bytes_sent = 0
+        self.new_step()
+
+    def new_step(self) -> None:
+        """Forget per-step handshakes (shapes may change between steps)."""
+        self._sent_header: set[int] = set()          # F channels (by sending chunk) this step
+        self._recv_header: set[int] = set()          # F channels (by receiving chunk) posted
+        self.in_specs: dict[int, Spec] = {}          # receiving chunk -> spec of its input
+        self.out_specs: dict[int, Spec] = {}         # sending chunk -> spec of its output
+
+    def _group(self, direction: str) -> Any:
+        return self.mesh.p2p_forward_group if direction == "F" else self.mesh.p2p_backward_group
+
+    # ---- batching (NCCL needs paired send/recv issued together) ----------------------------
+    def _issue(self, op: Any, tensor: Tensor, peer: int, direction: str, tag: int) -> "_Handle":
+        dst = self.mesh.global_rank(peer)
+        group = self._group(direction)
+        h = _Handle(self)
+        if self.nccl:
+            self._pending_ops.append((dist.P2POp(op, tensor, dst, group, tag), h))
+        else:
+            h.work = op(tensor, dst, group=group, tag=tag)
+        return h
+
+    def flush(self) -> None:
+        """Issue the batched operations (NCCL); a no-op on gloo, which issues immediately."""
+        if self._pending_ops:
+            pending, self._pending_ops = self._pending_ops, []
+            # batch_isend_irecv wants one group per batch: activations and gradients use
+            # separate communicators, so each gets its own batch (they cannot block each other).
+            for group in (self.mesh.p2p_forward_group, self.mesh.p2p_backward_group):
+                part = [(op, h) for op, h in pending if op.group is group]
+                if part:
+                    works = dist.batch_isend_irecv([op for op, _ in part])
+                    for (_, h), w in zip(part, works):
+                        h.work = w
+
+    # ---- send ------------------------------------------------------------------------------
+    def send(self, direction: str, stage: int, microbatch: int, value: Any, peer: int) -> None:
+        """Non-blocking send of chunk ``stage``'s output (F) or its input gradient (B)."""
+        if direction == "F":
+            spec = spec_of(value)
+            _, ts = flatten(value)
+            if stage not in self._sent_header:
+                self._sent_header.add(stage)
+                self.out_specs[stage] = spec
+                h = spec.encode().to(self.device)
+                self._track(self._issue(dist.isend, h, peer, "F", _tag("F", stage, microbatch, 0)),
+                            h, f"header of chunk {stage} microbatch {microbatch}")
+        else:
+            ts = list(value)
+        for i, t in enumerate(ts):
+            if t.numel() == 0:
+                continue
+            t = t.detach().contiguous()
+            self.bytes_sent += t.numel() * t.element_size()
+            boundary = stage if direction == "F" else stage - 1
+            self._track(self._issue(dist.isend, t, peer, direction,
+                                    _tag(direction, boundary, microbatch, i + 1)), t,
+                        f"{'activations' if direction == 'F' else 'gradients'} of chunk {stage} "
+                        f"microbatch {microbatch}")
+
+    def _track(self, work: Any, tensor: Tensor, what: str) -> None:
+        self._sends.append((work, tensor, what))
+
+    # ---- receive ---------------------------------------------------------------------------
+    def can_post(self, direction: str, stage: int) -> bool:
+        """Whether a receive for ``stage`` can be posted now without waiting."""
+        if direction == "B":
+            return stage in self.out_specs
+        return stage in self.in_specs or stage not in self._recv_header
+
+    def post(self, direction: str, stage: int, microbatch: int, peer: int,
+             grad_spec: list[tuple[tuple[int, ...], torch.dtype]] | None = None) -> Recv:
+        """Post a receive of chunk ``stage``'s input (F) or its output gradient (B)."""
+        r = Recv(self, direction, stage, microbatch, peer)
+        if direction == "F":
+            if stage in self.in_specs:
+                self._post_data(r, self.in_specs[stage])
+            elif stage not in self._recv_header:
+                self._recv_header.add(stage)
+                h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                r.header = (h, self._issue(dist.irecv, h, peer, "F",
+                                           _tag("F", stage - 1, microbatch, 0)))
+            else:
+                raise CommError(f"internal: receive of chunk {stage} posted before its header "
+                                "arrived")
+        else:
+            if grad_spec is None and stage not in self.out_specs:
+                raise CommError(f"gradient receive for chunk {stage} posted before chunk {stage} "
+                                "sent its activations this step (gradient shapes come from them)")
+            shapes = grad_spec if grad_spec is not None else self.out_specs[stage].grad_spec()
+            self._post_data(r, Spec(True, tuple((s, d, False) for s, d in shapes)))
+        return r
+
+    def _on_header(self, r: Recv, spec: Spec) -> None:
+        self.in_specs[r.stage] = spec
+        r.header = None
+        self._post_data(r, spec)
+        self.flush()
+
+    def poll_header(self, r: Recv) -> None:
+        """If ``r``'s header has arrived, post its data receive (without blocking)."""
+        if r.header is not None and r.header[1].is_completed():
+            self._wait(r.header[1], r)
+            self._on_header(r, Spec.decode(r.header[0]))
+
+    def _post_data(self, r: Recv, spec: Spec) -> None:
+        r.spec = spec
+        for i, (shape, dtype, _) in enumerate(spec.tensors):
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            r.bufs.append(buf)
+            if buf.numel():
+                boundary = r.stage - 1 if r.direction == "F" else r.stage
+                r.works.append(self._issue(dist.irecv, buf, r.peer, r.direction,
+                                           _tag(r.direction, boundary, r.microbatch, i + 1)))
+
+    # ---- waiting ---------------------------------------------------------------------------
+    def _wait(self, work: Any, r: Recv | None, what: str | None = None) -> None:
+        if work is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            ok = work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise CommError(self._describe(r, what, exc)) from exc
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        if ok is False:
+            raise CommError(self._describe(r, what, None))
+
+    def _describe(self, r: Recv | None, what: str | None, exc: BaseException | None) -> str:
+        me = (f"rank {self.mesh.rank} (pipeline rank {self.mesh.pipeline_rank}, replica "
+              f"{self.mesh.replica})")
+        target = r.what() if r is not None else what
+        if exc is None or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            return (f"{me} timed out after {self.timeout_s:g} s waiting for {target}. The peer "
+                    "probably failed (see its error) or runs a different schedule; raise "
+                    "comm_timeout_s if a stage is legitimately this slow.")
+        return f"{me} failed while waiting for {target}: {exc}"
+
+    def wait_sends(self) -> None:
+        """Wait for every send of this step (bounded by the timeout)."""
+        self.flush()
+        sends, self._sends = self._sends, []
+        for work, _tensor, what in sends:
+            self._wait(work, None, f"the send of {what} to complete")
+
+
+class _Handle:
+    """A transfer's work; on NCCL it exists only once the batch is flushed."""
+
+    def __init__(self, p2p: P2P):
+        self.p2p, self.work = p2p, None
+
+    def is_completed(self) -> bool:
+        return self.work is not None and self.work.is_completed()
+
+    def wait(self, timeout: Any) -> Any:
+        if self.work is None:
+            self.p2p.flush()
+        return self.work.wait(timeout)

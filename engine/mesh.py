@@ -1,0 +1,109 @@
+"""The pipeline x data-parallel process mesh.
+
+Rank layout: ``rank = replica * num_stages + pipeline_rank`` (a pipeline's neighbours are adjacent
+ranks, so under torchrun they share a node when ``num_stages`` divides the node's GPU count).
+Groups: one pipeline group per replica (collectives), two point-to-point groups per replica
+(activations and gradients travel on separate communicators so that NCCL's in-order matching
+only has to hold per direction), one data-parallel group per pipeline stage. Every rank creates
+every group in the same order, as ``torch.distributed.new_group`` requires.
+
+Without an initialised process group the mesh is the trivial single-process one (1 x 1).
+
+Example::
+
+    mesh = Mesh(num_stages=2, data_parallel=2)   # inside a 4-rank job
+    if mesh.is_last: ...
+    dist.all_reduce(t, group=mesh.dp_group)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["Mesh"]
+
+
+class Mesh:
+    """Process groups and rank arithmetic for ``num_stages`` x ``data_parallel`` ranks."""
+
+    def __init__(self, num_stages: int, data_parallel: int = 1):
+        if num_stages < 1 or data_parallel < 1:
+            raise ValueError(f"num_stages ({num_stages}) and data_parallel ({data_parallel}) "
+                             "must be >= 1")
+        self.num_stages, self.data_parallel = num_stages, data_parallel
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        if self.world_size != num_stages * data_parallel:
+            raise ValueError(
+                f"world size {self.world_size} != num_stages {num_stages} x data_parallel "
+                f"{data_parallel}; start {num_stages * data_parallel} processes (e.g. "
+                f"launch(fn, {num_stages * data_parallel}) or torchrun --nproc-per-node) or "
+                "change the layout")
+        self.replica, self.pipeline_rank = divmod(self.rank, num_stages)
+        self.backend = dist.get_backend() if self.distributed else "none"
+        self.pipeline_group: Any = None
+        self.p2p_forward_group: Any = None
+        self.p2p_backward_group: Any = None
+        self.dp_group: Any = None
+        if self.distributed:
+            self._make_groups()
+
+    def _make_groups(self) -> None:
+        p, d = self.num_stages, self.data_parallel
+        for r in range(d):
+            ranks = [r * p + j for j in range(p)]
+            groups = [dist.new_group(ranks) for _ in range(3)]
+            if r == self.replica:
+                self.pipeline_group, self.p2p_forward_group, self.p2p_backward_group = groups
+        for j in range(p):
+            g = dist.new_group([r * p + j for r in range(d)])
+            if j == self.pipeline_rank:
+                self.dp_group = g
+        if self.backend == "nccl":
+            # Older NCCL process groups want a batched point-to-point call's group to have run a
+            # collective first: initialise both communicators up front.
+            dist.barrier(group=self.p2p_forward_group)
+            dist.barrier(group=self.p2p_backward_group)
+
+    # ---- rank arithmetic -------------------------------------------------------------------
+    def global_rank(self, pipeline_rank: int, replica: int | None = None) -> int:
+        """Global rank of ``pipeline_rank`` in ``replica`` (default: this rank's replica)."""
+        rep = self.replica if replica is None else replica
+        return rep * self.num_stages + pipeline_rank % self.num_stages
+
+    @property
+    def is_first(self) -> bool:
+        return self.pipeline_rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.pipeline_rank == self.num_stages - 1
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous pipeline rank (wrapping, as interleaving needs)."""
+        return self.global_rank(self.pipeline_rank - 1)
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next pipeline rank (wrapping)."""
+        return self.global_rank(self.pipeline_rank + 1)
+
+    @property
+    def pipeline_ranks(self) -> list[int]:
+        return [self.global_rank(j) for j in range(self.num_stages)]
+
+    @property
+    def dp_ranks(self) -> list[int]:
+        return [r * self.num_stages + self.pipeline_rank for r in range(self.data_parallel)]
+
+    @property
+    def last_rank(self) -> int:
+        """Global rank of this replica's last pipeline stage."""
+        return self.global_rank(self.num_stages - 1)
+
+    def __repr__(self) -> str:
+        return (f"Mesh(rank={self.rank}, pipeline_rank={self.pipeline_rank}/{self.num_stages}, "
+                f"replica={self.replica}/{self.data_parallel}, backend={self.backend})")

@@ -1,0 +1,422 @@
+"""The pipeline runtime: one process per (pipeline stage, data-parallel replica) runs its rank's
+lowered action list (``engine.schedules.lower``) and then the optimizer step.
+
+Example (inside a worker started by ``engine.launch``; see the README's "Programmatic API")::
+
+    pipe = Pipeline([lambda: nn.Linear(8, 8) for _ in range(4)], [(0, 2), (2, 4)],
+                    loss_fn=nn.functional.mse_loss, schedule="1f1b", microbatches=4,
+                    optimizer=OptimizerConfig(name="sgd", lr=0.1))
+    result = pipe.train_step(x, y)        # x, y: the global batch; result.loss on every rank
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from engine.comm import P2P, Recv
+from engine.mesh import Mesh
+from engine.optim import PRECISIONS, OptimizerConfig, StageOptimizer, make_optimizer
+from engine.stage import Chunk, _cut, build_layers
+
+__all__ = ["Pipeline", "StepResult", "check_stage_ranges"]
+
+
+@dataclass
+class StepResult:
+    loss: float                  # global-batch mean, identical on every rank
+    skipped: bool                # fp16 overflow / nonfinite="skip"
+    grad_norm: float | None
+    lr: float
+    step_time_s: float
+    stats: dict = field(default_factory=dict)   # this rank's figures
+
+
+@dataclass(frozen=True)
+class _Item:
+    """A program entry for forward-only programs (same fields as Action / Comm)."""
+    kind: str
+    stage: int
+    microbatch: int
+    peer: int = -1
+
+
+def check_stage_ranges(stage_ranges: Sequence[Sequence[int]], num_layers: int,
+                       num_chunks: int | None = None) -> list[tuple[int, int]]:
+    """Check that half-open ranges cover ``range(num_layers)`` exactly once, in order, each
+    non-empty, and (if given) that there are ``num_chunks`` of them. Returns them as tuples."""
+    ranges = [tuple(int(v) for v in r) for r in stage_ranges]
+    if num_chunks is not None and len(ranges) != num_chunks:
+        raise ValueError(f"got {len(ranges)} stage ranges for {num_chunks} model chunks "
+                         "(num_stages x virtual_stages); pass one (start, stop) range per chunk")
+    if not ranges:
+        raise ValueError("stage_ranges is empty; pass one (start, stop) layer range per chunk")
+    expect = 0
+    for k, r in enumerate(ranges):
+        if len(r) != 2:
+            raise ValueError(f"stage range {k} is {r}; each must be a (start, stop) pair")
+        start, stop = r
+        if start != expect:
+            what = "overlaps the previous one" if start < expect else \
+                f"leaves layers {expect}..{start - 1} unassigned"
+            raise ValueError(f"stage range {k} {r} {what}; ranges must be contiguous and cover "
+                             f"layers 0..{num_layers - 1} exactly once, e.g. from "
+                             "partitioner.partition(...).stage_ranges")
+        if stop <= start:
+            raise ValueError(f"stage range {k} {r} is empty; every chunk needs at least one "
+                             f"layer (use fewer stages than the {num_layers} layers)")
+        expect = stop
+    if expect != num_layers:
+        raise ValueError(f"stage ranges end at layer {expect} but the model has {num_layers} "
+                         f"layers; the last range must stop at {num_layers}")
+    return ranges
+
+
+class Pipeline:
+    """One rank's view of a pipeline-parallel (x data-parallel) training job.
+
+    See docs/contracts.md for the arguments. Extra keyword ``recv_lookahead`` (default 2): how
+    many upcoming receives are posted ahead of the compute that needs them.
+    """
+
+    def __init__(self, layers: Any, stage_ranges: Sequence[Sequence[int]], *,
+                 loss_fn: Callable[[Any, Any], Tensor], schedule: Any = "1f1b",
+                 microbatches: int, virtual_stages: int = 1, data_parallel: int = 1,
+                 optimizer: OptimizerConfig | None = None, precision: str = "fp32",
+                 activation_checkpointing: bool = False, seed: int = 0,
+                 device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
+                 nonfinite: str = "raise", comm_timeout_s: float = 60.0,
+                 recv_lookahead: int = 2):
+        from engine.schedules import Schedule, build_schedule, lower, validate
+
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        v = virtual_stages if not isinstance(schedule, Schedule) else schedule.virtual_stages
+        n_chunks = len(stage_ranges)
+        if n_chunks % v:
+            raise ValueError(f"{n_chunks} stage ranges is not a multiple of virtual_stages={v}; "
+                             "pass num_stages x virtual_stages ranges")
+        p = n_chunks // v
+        self.ranges = check_stage_ranges(stage_ranges, len(layers), n_chunks)
+        if isinstance(schedule, Schedule):
+            sched = schedule
+            if sched.num_stages != p or sched.microbatches != microbatches:
+                raise ValueError(f"schedule is for {sched.num_stages} stages x "
+                                 f"{sched.microbatches} microbatches, the pipeline has {p} x "
+                                 f"{microbatches}")
+        else:
+            sched = build_schedule(schedule, p, microbatches, v)
+        validate(sched)
+        self.schedule, self.num_stages, self.virtual_stages = sched, p, v
+        self.microbatches, self.data_parallel = microbatches, data_parallel
+        self.mesh = Mesh(p, data_parallel)
+        self.precision, self.loss_fn = precision, loss_fn
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.mesh.backend == "nccl" else torch.device("cpu"))
+        self.config = optimizer or OptimizerConfig()
+        self.recv_lookahead = recv_lookahead
+        me = self.mesh.pipeline_rank
+        self.my_stages = sched.stages_of(me)
+        self.program = lower(sched)[me]
+        self.split = {(a.stage, a.microbatch) for a in self.program if a.kind == "I"}
+        from engine.launch import set_worker_info
+        set_worker_info(stage=me, replica=self.mesh.replica)
+
+        autocast = self._autocast_factory()
+        self.chunks: dict[int, Chunk] = {}
+        for s in self.my_stages:
+            start, stop = self.ranges[s]
+            self.chunks[s] = Chunk(
+                s, start, build_layers(layers, start, stop, seed, self.device),
+                loss_fn=loss_fn if s == n_chunks - 1 else None,
+                activation_checkpointing=activation_checkpointing, autocast=autocast)
+        self.stage_modules: dict[int, nn.Module] = {s: c.module for s, c in self.chunks.items()}
+        self._tie_groups: list[tuple[Any, str]] = []
+        norm_skip = self._setup_ties(ties)
+        for c in self.chunks.values():
+            c.refresh_params()
+        self.layer_module = nn.ModuleDict({str(c.start + j): layer
+                                           for c in self.chunks.values()
+                                           for j, layer in enumerate(c.module)})
+        self.optimizer: StageOptimizer = make_optimizer(
+            self.config, self.layer_module, self.mesh, microbatches=microbatches,
+            precision=precision, nonfinite=nonfinite, norm_skip=norm_skip)
+        self.p2p = P2P(self.mesh, comm_timeout_s, self.device)
+        self.step_count = 0
+        self.last_loss: float | None = None
+
+    # ---- setup helpers -------------------------------------------------------------------------
+    def _autocast_factory(self) -> Callable[[], Any]:
+        if self.precision == "fp32":
+            return contextlib.nullcontext
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        dev = self.device.type
+        return lambda: torch.autocast(dev, dtype=dtype)
+
+    def _chunk_of_layer(self, layer: int) -> int:
+        for s, (a, b) in enumerate(self.ranges):
+            if a <= layer < b:
+                return s
+        raise ValueError(f"tied layer {layer} is outside the model (0..{self.ranges[-1][1] - 1})")
+
+    def _param_ref(self, key: str) -> tuple[int, str]:
+        layer, _, name = key.partition(".")
+        if not layer.isdigit() or not name:
+            raise ValueError(f"tie {key!r} must look like '<layer index>.<parameter name>', "
+                             "e.g. '0.weight'")
+        return int(layer), name
+
+    def _get_param(self, layer: int, name: str) -> nn.Parameter:
+        chunk = self.chunks[self._chunk_of_layer(layer)]
+        return chunk.module[layer - chunk.start].get_parameter(name)
+
+    def _set_param(self, layer: int, name: str, prm: nn.Parameter) -> None:
+        chunk = self.chunks[self._chunk_of_layer(layer)]
+        mod = chunk.module[layer - chunk.start]
+        owner, _, leaf = name.rpartition(".")
+        setattr(mod.get_submodule(owner) if owner else mod, leaf, prm)
+
+    def _setup_ties(self, ties: Sequence[tuple[str, str]]) -> list[str]:
+        """Tied parameters: same rank -> one Parameter object; different ranks -> equal copies
+        (broadcast from the first) whose gradients are summed before every step."""
+        norm_skip: list[str] = []
+        me = self.mesh.pipeline_rank
+        for a, b in ties:
+            (la, na), (lb, nb) = self._param_ref(a), self._param_ref(b)
+            ra = self.schedule.rank_of(self._chunk_of_layer(la))
+            rb = self.schedule.rank_of(self._chunk_of_layer(lb))
+            if ra == rb:
+                if me == ra:
+                    pa, pb = self._get_param(la, na), self._get_param(lb, nb)
+                    if pa.shape != pb.shape:
+                        raise ValueError(f"tied parameters {a} {tuple(pa.shape)} and {b} "
+                                         f"{tuple(pb.shape)} differ in shape")
+                    self._set_param(lb, nb, pa)
+                continue
+            group = None
+            for rep in range(self.data_parallel):  # every rank creates every group, in order
+                g = dist.new_group([self.mesh.global_rank(ra, rep), self.mesh.global_rank(rb, rep)])
+                if rep == self.mesh.replica:
+                    group = g
+            if me in (ra, rb):
+                prm = self._get_param(la, na) if me == ra else self._get_param(lb, nb)
+                with torch.no_grad():
+                    dist.broadcast(prm.data, src=self.mesh.global_rank(ra), group=group)
+                self._tie_groups.append((group, prm))
+                if me == rb:
+                    norm_skip.append(b)
+        return norm_skip
+
+    # ---- public API --------------------------------------------------------------------------
+    def named_layer_parameters(self) -> dict[int, dict[str, Tensor]]:
+        """This rank's parameters by global layer index."""
+        return {c.start + j: dict(layer.named_parameters())
+                for c in self.chunks.values() for j, layer in enumerate(c.module)}
+
+    def state_dict(self) -> dict:
+        """This rank's layers keyed by global layer index, plus optimizer state and step."""
+        return {"layers": {int(k): m.state_dict() for k, m in self.layer_module.items()},
+                "optimizer": self.optimizer.state_dict(), "step": self.step_count}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Load this rank's layers (by global index; others ignored) and optimizer state."""
+        layers = sd["layers"]
+        for k, m in self.layer_module.items():
+            if int(k) not in layers:
+                raise KeyError(f"checkpoint has no layer {k}; it comes from another model")
+            m.load_state_dict(layers[int(k)])
+        if "optimizer" in sd:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        self.step_count = int(sd.get("step", self.step_count))
+
+    def train_step(self, inputs: Any, targets: Any) -> StepResult:
+        """One optimizer step on the global batch (see docs/contracts.md)."""
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad()
+        stats = self._run(self.program, inputs, targets, train=True)
+        t1 = time.perf_counter()
+        for group, prm in self._tie_groups:
+            if prm.grad is None:
+                prm.grad = torch.zeros_like(prm)
+            dist.all_reduce(prm.grad, group=group)
+        skipped, norm = self.optimizer.step()
+        stats["optimizer_s"] = time.perf_counter() - t1
+        loss = self._reduce_loss(stats.pop("_losses"))
+        dt = time.perf_counter() - t0
+        stats["idle_s"] = max(0.0, dt - stats["forward_s"] - stats["backward_s"]
+                              - stats["optimizer_s"])
+        stats["optimizer_state_bytes"] = self.optimizer.optimizer_state_bytes()
+        self.step_count += 1
+        self.last_loss = loss
+        return StepResult(loss, bool(skipped), norm, self.optimizer.lr(), dt, stats)
+
+    def eval_step(self, inputs: Any, targets: Any) -> float:
+        """Forward-only loss on the global batch (same on every rank)."""
+        with torch.no_grad():
+            stats = self._run(self._forward_program(), inputs, targets, train=False)
+        return self._reduce_loss(stats["_losses"])
+
+    # ---- execution ---------------------------------------------------------------------------
+    def _forward_program(self) -> list[_Item]:
+        sched, last, me = self.schedule, self.schedule.num_chunks - 1, self.mesh.pipeline_rank
+        prog: list[_Item] = []
+        for i in range(self.microbatches):
+            for s in self.my_stages:
+                if s > 0 and sched.rank_of(s - 1) != me:
+                    prog.append(_Item("RECV_F", s, i, sched.rank_of(s - 1)))
+                prog.append(_Item("F", s, i))
+                if s < last and sched.rank_of(s + 1) != me:
+                    prog.append(_Item("SEND_F", s, i, sched.rank_of(s + 1)))
+        return prog
+
+    def _microbatches(self, value: Any, what: str) -> list[Any] | None:
+        if value is None:
+            return None
+        parts = value if isinstance(value, (tuple, list)) else (value,)
+        n = parts[0].shape[0]
+        d, m = self.data_parallel, self.microbatches
+        if n % (d * m):
+            raise ValueError(f"global batch of {n} {what} is not divisible by data_parallel "
+                             f"({d}) x microbatches ({m}); use a batch size that is a multiple "
+                             f"of {d * m}")
+        per = n // d
+        mbs = [[] for _ in range(m)]
+        for t in parts:
+            if t.shape[0] != n:
+                raise ValueError(f"all {what} tensors need the same batch size (dim 0)")
+            rep = t[self.mesh.replica * per:(self.mesh.replica + 1) * per].to(self.device)
+            for i, c in enumerate(rep.chunk(m)):
+                mbs[i].append(c)
+        return [tuple(x) if isinstance(value, (tuple, list)) else x[0] for x in mbs]
+
+    def _run(self, program: Sequence[Any], inputs: Any, targets: Any, train: bool) -> dict:
+        sched, me = self.schedule, self.mesh.pipeline_rank
+        last = sched.num_chunks - 1
+        x_mbs = self._microbatches(inputs, "inputs") if 0 in self.chunks else None
+        y_mbs = self._microbatches(targets, "targets") if last in self.chunks else None
+        if 0 in self.chunks and x_mbs is None:
+            raise ValueError(f"rank {self.mesh.rank} runs the first stage and needs the inputs")
+        if last in self.chunks and y_mbs is None:
+            raise ValueError(f"rank {self.mesh.rank} runs the last stage and needs the targets")
+        p2p = self.p2p
+        p2p.new_step()
+        wait0, sent0 = p2p.wait_s, p2p.bytes_sent
+        for c in self.chunks.values():
+            c.reset_peak()
+        inbox_f: dict[tuple[int, int], Any] = {}
+        inbox_b: dict[tuple[int, int], Any] = {}
+        outbox: dict[tuple[str, int, int], Any] = {}
+        posted: dict[tuple[str, int, int], Recv] = {}
+        header_wait: dict[int, Recv] = {}
+        recv_pos = [k for k, it in enumerate(program) if it.kind.startswith("RECV")]
+        nxt = 0  # index into recv_pos of the next receive not yet posted
+        losses: list[Tensor] = []
+        fwd_s = bwd_s = 0.0
+        peak = 0
+
+        def post(it: Any) -> Recv:
+            d = it.kind[-1]
+            r = p2p.post(d, it.stage, it.microbatch, it.peer)
+            if d == "F" and r.header is not None:
+                header_wait[it.stage] = r
+            return r
+
+        def postable(it: Any) -> bool:
+            d = it.kind[-1]
+            if d == "F" and it.stage in header_wait and it.stage not in p2p.in_specs:
+                p2p.poll_header(header_wait[it.stage])
+            return p2p.can_post(d, it.stage)
+
+        def prefetch(pos: int) -> None:
+            nonlocal nxt
+            while nxt < len(recv_pos) and len(posted) < self.recv_lookahead:
+                it = program[recv_pos[nxt]]
+                if recv_pos[nxt] <= pos or not postable(it):
+                    break
+                posted[(it.kind, it.stage, it.microbatch)] = post(it)
+                nxt += 1
+            p2p.flush()
+
+        def val(x: Any) -> Any:
+            return x.wait() if isinstance(x, Recv) else x
+
+        for pos, it in enumerate(program):
+            k, s, i = it.kind, it.stage, it.microbatch
+            if k in ("RECV_F", "RECV_B"):
+                key = (k, s, i)
+                if key in posted:
+                    r = posted.pop(key)
+                else:
+                    if not p2p.can_post(k[-1], s) and s in header_wait:
+                        header_wait[s].wait()  # an earlier message's header: it comes first
+                    r = post(it)
+                    nxt += 1
+                (inbox_f if k == "RECV_F" else inbox_b)[(s, i)] = r
+            elif k == "SEND_F":
+                p2p.send("F", s, i, outbox.pop(("F", s, i)), it.peer)
+            elif k == "SEND_B":
+                p2p.send("B", s, i, outbox.pop(("B", s, i)), it.peer)
+            elif k == "F":
+                x = x_mbs[i] if s == 0 else val(inbox_f.pop((s, i)))
+                if s in p2p.in_specs:
+                    header_wait.pop(s, None)  # do not keep its buffers alive all step
+                t = time.perf_counter()
+                out = self.chunks[s].forward(i, x, y_mbs[i] if s == last else None,
+                                             split=(s, i) in self.split, keep=train)
+                fwd_s += time.perf_counter() - t
+                if s == last:
+                    losses.append(out.detach().float())
+                elif sched.rank_of(s + 1) == me:
+                    inbox_f[(s + 1, i)] = _cut(out) if train else out
+                else:
+                    outbox[("F", s, i)] = out
+                if train:
+                    peak = max(peak, sum(c.live_bytes for c in self.chunks.values()))
+            elif k in ("B", "I"):
+                g = None if s == last else val(inbox_b.pop((s, i)))
+                t = time.perf_counter()
+                c = self.chunks[s]
+                gx = c.backward(i, g, self.optimizer) if k == "B" else \
+                    c.backward_input(i, g, self.optimizer)
+                bwd_s += time.perf_counter() - t
+                if s > 0:
+                    if sched.rank_of(s - 1) == me:
+                        inbox_b[(s - 1, i)] = gx
+                    else:
+                        outbox[("B", s, i)] = gx
+            elif k == "W":
+                t = time.perf_counter()
+                self.chunks[s].backward_weight(i, self.optimizer)
+                bwd_s += time.perf_counter() - t
+            else:
+                raise ValueError(f"unknown program item {it!r}")
+            if k in ("F", "B", "I", "W"):
+                # After compute only, so that adjacent transfers form one NCCL batch.
+                prefetch(pos)
+        p2p.wait_sends()
+        leftover = [c.index for c in self.chunks.values() if c.state]
+        if train and leftover:
+            raise RuntimeError(f"internal: chunks {leftover} hold microbatches with no backward; "
+                               "the schedule is incomplete")
+        return {"forward_s": fwd_s, "backward_s": bwd_s, "comm_wait_s": p2p.wait_s - wait0,
+                "bytes_sent": p2p.bytes_sent - sent0, "peak_activation_bytes": peak,
+                "pipeline_rank": me, "replica": self.mesh.replica, "stages": self.my_stages,
+                "_losses": losses}
+
+    def _reduce_loss(self, losses: list[Tensor]) -> float:
+        """Mean over microbatches on the last stage, averaged over replicas, on every rank."""
+        local = torch.stack(losses).mean().double() / self.data_parallel if losses else \
+            torch.zeros((), dtype=torch.float64)
+        if self.mesh.distributed and self.mesh.world_size > 1:
+            buf = local.reshape(1).to(self.device)
+            dist.all_reduce(buf)
+            local = buf.cpu()[0]
+        return float(local)

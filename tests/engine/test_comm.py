@@ -1,0 +1,83 @@
+"""Point-to-point transfers: header round trip, tuples with non-float tensors, per-step shape
+changes, gradients without a header, and bounded waits that name the peer."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dist_helpers import run_workers  # noqa: E402
+
+from engine.comm import Spec, flatten, spec_of  # noqa: E402
+
+
+def test_header_round_trip():
+    value = (torch.randn(2, 3, requires_grad=True), torch.zeros(4, dtype=torch.int64),
+             torch.ones(1, 2, 3, dtype=torch.bfloat16))
+    spec = spec_of(value)
+    assert Spec.decode(spec.encode()) == spec
+    assert spec.grad_spec() == [((2, 3), torch.float32)]
+    bare = spec_of(torch.randn(5))
+    assert Spec.decode(bare.encode()) == bare and not bare.is_tuple
+
+
+def test_bad_boundary_value_is_refused():
+    with pytest.raises(TypeError, match="flat tuple of"):
+        flatten({"a": torch.ones(1)})
+
+
+def _exchange():
+    import torch.distributed as dist
+    from engine.comm import CommError, P2P
+    from engine.mesh import Mesh
+
+    mesh = Mesh(2, 1)
+    p2p = P2P(mesh, timeout_s=20)
+    out = {}
+    for step, n in enumerate((4, 6)):            # shapes change between steps
+        p2p.new_step()
+        if mesh.rank == 0:
+            sent = []
+            for mb in range(2):
+                a = torch.full((n, 3), float(mb + step), requires_grad=True) * 2
+                v = (a, torch.arange(n), torch.ones(n))  # float-rg, int, float without grad
+                p2p.send("F", 0, mb, v, peer=1)
+                sent.append(v)
+            grads = [p2p.post("B", 0, mb, peer=1).wait() for mb in range(2)]
+            out[step] = [g[0].clone() for g in grads]
+        else:
+            recvs = [p2p.post("F", 1, 0, peer=0)]
+            got0 = recvs[0].wait()
+            got1 = p2p.post("F", 1, 1, peer=0).wait()   # header reused within the step
+            out[step] = [(t.clone(), t.requires_grad) for t in got0 + got1]
+            for mb, got in enumerate((got0, got1)):
+                p2p.send("B", 1, mb, [got[0].detach() * 10], peer=0)
+        p2p.wait_sends()
+    # a receive that never comes fails with a message naming the peer
+    if mesh.rank == 1:
+        slow = P2P(mesh, timeout_s=1.0)
+        try:
+            r = slow.post("F", 1, 5, peer=0)
+            r.wait()
+        except CommError as e:
+            out["timeout"] = str(e)
+    dist.barrier()
+    return out
+
+
+def test_two_rank_exchange_and_timeout():
+    r0, r1 = run_workers(_exchange, 2, timeout_s=90)
+    for step, n in enumerate((4, 6)):
+        recv = r1[step]
+        a0, i0, f0, a1, i1, f1 = recv
+        assert a0[0].shape == (n, 3) and torch.all(a0[0] == 2.0 * step) and a0[1]
+        assert torch.all(a1[0] == 2.0 * (1 + step))
+        assert i0[0].dtype == torch.int64 and torch.equal(i0[0], torch.arange(n)) and not i0[1]
+        assert not f0[1]                          # sender's tensor did not require grad
+        for mb in range(2):
+            torch.testing.assert_close(r0[step][mb], torch.full((n, 3), 20.0 * (mb + step)))
+    msg = r1["timeout"]
+    assert "timed out after 1 s" in msg and "from rank 0" in msg and "chunk 1 microbatch 5" in msg
