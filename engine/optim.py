@@ -108,7 +108,8 @@ def make_optimizer(config: OptimizerConfig, module: torch.nn.Module, mesh: Any, 
         from engine.zero import DeepSpeedStageOptimizer  # lazy: DeepSpeed is heavy
         return DeepSpeedStageOptimizer(config, module, dp_group=mesh.dp_group,
                                        pipeline_group=mesh.pipeline_group,
-                                       microbatches=microbatches, precision=precision)
+                                       microbatches=microbatches, precision=precision,
+                                       nonfinite=nonfinite, norm_skip=norm_skip)
     return TorchStageOptimizer(config, dict(module.named_parameters()), mesh,
                                microbatches=microbatches, precision=precision,
                                nonfinite=nonfinite, norm_skip=norm_skip)

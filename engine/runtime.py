@@ -149,6 +149,8 @@ class Pipeline:
         self.optimizer: StageOptimizer = make_optimizer(
             self.config, self.layer_module, self.mesh, microbatches=microbatches,
             precision=precision, nonfinite=nonfinite, norm_skip=norm_skip)
+        for c in self.chunks.values():  # ZeRO moves parameters into flat buffers: re-read them
+            c.refresh_params()
         self.p2p = P2P(self.mesh, comm_timeout_s, self.device)
         self.step_count = 0
         self.last_loss: float | None = None
