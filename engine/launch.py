@@ -6,7 +6,9 @@ initialised (gloo on CPU, NCCL on CUDA) and returns the per-rank return values. 
 
 A worker that raises or dies ends the job within seconds: the other workers are terminated and
 :class:`WorkerError` names the rank, its pipeline stage (when the runtime registered it) and the
-cause with the worker's traceback.
+cause with the worker's traceback, or the signal / exit code of a killed one. Each worker reports
+on its own pipe, so one killed in the middle of a message cannot stall the others' reports. A
+job over ``timeout_s`` reports where each unfinished rank is stuck (faulthandler stacks).
 
 Example::
 
@@ -23,9 +25,10 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
-import queue as queue_mod
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -37,8 +40,11 @@ __all__ = ["launch", "WorkerError", "set_worker_info", "in_launched_worker"]
 _POLL_S = 0.05
 _TERMINATE_GRACE_S = 3.0
 _DEFAULT_PG_TIMEOUT_S = 120.0
+_TB_LINES = 30
+_SETTLE_S = 0.5
+_STACK_DUMP_WAIT_S = 1.0
 
-# Set inside a worker started by `launch`: the queue back to the launcher and the rank.
+# Set inside a worker started by `launch`: the channel back to the launcher and the rank.
 _WORKER_QUEUE: Any = None
 _WORKER_RANK: int | None = None
 
@@ -48,20 +54,29 @@ class WorkerError(RuntimeError):
     ``traceback_text``, ``exitcode``, ``others`` (other ranks that failed afterwards)."""
 
     def __init__(self, rank: int, stage: int | None, cause: str, traceback_text: str = "",
-                 exitcode: int | None = None, others: tuple[int, ...] = ()):
+                 exitcode: int | None = None, others: tuple[int, ...] = (),
+                 replica: int | None = None):
         self.rank, self.stage, self.cause = rank, stage, cause
         self.traceback_text, self.exitcode, self.others = traceback_text, exitcode, others
-        where = f"rank {rank}" + (f" (pipeline stage {stage})" if stage is not None else "")
-        msg = f"worker {where} failed: {cause}"
+        self.replica = replica
+        where = [f"stage {stage}"] if stage is not None else []
+        if replica is not None:
+            where.append(f"replica {replica}")
+        name = f"rank {rank}" + (f" ({', '.join(where)})" if where else "")
+        msg = f"{name} failed: {cause}"
         if others:
             msg += f"\n(ranks {list(others)} failed after it, most likely as a consequence)"
         if traceback_text:
-            msg += "\n--- worker traceback ---\n" + traceback_text.rstrip()
+            lines = traceback_text.rstrip().splitlines()
+            if len(lines) > _TB_LINES:  # the full text stays in .traceback_text
+                lines = [f"... ({len(lines) - _TB_LINES} lines omitted; see .traceback_text)"] \
+                    + lines[-_TB_LINES:]
+            msg += "\n--- worker traceback (last lines) ---\n" + "\n".join(lines)
         super().__init__(msg)
 
     def __reduce__(self):
         return (WorkerError, (self.rank, self.stage, self.cause, self.traceback_text,
-                              self.exitcode, self.others))
+                              self.exitcode, self.others, self.replica))
 
 
 def in_launched_worker() -> bool:
@@ -74,6 +89,25 @@ def set_worker_info(**info: Any) -> None:
     A no-op outside launched workers."""
     if _WORKER_QUEUE is not None:
         _WORKER_QUEUE.put(("info", _WORKER_RANK, time.time(), pickle.dumps(info)))
+
+
+class _Channel:
+    """A worker's end of its own pipe to the launcher. One pipe per worker (not a shared
+    queue): a worker killed in the middle of a message cannot block the others' messages, and
+    the launcher sees end-of-file instead of waiting for the rest of the message."""
+
+    def __init__(self, conn: Any):
+        import threading
+        self.conn, self.lock = conn, threading.Lock()
+
+    def put(self, item: tuple) -> None:
+        data = pickle.dumps(item)
+        with self.lock:
+            self.conn.send_bytes(data)
+
+    def close(self) -> None:
+        with self.lock:
+            self.conn.close()
 
 
 def _device_backend() -> str:
@@ -99,27 +133,64 @@ def _watch_launcher(pid: int) -> None:
     # Under forkserver the launcher is not our parent: poll it, and leave if it is gone.
     import threading
 
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        try:  # a killed launcher stays a zombie until its parent reaps it: that is gone too
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except (OSError, IndexError):
+            return False
+
     def watch() -> None:
         while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if gone():
                 os._exit(1)
-            except PermissionError:
-                pass
             time.sleep(1.0)
 
     threading.Thread(target=watch, name="pipeshard-launcher-watch", daemon=True).start()
 
 
+def _register_stack_dump(dump_dir: str | None, rank: int) -> None:
+    # On SIGUSR1 the worker writes every thread's Python stack to a file the launcher reads when
+    # the job times out, so a hang is reported with where each rank is stuck.
+    if dump_dir is None or not hasattr(signal, "SIGUSR1"):
+        return
+    import faulthandler
+    try:
+        f = open(os.path.join(dump_dir, f"stack_{rank}.txt"), "w")  # noqa: SIM115 - lives on
+        faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+    except (OSError, RuntimeError, ValueError):
+        pass
+
+
+def _describe_exception(exc: BaseException) -> str:
+    cause = f"{type(exc).__name__}: {exc}"
+    text = str(exc).lower()
+    if isinstance(exc, MemoryError) or "out of memory" in text:
+        cause += (" -- out of memory on this rank: use a smaller microbatch (more "
+                  "microbatches), activation_checkpointing, more stages, ZeRO, or a partition "
+                  "with a memory limit (partitioner.partition(memory_limit_bytes=...))")
+    return cause
+
+
 def _worker_main(fn: Callable, args: tuple, rank: int, world: int, port: int,
-                 q: Any, pg_timeout_s: float, parent_pid: int, backend: str,
-                 environ: dict[str, str]) -> None:
+                 conn: Any, pg_timeout_s: float, parent_pid: int, backend: str,
+                 environ: dict[str, str], dump_dir: str | None = None) -> None:
     global _WORKER_QUEUE, _WORKER_RANK
     import torch
     import torch.distributed as dist
     _set_parent_death_signal()
     _watch_launcher(parent_pid)
+    _register_stack_dump(dump_dir, rank)
+    # Ctrl-C reaches the whole process group: the launcher alone handles it and forwards
+    # SIGTERM, so that every worker stops the same (graceful) way, e.g. after a checkpoint.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    q = _Channel(conn)
     _WORKER_QUEUE, _WORKER_RANK = q, rank
     os.environ.clear()  # a fork server's environment is from when it started: use the launcher's
     os.environ.update(environ)
@@ -141,11 +212,13 @@ def _worker_main(fn: Callable, args: tuple, rank: int, world: int, port: int,
         q.put(("result", rank, time.time(), payload))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the launcher
         code = 1
-        cause = f"{type(exc).__name__}: {exc}"
-        q.put(("error", rank, time.time(), pickle.dumps((cause, traceback.format_exc()))))
+        q.put(("error", rank, time.time(),
+               pickle.dumps((_describe_exception(exc), traceback.format_exc()))))
     finally:
-        q.close()
-        q.join_thread()
+        try:
+            q.close()
+        except OSError:
+            pass
         # os._exit: skip process-group teardown, which can block when a peer is gone.
         os._exit(code)
 
@@ -172,7 +245,13 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | N
     as in any multiprocessing program, a script calling it needs ``if __name__ == "__main__":``.
     ``timeout_s`` bounds the whole job; ``pg_timeout_s`` the process group's collectives;
     ``backend`` forces "gloo" or "nccl" (default: env ``PIPESHARD_BACKEND``, else NCCL iff CUDA).
-    Raises :class:`WorkerError` for the first worker that failed (others are terminated).
+    Raises :class:`WorkerError` for the first worker that failed (others are terminated): it
+    names the rank, its stage (see :func:`set_worker_info`) and the cause (exception and the
+    last traceback lines, or the signal / exit code). On ``timeout_s`` the error shows where
+    each unfinished rank was stuck (its Python stack). SIGTERM or SIGINT to the launcher is
+    forwarded to the workers as SIGTERM; they get ``PIPESHARD_TERM_GRACE_S`` seconds (default
+    30, e.g. to checkpoint) before they are killed, then ``KeyboardInterrupt`` is raised here. A
+    second signal kills them at once. A killed launcher's workers exit within about a second.
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _torchrun(fn, args, pg_timeout_s)
@@ -184,34 +263,46 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | N
     # The launcher owns the rendezvous store: binding port 0 here cannot race with other jobs.
     store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=pg_timeout_s))
-    q = ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]   # (launcher end, worker end)
+    dump_dir = tempfile.mkdtemp(prefix="pipeshard-stacks-")
     # Not daemonic, so workers may start their own children (e.g. DataLoader workers); the
     # `finally` below, the parent-death signal and the launcher watch still leave no orphans.
     procs = [ctx.Process(target=_worker_main, name=f"pipeshard-rank{r}",
-                         args=(fn, args, r, nprocs, store.port, q, pg_timeout_s, os.getpid(),
-                               backend, dict(os.environ)))
+                         args=(fn, args, r, nprocs, store.port, pipes[r][1], pg_timeout_s,
+                               os.getpid(), backend, dict(os.environ), dump_dir))
              for r in range(nprocs)]
-    stopping = {"signal": None}
-    old_handler = None
+    stopping: dict[str, Any] = {"signal": None}
+    old_handlers: dict[int, Any] = {}
     if _is_main_thread():
-        def on_term(signum, frame):  # forward, then let the monitor loop wind down
+        def on_signal(signum, frame):
+            if stopping["signal"] is not None:  # a second signal: no more grace
+                for p in procs:
+                    if p.pid is not None and p.is_alive():
+                        p.kill()
+                return
+            # Forward SIGTERM (a worker may checkpoint its last step), then let the monitor
+            # loop wait up to the grace period before the `finally` kills what is left.
             stopping["signal"] = signum
             stopping["deadline"] = time.monotonic() + float(
                 os.environ.get("PIPESHARD_TERM_GRACE_S", "30"))
             for p in procs:
-                if p.is_alive():
+                if p.pid is not None and p.is_alive():
                     p.terminate()
-        old_handler = signal.signal(signal.SIGTERM, on_term)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            old_handlers[sig] = signal.signal(sig, on_signal)
     try:
-        for p in procs:
+        for p, (_, send_end) in zip(procs, pipes):
             p.start()
-        return _monitor(procs, q, timeout_s, stopping)
+            send_end.close()  # the worker holds it now: its death closes the pipe
+        return _monitor(procs, [r for r, _ in pipes], timeout_s, stopping, dump_dir)
     finally:
         _stop_all(procs)
-        if old_handler is not None:
-            signal.signal(signal.SIGTERM, old_handler)
-        q.close()
-        q.cancel_join_thread()
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+        for recv_end, send_end in pipes:
+            recv_end.close()
+            send_end.close()
+        shutil.rmtree(dump_dir, ignore_errors=True)
         del store
 
 
@@ -247,32 +338,51 @@ def _stop_all(procs: list) -> None:
             p.join(1.0)
 
 
-def _monitor(procs: list, q: Any, timeout_s: float | None, stopping: dict) -> list[Any]:
+def _monitor(procs: list, conns: list, timeout_s: float | None, stopping: dict,
+             dump_dir: str | None = None) -> list[Any]:
+    from multiprocessing.connection import wait as wait_any
     n = len(procs)
     results: dict[int, Any] = {}
     errors: dict[int, tuple[float, str, str]] = {}
     info: dict[int, dict] = {}
     deaths: dict[int, tuple[float, int]] = {}  # died without reporting: (time seen, exitcode)
     start = time.monotonic()
+    open_conns = {c: r for r, c in enumerate(conns)}
 
     def drain(block_s: float) -> None:
-        try:
-            item = q.get(timeout=block_s) if block_s > 0 else q.get_nowait()
-        except (queue_mod.Empty, EOFError, OSError):
+        if not open_conns:
+            time.sleep(block_s)
             return
-        while True:
-            kind, rank, t, payload = item
-            if kind == "result":
-                results[rank] = pickle.loads(payload)
-            elif kind == "error":
-                cause, tb = pickle.loads(payload)
-                errors[rank] = (t, cause, tb)
-            elif kind == "info":
-                info.setdefault(rank, {}).update(pickle.loads(payload))
-            try:
-                item = q.get_nowait()
-            except (queue_mod.Empty, EOFError, OSError):
+        timeout = block_s
+        while open_conns:
+            # also wake up at once when a worker exits (its sentinel)
+            ready = wait_any(list(open_conns) + [p.sentinel for p in procs
+                                                 if p.exitcode is None], timeout)
+            ready = [c for c in ready if c in open_conns]
+            if not ready:
                 return
+            for c in ready:
+                try:
+                    kind, rank, t, payload = pickle.loads(c.recv_bytes())
+                except (EOFError, OSError, pickle.UnpicklingError, ValueError):
+                    del open_conns[c]  # the worker exited (or died mid-message)
+                    continue
+                if kind == "result":
+                    results[rank] = pickle.loads(payload)
+                elif kind == "error":
+                    cause, tb = pickle.loads(payload)
+                    errors[rank] = (t, cause, tb)
+                elif kind == "info":
+                    info.setdefault(rank, {}).update(pickle.loads(payload))
+            timeout = 0
+
+    def scan_deaths() -> None:
+        for r, p in enumerate(procs):
+            if p.exitcode is not None and r not in results and r not in errors \
+                    and r not in deaths:
+                drain(0)  # what an exited worker sent is still in its pipe
+                if r not in results and r not in errors:
+                    deaths[r] = (time.time(), p.exitcode)
 
     while True:
         drain(_POLL_S)
@@ -280,26 +390,63 @@ def _monitor(procs: list, q: Any, timeout_s: float | None, stopping: dict) -> li
             # Workers got SIGTERM and may be saving a checkpoint: give them their grace period.
             if all(p.exitcode is not None for p in procs) or \
                     time.monotonic() > stopping["deadline"]:
-                raise KeyboardInterrupt(f"launcher received signal {stopping['signal']}; "
+                name = signal.Signals(stopping["signal"]).name
+                raise KeyboardInterrupt(f"launcher received signal {stopping['signal']} ({name}); "
                                         "workers were stopped")
             continue
-        for r, p in enumerate(procs):
-            if p.exitcode is not None and r not in results and r not in errors and r not in deaths:
-                drain(0)  # an exited worker's queue data is flushed before it exits
-                if r not in results and r not in errors:
-                    deaths[r] = (time.time(), p.exitcode)
+        scan_deaths()
         if errors or deaths:
-            time.sleep(0.3)  # let consequential failures arrive so the root cause can be told
-            drain(0)
+            # Let the other failures arrive so the root cause can be told: a peer of a killed
+            # rank may report "connection closed" before the killed rank's exit is seen.
+            settle = time.monotonic() + _SETTLE_S
+            while time.monotonic() < settle:
+                drain(_POLL_S)
+                scan_deaths()
             raise _root_cause(errors, deaths, info)
         if len(results) == n and all(p.exitcode is not None for p in procs):
             return [results[r] for r in range(n)]
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             pending = [r for r in range(n) if r not in results]
-            raise WorkerError(pending[0], info.get(pending[0], {}).get("stage"),
+            stacks = _dump_stacks([procs[r] for r in pending], pending, dump_dir)
+            where = {r: info.get(r, {}).get("stage") for r in pending}
+            raise WorkerError(pending[0], where[pending[0]],
                               f"job timed out after {timeout_s:.0f} s; ranks still running: "
-                              f"{pending}. Raise timeout_s or look for a hang (e.g. mismatched "
-                              f"schedules).")
+                              f"{pending} (stages {[where[r] for r in pending]}). Raise "
+                              "timeout_s, or look for a hang (e.g. mismatched schedules); "
+                              "where each was stuck is below.", stacks,
+                              replica=info.get(pending[0], {}).get("replica"))
+
+
+def _dump_stacks(procs: list, ranks: list[int], dump_dir: str | None) -> str:
+    """Ask hung workers for their Python stacks (SIGUSR1 -> faulthandler) and collect them."""
+    if dump_dir is None or not hasattr(signal, "SIGUSR1"):
+        return ""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(_STACK_DUMP_WAIT_S)
+    parts = []
+    for r in ranks:
+        try:
+            with open(os.path.join(dump_dir, f"stack_{r}.txt")) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        if text:
+            # the innermost frames of the main thread are what matter; keep them short
+            lines = text.splitlines()
+            parts.append(f"rank {r}:\n" + "\n".join(lines[:12]))
+    return "\n".join(parts)
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def _root_cause(errors: dict, deaths: dict, info: dict) -> WorkerError:
@@ -309,17 +456,20 @@ def _root_cause(errors: dict, deaths: dict, info: dict) -> WorkerError:
         rank = min(deaths, key=lambda r: deaths[r][0])
         code = deaths[rank][1]
         if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = "unknown"
-            how = f"killed by signal {-code} ({name}; SIGKILL often means out of memory)"
+            name = _signal_name(-code)
+            cause = f"the process was killed by {name} (signal {-code}, exit code {code})"
+            if -code == signal.SIGKILL:
+                cause += (" -- possibly out of memory (the kernel's OOM killer sends SIGKILL; "
+                          "see `dmesg`); reduce per-rank memory (smaller microbatches, "
+                          "activation_checkpointing, more stages) or find who killed it")
         else:
-            how = f"exited with code {code} without reporting an error"
-        cause, tb = f"process {how}", ""
+            cause = (f"the process exited with code {code} without reporting an error "
+                     "(os._exit, or a crash in native code); check this rank's stderr")
+        tb = ""
     else:
         rank = min(errors, key=lambda r: errors[r][0])
         _, cause, tb = errors[rank]
         code = 1
     others = tuple(sorted((set(errors) | set(deaths)) - {rank}))
-    return WorkerError(rank, info.get(rank, {}).get("stage"), cause, tb, code, others)
+    return WorkerError(rank, info.get(rank, {}).get("stage"), cause, tb, code, others,
+                       replica=info.get(rank, {}).get("replica"))

@@ -58,7 +58,8 @@ def test_failure_names_rank_stage_and_cause_and_stops_others(tmp_path, mode):
         assert "ValueError: boom from the test worker" in str(err)
         assert "_fail_on_one" in err.traceback_text      # the worker's own traceback
     else:
-        assert "signal 9" in str(err)
+        assert "killed by SIGKILL (signal 9, exit code -9)" in str(err)
+        assert "possibly out of memory" in str(err)
     assert elapsed < 30, f"took {elapsed:.1f}s to notice the failure"
     for f in tmp_path.iterdir():       # no orphans: every worker is gone
         pid = int(f.read_text())
@@ -73,48 +74,44 @@ def test_failure_names_rank_stage_and_cause_and_stops_others(tmp_path, mode):
             pytest.fail(f"worker pid {pid} still alive")
 
 
-def test_job_timeout():
+def test_job_timeout_reports_where_each_rank_is_stuck():
     t0 = time.monotonic()
-    with pytest.raises(WorkerError, match="timed out after 2 s"):
+    with pytest.raises(WorkerError, match="timed out after 2 s") as info:
         run_workers(_sleep, 2, timeout_s=2)
     assert time.monotonic() - t0 < 15
+    stacks = info.value.traceback_text          # from faulthandler in each hung worker
+    assert "rank 0:" in stacks and "rank 1:" in stacks, stacks
+    assert "_sleep" in stacks and "test_launch.py" in stacks, stacks
 
 
-def _sleep_with_pid(pid_dir):
+def _graceful(pid_dir):
+    """Sleeps; on SIGTERM takes 1 s to 'save' (writes a marker) and exits."""
     import torch.distributed as dist
-    open(os.path.join(pid_dir, str(dist.get_rank())), "w").write(str(os.getpid()))
+    rank = dist.get_rank()
+
+    def on_term(signum, frame):
+        time.sleep(1.0)
+        open(os.path.join(pid_dir, f"saved_{rank}"), "w").write("ok")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    open(os.path.join(pid_dir, str(rank)), "w").write(str(os.getpid()))
     time.sleep(120)
 
 
 _SCRIPT = """
 import sys
 sys.path[:0] = {paths!r}
-from test_launch import _sleep_with_pid
+from test_launch import _graceful
 from engine import launch
 if __name__ == "__main__":
-    launch(_sleep_with_pid, 2, {pid_dir!r})
+    launch(_graceful, 2, {pid_dir!r})
 """
 
 
-def test_sigterm_to_launcher_stops_workers(tmp_path):
-    import subprocess
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    script = tmp_path / "job.py"
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    script.write_text(_SCRIPT.format(paths=[here, root], pid_dir=str(pid_dir)))
-    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert len(list(pid_dir.iterdir())) == 2, "workers did not start"
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode != 0 and b"received signal 15" in err
-    for f in pid_dir.iterdir():
-        pid = int(f.read_text())
-        deadline = time.monotonic() + 5
+def _wait_gone(pids, within_s=5.0):
+    deadline = time.monotonic() + within_s
+    for pid in pids:
         while time.monotonic() < deadline:
             try:
                 os.kill(pid, 0)
@@ -123,3 +120,63 @@ def test_sigterm_to_launcher_stops_workers(tmp_path):
             time.sleep(0.1)
         else:
             pytest.fail(f"worker pid {pid} still alive")
+
+
+@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, True),
+                                        (signal.SIGKILL, False)],
+                         ids=["SIGTERM", "ctrl-c", "SIGKILL"])
+def test_signal_to_launcher_stops_workers(tmp_path, sig, group):
+    """SIGTERM to the launcher, or Ctrl-C (SIGINT to the whole process group), reaches the
+    workers as SIGTERM and they get their grace period (here they 'save' for 1 s, longer than
+    the hard-kill grace); a killed launcher's workers leave too."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    script = tmp_path / "job.py"
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    script.write_text(_SCRIPT.format(paths=[here, root], pid_dir=str(pid_dir)))
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    pid_files = lambda: [f for f in pid_dir.iterdir() if f.name.isdigit()]  # noqa: E731
+    while len(pid_files()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(pid_files()) == 2, "workers did not start"
+    pids = [int(f.read_text()) for f in pid_files()]
+    t0 = time.monotonic()
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    if sig != signal.SIGKILL:
+        assert f"received signal {int(sig)} ({sig.name})".encode() in err, err[-2000:]
+        assert sorted(f.name for f in pid_dir.iterdir() if f.name.startswith("saved")) == \
+            ["saved_0", "saved_1"], "workers were not given their grace period"
+        assert time.monotonic() - t0 < 20
+    _wait_gone(pids)
+
+
+def _big_result_or_torn_message():
+    import struct
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        # Die in the middle of a message to the launcher: its length says 1 MB, 10 bytes came.
+        conn = sys.modules["engine.launch"]._WORKER_QUEUE.conn
+        os.write(conn.fileno(), struct.pack("!i", 10**6) + b"x" * 10)
+        os._exit(5)
+    time.sleep(120)
+
+
+def _big_result():
+    return b"x" * (4 * 2**20)       # far beyond a pipe's buffer
+
+
+def test_large_results_and_torn_messages():
+    assert [len(r) for r in run_workers(_big_result, 2)] == [4 * 2**20] * 2
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="exited with code 5") as info:
+        run_workers(_big_result_or_torn_message, 2, timeout_s=60)
+    assert info.value.rank == 1 and time.monotonic() - t0 < 20

@@ -1,0 +1,180 @@
+"""Soak run: many training steps on a small model, per-rank memory at the start and the end.
+
+Runs each layout (``STAGESxREPLICAS``, default ``4x1`` and ``2x2``) for ``--steps`` steps with
+the local launcher and prints, per rank: peak RSS (``ru_maxrss``) and current RSS after the
+warm-up steps and at the end, the RSS trajectory (sampled every ``--sample-every`` steps) and
+its least-squares slope over the second half of the run, live Python objects, and the peak
+saved-activation bytes over the first and the last ``--window`` steps (plus CUDA peak allocated
+bytes on GPUs). A leak shows as a steady climb (the allocator's noise as steps of a few MiB up
+and down); the script exits with status 1 if any rank's median RSS over its last 10 samples
+exceeds that over its first 10 by more than ``--tolerance-mib``, or live Python objects grew by
+more than 1000.
+
+Example::
+
+    OMP_NUM_THREADS=1 python scripts/soak.py --steps 300 --layouts 4x1 2x2
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import resource
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+__all__ = ["soak_worker", "main"]
+
+MiB = 2**20
+
+
+def _block(dim: int, hidden: int):
+    from torch import nn
+    return nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(),
+                         nn.Linear(hidden, dim))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def soak_worker(stages: int, replicas: int, args: dict) -> dict:
+    """One rank of a soak job; returns its memory figures."""
+    import torch
+    import torch.distributed as dist
+    from engine import OptimizerConfig, Pipeline
+    layers = [functools.partial(_block, args["dim"], args["hidden"])
+              for _ in range(args["layers"])]
+    per = args["layers"] // stages
+    ranges = [(s * per, (s + 1) * per if s < stages - 1 else args["layers"])
+              for s in range(stages)]
+    pipe = Pipeline(layers, ranges, loss_fn=torch.nn.functional.mse_loss,
+                    schedule=args["schedule"], microbatches=args["microbatches"],
+                    data_parallel=replicas,
+                    optimizer=OptimizerConfig(name="adamw", lr=1e-4, grad_clip=1.0))
+    cuda = pipe.device.type == "cuda"
+    g = torch.Generator().manual_seed(dist.get_rank() // stages)
+    x = torch.randn(args["batch"], args["dim"], generator=g)
+    y = torch.randn(args["batch"], args["dim"], generator=g)
+    steps, window, warm = args["steps"], args["window"], args["warmup"]
+    act: list[int] = []
+    start: dict = {}
+    samples: list[tuple[int, int]] = []      # (step, current RSS) after warm-up
+
+    def snapshot() -> dict:
+        gc.collect()
+        return {"peak_rss": _peak_rss_bytes(), "rss": _rss_bytes(),
+                "cuda_peak": torch.cuda.max_memory_allocated() if cuda else 0,
+                "py_objects": len(gc.get_objects())}
+
+    t0 = time.perf_counter()
+    for step in range(steps):
+        r = pipe.train_step(x, y)
+        act.append(int(r.stats["peak_activation_bytes"]))
+        if step + 1 == warm:
+            start = snapshot()
+        if step + 1 >= warm and (step + 1 - warm) % args["sample_every"] == 0:
+            samples.append((step + 1, _rss_bytes()))
+    end = snapshot()
+    half = samples[len(samples) // 2:]
+    slope = _slope(half) if len(half) >= 3 else 0.0
+    return {"rank": dist.get_rank(), "stage": pipe.mesh.pipeline_rank,
+            "replica": pipe.mesh.replica, "start": start, "end": end,
+            "act_first": max(act[:window]), "act_last": max(act[-window:]),
+            "rss_samples": samples, "rss_slope_b_per_step": slope,
+            "loss": r.loss, "s_per_step": (time.perf_counter() - t0) / steps}
+
+
+def _slope(points: list[tuple[int, int]]) -> float:
+    """Least-squares slope (bytes per step) of (step, bytes) points."""
+    n = len(points)
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    var = sum((p[0] - mx) ** 2 for p in points)
+    return sum((p[0] - mx) * (p[1] - my) for p in points) / var if var else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=20, help="steps before the 'start' figures")
+    ap.add_argument("--window", type=int, default=20, help="steps per activation-peak window")
+    ap.add_argument("--layouts", nargs="+", default=["4x1", "2x2"], help="STAGESxREPLICAS")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=32, help="global batch")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--sample-every", type=int, default=10, help="RSS sample interval (steps)")
+    ap.add_argument("--tolerance-mib", type=float, default=32.0,
+                    help="largest allowed growth of the median RSS (first vs last 10 samples)")
+    ap.add_argument("--json", help="also write the figures to this file")
+    a = ap.parse_args(argv)
+    if a.steps < a.warmup + a.window:
+        ap.error("--steps must be at least --warmup + --window")
+    from engine import launch
+    from engine.runtime import Pipeline
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cfg = {k: getattr(a, k) for k in ("steps", "warmup", "window", "layers", "dim", "hidden",
+                                      "batch", "microbatches", "schedule", "sample_every")}
+    report, worst, worst_objs = [], 0.0, 0
+    for layout in a.layouts:
+        stages, replicas = (int(v) for v in layout.lower().split("x"))
+        per = a.layers // stages
+        ranges = [(s * per, (s + 1) * per if s < stages - 1 else a.layers) for s in range(stages)]
+        Pipeline.check_arguments(a.layers, ranges, schedule=a.schedule,
+                                 microbatches=a.microbatches, data_parallel=replicas,
+                                 world_size=stages * replicas, global_batch=a.batch)
+        t0 = time.perf_counter()
+        rows = launch(soak_worker, stages * replicas, stages, replicas, cfg)
+        wall = time.perf_counter() - t0
+        print(f"\n== {stages} stages x {replicas} replicas, {a.steps} steps, "
+              f"{wall:.0f} s ({rows[0]['s_per_step'] * 1e3:.1f} ms/step) ==")
+        print(f"{'rank':>4} {'stage':>5} {'rep':>3} | {'peak RSS start':>14} {'peak RSS end':>12}"
+              f" | {'RSS start':>9} {'RSS end':>9} {'slope 2nd half':>14} | {'py objs':>15} |"
+              f" {'act peak first':>14} {'act peak last':>13}")
+        for r in rows:
+            s, e = r["start"], r["end"]
+            slope = r["rss_slope_b_per_step"] / 1024
+            traj = [b for _, b in r["rss_samples"]]
+            k = min(10, max(1, len(traj) // 4))
+            growth = (sorted(traj[-k:])[k // 2] - sorted(traj[:k])[k // 2]) / MiB
+            worst = max(worst, growth)
+            objs = e["py_objects"] - s["py_objects"]
+            worst_objs = max(worst_objs, objs)
+            print(f"{r['rank']:>4} {r['stage']:>5} {r['replica']:>3} | "
+                  f"{s['peak_rss'] / MiB:>10.1f} MiB {e['peak_rss'] / MiB:>8.1f} MiB | "
+                  f"{s['rss'] / MiB:>5.1f} MiB {e['rss'] / MiB:>5.1f} MiB "
+                  f"{slope:>+7.2f} KiB/step | {s['py_objects']:>7} {e['py_objects']:>7} | "
+                  f"{r['act_first'] / MiB:>10.3f} MiB {r['act_last'] / MiB:>9.3f} MiB"
+                  + (f" | cuda peak {s['cuda_peak'] / MiB:.1f} -> {e['cuda_peak'] / MiB:.1f} MiB"
+                     if e["cuda_peak"] else ""))
+            traj = r["rss_samples"]
+            picks = [traj[int(k * (len(traj) - 1) / 4)] for k in range(5)]
+            print("       RSS after step " + ", ".join(f"{st}: {b / MiB:.1f}" for st, b in picks)
+                  + " MiB")
+        report.append({"layout": layout, "wall_s": wall, "ranks": rows})
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": cfg, "layouts": report}, f, indent=1)
+    ok = worst <= a.tolerance_mib and worst_objs <= 1000
+    print(f"\nlargest growth of the median RSS after warm-up (first vs last 10 samples): "
+          f"{worst:+.1f} MiB; of live Python objects: {worst_objs:+d} "
+          f"({'OK' if ok else 'GROWTH'}; tolerance {a.tolerance_mib:g} MiB, 1000 objects)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
