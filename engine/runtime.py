@@ -21,7 +21,8 @@ from torch import Tensor, nn
 
 from engine.comm import P2P, Recv
 from engine.mesh import Mesh
-from engine.optim import PRECISIONS, OptimizerConfig, StageOptimizer, make_optimizer
+from engine.optim import (PRECISIONS, NonFiniteError, OptimizerConfig, StageOptimizer,
+                          make_optimizer)
 from engine.stage import Chunk, _cut, build_layers
 
 __all__ = ["Pipeline", "StepResult", "check_stage_ranges"]
@@ -92,28 +93,17 @@ class Pipeline:
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
                  recv_lookahead: int = 2):
-        from engine.schedules import Schedule, build_schedule, lower, validate
+        from engine.schedules import lower
 
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
-        v = virtual_stages if not isinstance(schedule, Schedule) else schedule.virtual_stages
-        n_chunks = len(stage_ranges)
-        if n_chunks % v:
-            raise ValueError(f"{n_chunks} stage ranges is not a multiple of virtual_stages={v}; "
-                             "pass num_stages x virtual_stages ranges")
-        p = n_chunks // v
-        self.ranges = check_stage_ranges(stage_ranges, len(layers), n_chunks)
-        if isinstance(schedule, Schedule):
-            sched = schedule
-            if sched.num_stages != p or sched.microbatches != microbatches:
-                raise ValueError(f"schedule is for {sched.num_stages} stages x "
-                                 f"{sched.microbatches} microbatches, the pipeline has {p} x "
-                                 f"{microbatches}")
-        else:
-            sched = build_schedule(schedule, p, microbatches, v)
-        validate(sched)
+        sched = self.check_arguments(
+            len(layers), stage_ranges, schedule=schedule, microbatches=microbatches,
+            virtual_stages=virtual_stages, data_parallel=data_parallel, optimizer=optimizer,
+            precision=precision, nonfinite=nonfinite, comm_timeout_s=comm_timeout_s,
+            world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized()
+            else None, ties=ties)
+        v, p = sched.virtual_stages, sched.num_stages
+        self.ranges = check_stage_ranges(stage_ranges, len(layers), p * v)
+        n_chunks = p * v
         self.schedule, self.num_stages, self.virtual_stages = sched, p, v
         self.microbatches, self.data_parallel = microbatches, data_parallel
         self.mesh = Mesh(p, data_parallel)
@@ -152,8 +142,108 @@ class Pipeline:
         for c in self.chunks.values():  # ZeRO moves parameters into flat buffers: re-read them
             c.refresh_params()
         self.p2p = P2P(self.mesh, comm_timeout_s, self.device)
+        self.nonfinite = nonfinite
         self.step_count = 0
         self.last_loss: float | None = None
+
+    @staticmethod
+    def check_arguments(num_layers: int, stage_ranges: Sequence[Sequence[int]], *,
+                        schedule: Any = "1f1b", microbatches: int, virtual_stages: int = 1,
+                        data_parallel: int = 1, optimizer: OptimizerConfig | None = None,
+                        precision: str = "fp32", nonfinite: str = "raise",
+                        comm_timeout_s: float = 60.0, world_size: int | None = None,
+                        global_batch: int | None = None,
+                        ties: Sequence[tuple[str, str]] = ()) -> Any:
+        """Check a pipeline's arguments without starting anything; returns the validated
+        ``Schedule``. ``Pipeline`` runs the same checks inside each worker; call this in the
+        launching process to refuse bad input before any worker starts::
+
+            Pipeline.check_arguments(len(layers), ranges, schedule="1f1b", microbatches=4,
+                                     data_parallel=2, world_size=4, global_batch=32)
+            launch(worker, 4, ...)
+
+        ``world_size``: the number of processes that will run it (must be stages x replicas);
+        ``global_batch``: the batch size passed to ``train_step`` (must split into
+        ``data_parallel`` x ``microbatches``). Raises ``ValueError`` saying how to fix it.
+        """
+        from engine.schedules import Schedule, build_schedule, validate
+
+        if isinstance(precision, str) and precision not in PRECISIONS:
+            asked = [x for x in PRECISIONS if x in precision.lower()]
+            extra = (f"; {' and '.join(asked)} cannot be combined: choose one (bf16 needs no "
+                     "loss scaling; fp16 uses dynamic loss scaling)") if len(asked) > 1 else ""
+            raise ValueError(f"precision must be one of {PRECISIONS} (exactly one), got "
+                             f"{precision!r}{extra}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS} (exactly one, as a "
+                             f"string), got {precision!r}")
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        if not (isinstance(comm_timeout_s, (int, float)) and comm_timeout_s > 0):
+            raise ValueError(f"comm_timeout_s must be a positive number of seconds, got "
+                             f"{comm_timeout_s!r}")
+        if int(data_parallel) < 1:
+            raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
+        v = virtual_stages if not isinstance(schedule, Schedule) else schedule.virtual_stages
+        n_chunks = len(stage_ranges)
+        if n_chunks == 0:
+            raise ValueError("stage_ranges is empty; pass one (start, stop) layer range per "
+                             "chunk, e.g. partitioner.partition(...).stage_ranges")
+        if n_chunks > num_layers:
+            raise ValueError(f"{n_chunks} stage ranges for a model of {num_layers} layers: every "
+                             f"chunk needs at least one layer; use at most {num_layers} stages "
+                             "(x virtual_stages)")
+        if n_chunks % v:
+            raise ValueError(f"{n_chunks} stage ranges is not a multiple of virtual_stages={v}; "
+                             "pass num_stages x virtual_stages ranges")
+        p = n_chunks // v
+        check_stage_ranges(stage_ranges, num_layers, n_chunks)
+        if isinstance(schedule, Schedule):
+            sched = schedule
+            if sched.num_stages != p or sched.microbatches != microbatches:
+                raise ValueError(f"schedule is for {sched.num_stages} stages x "
+                                 f"{sched.microbatches} microbatches, the pipeline has {p} x "
+                                 f"{microbatches}")
+        else:
+            sched = build_schedule(schedule, p, microbatches, v)
+        validate(sched)
+        if world_size is not None and world_size != p * data_parallel:
+            raise ValueError(f"{world_size} processes cannot run {p} stages x {data_parallel} "
+                             f"replicas; start {p * data_parallel} (launch(fn, "
+                             f"{p * data_parallel}) or torchrun --nproc-per-node) or change "
+                             "the layout")
+        if global_batch is not None and global_batch % (data_parallel * microbatches):
+            per = data_parallel * microbatches
+            raise ValueError(f"global batch of {global_batch} is not divisible by data_parallel "
+                             f"({data_parallel}) x microbatches ({microbatches}); use a batch "
+                             f"size that is a multiple of {per}")
+        if optimizer is not None:
+            from engine.optim import resolve_backend
+            resolve_backend(optimizer)
+            if optimizer.name not in ("sgd", "adam", "adamw"):
+                raise ValueError(f"optimizer name must be sgd, adam or adamw, got "
+                                 f"{optimizer.name!r}")
+            if int(optimizer.zero_stage) not in (0, 1, 2):
+                raise ValueError(f"zero_stage={optimizer.zero_stage} is not supported; use 0, 1 "
+                                 "or 2 (ZeRO-3 partitions parameters, which a pipeline stage "
+                                 "needs whole; every schedule works with 0, 1 and 2)")
+            if int(optimizer.zero_stage) == 2:
+                for a, b in ties:
+                    la, lb = (str(t).partition(".")[0] for t in (a, b))
+                    if not (la.isdigit() and lb.isdigit()):
+                        continue  # malformed: Pipeline's tie setup says how to write it
+                    la, lb = int(la), int(lb)
+                    if not (la < num_layers and lb < num_layers):
+                        continue
+                    owner = [sched.rank_of(next(c for c, (x, y) in enumerate(stage_ranges)
+                                                if x <= layer < y)) for layer in (la, lb)]
+                    if owner[0] != owner[1]:
+                        raise ValueError(
+                            f"zero_stage=2 cannot be used with {a} tied to {b} across pipeline "
+                            f"stages {owner[0]} and {owner[1]}: their gradients are summed "
+                            "between stages before the step, but ZeRO-2 shards gradients "
+                            "during backward; use zero_stage=1, or untie")
+        return sched
 
     # ---- setup helpers -------------------------------------------------------------------------
     def _autocast_factory(self) -> Callable[[], Any]:
@@ -249,9 +339,22 @@ class Pipeline:
             if prm.grad is None:
                 prm.grad = torch.zeros_like(prm)
             dist.all_reduce(prm.grad, group=group)
+        # One all-reduce carries the loss and, per chunk, whether its forward output was
+        # non-finite: every rank then knows the same first stage where a NaN/inf appeared.
+        loss, bad_chunks = self._reduce_loss(stats.pop("_losses"), stats.pop("_bad_out"))
+        if bad_chunks:
+            first = bad_chunks[0]
+            stats["nonfinite_stage"] = first
+            if self.nonfinite == "raise" and self.precision != "fp16":
+                a, b = self.ranges[first]
+                raise NonFiniteError(
+                    f"non-finite forward output at step {self.step_count} on pipeline stage "
+                    f"{self.schedule.rank_of(first)} (model chunk {first}, layers {a}..{b - 1}); "
+                    f"first of the chunks {bad_chunks} whose output was NaN/inf; loss={loss}. "
+                    "Lower the lr, enable grad_clip, check the data, or pass nonfinite='skip' "
+                    "to skip such steps")
         skipped, norm = self.optimizer.step()
         stats["optimizer_s"] = time.perf_counter() - t1
-        loss = self._reduce_loss(stats.pop("_losses"))
         dt = time.perf_counter() - t0
         stats["idle_s"] = max(0.0, dt - stats["forward_s"] - stats["backward_s"]
                               - stats["optimizer_s"])
@@ -264,7 +367,7 @@ class Pipeline:
         """Forward-only loss on the global batch (same on every rank)."""
         with torch.no_grad():
             stats = self._run(self._forward_program(), inputs, targets, train=False)
-        return self._reduce_loss(stats["_losses"])
+        return self._reduce_loss(stats["_losses"])[0]
 
     # ---- execution ---------------------------------------------------------------------------
     def _forward_program(self) -> list[_Item]:
@@ -309,6 +412,10 @@ class Pipeline:
         if last in self.chunks and y_mbs is None:
             raise ValueError(f"rank {self.mesh.rank} runs the last stage and needs the targets")
         p2p = self.p2p
+        # The graph-node I/W split needs an optimizer backend that takes GradientEdge roots
+        # (DeepSpeed's filters tensors by requires_grad); otherwise per-layer cuts.
+        node_split = None if getattr(self.optimizer, "accepts_gradient_edges",
+                                     type(self.optimizer).__module__ != "engine.zero") else False
         p2p.new_step()
         wait0, sent0 = p2p.wait_s, p2p.bytes_sent
         for c in self.chunks.values():
@@ -321,6 +428,7 @@ class Pipeline:
         recv_pos = [k for k, it in enumerate(program) if it.kind.startswith("RECV")]
         nxt = 0  # index into recv_pos of the next receive not yet posted
         losses: list[Tensor] = []
+        bad_out: dict[int, Any] = {}   # chunk -> non-finite forward outputs (device scalars)
         fwd_s = bwd_s = 0.0
         peak = 0
 
@@ -372,8 +480,11 @@ class Pipeline:
                     header_wait.pop(s, None)  # do not keep its buffers alive all step
                 t = time.perf_counter()
                 out = self.chunks[s].forward(i, x, y_mbs[i] if s == last else None,
-                                             split=(s, i) in self.split, keep=train)
+                                             split=(s, i) in self.split, keep=train,
+                                             node_split=node_split)
                 fwd_s += time.perf_counter() - t
+                if train:
+                    bad_out[s] = bad_out.get(s, 0) + _nonfinite_count(out)
                 if s == last:
                     losses.append(out.detach().float())
                 elif sched.rank_of(s + 1) == me:
@@ -411,14 +522,29 @@ class Pipeline:
         return {"forward_s": fwd_s, "backward_s": bwd_s, "comm_wait_s": p2p.wait_s - wait0,
                 "bytes_sent": p2p.bytes_sent - sent0, "peak_activation_bytes": peak,
                 "pipeline_rank": me, "replica": self.mesh.replica, "stages": self.my_stages,
-                "_losses": losses}
+                "_losses": losses, "_bad_out": bad_out}
 
-    def _reduce_loss(self, losses: list[Tensor]) -> float:
-        """Mean over microbatches on the last stage, averaged over replicas, on every rank."""
-        local = torch.stack(losses).mean().double() / self.data_parallel if losses else \
-            torch.zeros((), dtype=torch.float64)
+    def _reduce_loss(self, losses: list[Tensor], bad_out: dict[int, Any] | None = None
+                     ) -> tuple[float, list[int]]:
+        """Mean over microbatches on the last stage, averaged over replicas, on every rank; and
+        the chunks (on any rank) whose forward produced a non-finite value, in order."""
+        k = self.schedule.num_chunks
+        buf = torch.zeros(1 + k, dtype=torch.float64, device=self.device)
+        if losses:
+            buf[0] = torch.stack(losses).mean().double() / self.data_parallel
+        for s, n in (bad_out or {}).items():
+            buf[1 + s] += n
         if self.mesh.distributed and self.mesh.world_size > 1:
-            buf = local.reshape(1).to(self.device)
             dist.all_reduce(buf)
-            local = buf.cpu()[0]
-        return float(local)
+        buf = buf.cpu()
+        return float(buf[0]), [s for s in range(k) if buf[1 + s] != 0]
+
+
+def _nonfinite_count(value: Any) -> Tensor | int:
+    """A scalar tensor, non-zero iff a floating tensor in ``value`` holds a NaN or inf (one read
+    of each tensor, no host synchronisation)."""
+    flag: Tensor | int = 0
+    for t in (value if isinstance(value, (tuple, list)) else (value,)):
+        if isinstance(t, Tensor) and t.is_floating_point():
+            flag = flag + (~torch.isfinite(t.detach().sum(dtype=torch.float32))).to(torch.float64)
+    return flag

@@ -5,12 +5,21 @@ Layers are built from zero-argument factories under ``torch.manual_seed(seed + i
 layer index ``i``, so a layer's weights do not depend on the split. A chunk runs its layers like
 ``nn.Sequential`` (a layer that returns a tuple hands the tuple to the next layer).
 
-The I/W split: when a microbatch's backward is split, the forward cuts the autograd graph at
-every layer boundary (each layer's input is a detached leaf). ``I`` then walks the layers
-backwards with ``torch.autograd.grad`` w.r.t. each layer's input only (weight-gradient kernels
-are skipped by autograd) and remembers the gradient at every boundary; ``W`` is then one
-backward over the disjoint per-layer graphs restricted to the parameters, so no input-gradient
-work is repeated and parameters shared between layers still accumulate every use.
+The I/W split works on the autograd graph, node by node (no extra graph cuts in the forward).
+``I`` analyses the microbatch's graph once: the "input region" is the set of nodes from which a
+chunk input is reachable; a node of that region with an edge to a parameter-only subgraph (a
+Linear's ``AddmmBackward`` and its weight/bias edges) is a boundary. ``I`` runs one
+``torch.autograd.grad`` w.r.t. the chunk inputs (autograd skips every weight-gradient output)
+while pre-hooks on the boundaries record the gradient arriving at each of them. ``W`` then runs
+each boundary's backward once more, restricted to its parameter edges (only the weight-gradient
+kernels, e.g. ``x^T dy``), and one backward from those edges into the parameters. No
+input-gradient work is repeated, and a parameter used several times accumulates every use.
+Outputs that do not depend on a chunk input (the first chunk of a language model) go to ``W``
+whole. With activation checkpointing, or an optimizer backend that cannot take
+``GradientEdge`` roots (DeepSpeed's), the split falls back to a per-layer graph cut: each
+layer's input a detached leaf, ``I`` walks the layers with ``torch.autograd.grad``, ``W``
+backpropagates the per-layer graphs into the parameters (repeating the intra-layer
+input-gradient chain, so slower).
 
 Example::
 
@@ -26,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
 from engine.comm import flatten, unflatten
@@ -73,6 +83,8 @@ class _MbState:
     split: bool
     segments: list[tuple[list[Tensor], list[Tensor], bool]] = field(default_factory=list)
     pending_w: list[tuple[list[Tensor], list[Tensor]]] | None = None
+    node_split: bool = False                   # graph-node I/W split (else per-layer cuts)
+    boundaries: list[tuple[Any, list[tuple[Any, int]], tuple]] | None = None
     saved_bytes: int = 0
     loss: Tensor | None = None
 
@@ -120,9 +132,14 @@ class Chunk:
         return layer(x)
 
     def forward(self, mb: int, x: Any, target: Any = None, *, split: bool = False,
-                keep: bool = True) -> Any:
+                keep: bool = True, node_split: bool | None = None) -> Any:
         """Run microbatch ``mb``; returns the output (the loss on the last chunk). With ``keep``
-        (training) the state for backward is kept; ``split`` prepares the I/W split."""
+        (training) the state for backward is kept; ``split`` prepares the I/W split
+        (``node_split``: the graph-node split; default: unless checkpointing)."""
+        if node_split is None:
+            node_split = not self.checkpointing
+        node_split = split and node_split
+        split = split and not node_split  # from here on: whether to cut the graph per layer
         seen: dict[int, int] = {}
         hooks = (torch.autograd.graph.saved_tensors_hooks(*self._hooks(seen))
                  if keep and self.measure and not self.checkpointing
@@ -150,8 +167,9 @@ class Chunk:
                 cur = loss
         if keep and torch.is_grad_enabled():
             outs = [cur] if self.loss_fn is not None else _rg(flatten(cur)[1])
-            st = _MbState(chunk_in, outs, split, segments, saved_bytes=sum(seen.values()),
-                          loss=cur if self.loss_fn is not None else None)
+            st = _MbState(chunk_in, outs, split or node_split, segments,
+                          saved_bytes=sum(seen.values()),
+                          loss=cur if self.loss_fn is not None else None, node_split=node_split)
             self.state[mb] = st
             self.live_bytes += st.saved_bytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
@@ -212,6 +230,8 @@ class Chunk:
         st = self.state[mb]
         if not st.split:
             raise RuntimeError(f"chunk {self.index} microbatch {mb}: I without a split forward")
+        if st.node_split:
+            return self._node_input(st, grads, optimizer)
         outs, gs = self._out_grads(st, grads, optimizer)
         if gs is None:  # last chunk: start from the scaled loss, which depends on the loss
             gs = [torch.ones_like(o) for o in outs]
@@ -242,11 +262,114 @@ class Chunk:
         st = self.state[mb]
         if st.pending_w is None:
             raise RuntimeError(f"chunk {self.index} microbatch {mb}: W before I")
+        if st.node_split:
+            self._node_weight(st, optimizer)
+            self._free(mb)
+            return
         outs = [o for os_, _ in st.pending_w for o in os_]
         gs = [g for _, gs_ in st.pending_w for g in gs_]
         if outs and self.params:
             optimizer.backward(outs, gs, inputs=self.params)
         self._free(mb)
 
+    # ---- graph-node I/W split ----------------------------------------------------------------
+    def _node_input(self, st: _MbState, grads: Sequence[Tensor] | None, optimizer: Any
+                    ) -> list[Tensor]:
+        outs, gs = self._out_grads(st, grads, optimizer)
+        if gs is None:
+            gs = [torch.ones_like(o) for o in outs]
+        roots = [(o, g) for o, g in zip(outs, gs) if o.requires_grad]
+        in_nodes = {get_gradient_edge(t).node for t in st.inputs}
+        prm_nodes = {get_gradient_edge(p).node for p in self.params}
+        root_edges = [get_gradient_edge(o) for o, _ in roots]
+        kids, ri, rp = _analyse([e.node for e in root_edges], in_nodes, prm_nodes)
+        # Boundaries: input-region nodes with edges into parameter-only subgraphs.
+        bounds = []
+        indeg: dict[Any, int] = {}
+        for ks in kids.values():
+            for c, _ in ks:
+                indeg[c] = indeg.get(c, 0) + 1
+        for node, ks in kids.items():
+            if ri[node]:
+                po = [(c, nr) for c, nr in ks if rp[c] and not ri[c]]
+                if po:
+                    bounds.append((node, po, ()))
+        if any(indeg[c] > 1 for _, po, _ in bounds for c, _ in po):
+            # A parameter node fed directly from two places (a parameter used twice without a
+            # view in between): re-running one boundary could reach the other. Do the whole
+            # backward now; W has nothing left to do.
+            if roots:
+                optimizer.backward([o for o, _ in roots], [g for _, g in roots])
+            st.boundaries, st.pending_w = [], []
+            return self._input_grads(st)
+        direct = [(o, g) for (o, g), e in zip(roots, root_edges) if rp[e.node] and not ri[e.node]]
+        grads_at: dict[Any, tuple] = {}
+        handles = [node.register_prehook(_recorder(grads_at, node)) for node, _, _ in bounds]
+        try:
+            live = [(o, g) for (o, g), e in zip(roots, root_edges) if ri[e.node]]
+            if st.inputs and live:
+                got = torch.autograd.grad([o for o, _ in live], st.inputs, [g for _, g in live],
+                                          retain_graph=True, allow_unused=True)
+            else:
+                got = (None,) * len(st.inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        st.boundaries = [(node, po, grads_at.get(node, ())) for node, po, _ in bounds]
+        st.pending_w = [([o for o, _ in direct], [g for _, g in direct])]
+        return [g if g is not None else torch.zeros_like(t) for g, t in zip(got, st.inputs)]
+
+    def _node_weight(self, st: _MbState, optimizer: Any) -> None:
+        roots: list[Any] = []
+        rgrads: list[Tensor] = []
+        for node, po, grads_out in st.boundaries or ():
+            outs = [(GradientEdge(node, k), g) for k, g in enumerate(grads_out) if g is not None]
+            if not outs:
+                continue
+            # Only this node runs: the inputs are its own parameter edges (no input-gradient
+            # work, and no path into another boundary's edges).
+            got = torch.autograd.grad([e for e, _ in outs], [GradientEdge(c, nr) for c, nr in po],
+                                      [g for _, g in outs], allow_unused=True)
+            for (c, nr), g in zip(po, got):
+                if g is not None:
+                    roots.append(GradientEdge(c, nr))
+                    rgrads.append(g)
+        for os_, gs_ in st.pending_w or ():
+            roots += os_
+            rgrads += gs_
+        st.boundaries = None
+        if roots and self.params:
+            optimizer.backward(roots, rgrads, inputs=self.params)
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
+
+
+def _recorder(store: dict, node: Any) -> Callable[[tuple], None]:
+    def hook(grad_outputs: tuple) -> None:
+        store[node] = grad_outputs
+    return hook
+
+
+def _analyse(roots: Sequence[Any], in_nodes: set, prm_nodes: set
+             ) -> tuple[dict[Any, list[tuple[Any, int]]], dict[Any, bool], dict[Any, bool]]:
+    """The autograd graph under ``roots``: children per node, and whether each node reaches a
+    chunk input (``ri``) or a parameter (``rp``). Iterative post-order (graphs can be deep)."""
+    kids: dict[Any, list[tuple[Any, int]]] = {}
+    ri: dict[Any, bool] = {}
+    rp: dict[Any, bool] = {}
+    stack: list[tuple[Any, bool]] = [(n, False) for n in roots if n is not None]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            ks = kids[node]
+            ri[node] = node in in_nodes or any(ri[c] for c, _ in ks)
+            rp[node] = node in prm_nodes or any(rp[c] for c, _ in ks)
+            continue
+        if node in kids:
+            continue
+        ks = [(c, nr) for c, nr in node.next_functions if c is not None]
+        kids[node] = ks
+        stack.append((node, True))
+        stack.extend((c, False) for c, _ in ks if c not in kids)
+    return kids, ri, rp

@@ -270,7 +270,7 @@ class CheckpointConfig:
     every_steps: int = 0  # save every this many steps; 0 = off
     dir: Optional[str] = None  # where to write; null = <run dir>/checkpoints
     keep_last: int = 2  # checkpoints kept (older ones deleted)
-    resume: Optional[str] = None  # checkpoint directory to resume from; null = fresh start
+    resume: Optional[str] = "true"  # true: resume from this run's newest checkpoint if any | false: fresh start | a checkpoint path
 
 
 @dataclass
@@ -505,7 +505,10 @@ def validate_config(cfg: Any) -> None:
     precision = choice_text(_get(cfg, "precision", "fp32"))
     precisions = [m.value for m in Precision]
     if precision not in precisions:
-        raise ConfigError(f"precision={precision!r}; choose exactly one of {precisions} (e.g. precision=bf16)")
+        asked = [x for x in precisions if x in precision.lower()]
+        both = (f"; {' and '.join(asked)} cannot be combined (one compute precision per run: bf16 needs no "
+                "loss scaling, fp16 uses dynamic loss scaling)") if len(asked) > 1 else ""
+        raise ConfigError(f"precision={precision!r}; choose exactly one of {precisions} (e.g. precision=bf16){both}")
 
     try:
         limit = parse_memory_limit(_get(cfg, "partitioner.memory_limit"))
@@ -529,6 +532,14 @@ def validate_config(cfg: Any) -> None:
         )
 
     model_name = choice_text(_get(model, "name"))
+    tied = bool(_get(model, "tie_embeddings", model_name in ("hf_gpt2", "hf_llama")))
+    if zero == 2 and tied and stages > 1:
+        raise ConfigError(
+            f"optimizer.zero_stage=2 cannot be used with model.tie_embeddings=true over pipeline.stages={stages}: "
+            "the embedding (first stage) and the head (last stage) share a weight whose gradients are summed "
+            "between stages, but ZeRO-2 shards gradients during backward; set optimizer.zero_stage=1, or "
+            "model.tie_embeddings=false"
+        )
     data_name = choice_text(_get(cfg, "data.name"))
     if model_name == "mlp" and data_name != "synthetic":
         raise ConfigError(f"model=mlp takes feature vectors, not text; use data=synthetic (got data={data_name})")

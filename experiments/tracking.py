@@ -180,32 +180,33 @@ class Tracker:
         return record
 
     # ------------------------------------------------------------------ tables, pictures, summary
-    def log_table(self, key: str, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Log rows (dicts with the same keys) as a W&B table."""
+    def log_table(self, key: str, rows: Sequence[Mapping[str, Any]], step: int | None = None) -> None:
+        """Log rows (dicts with the same keys) as a W&B table (at `step`, default: W&B's next step)."""
         if not (self.enabled and self.run is not None and rows):
             return
         import wandb
 
         columns = list(rows[0].keys())
         data = [[_jsonable(row.get(c)) for c in columns] for row in rows]
-        self.run.log({key: wandb.Table(columns=columns, data=data)})
+        self.run.log({key: wandb.Table(columns=columns, data=data)}, step=step)
 
-    def log_plan(self, plan: Any, key: str = "plan") -> None:
+    def log_plan(self, plan: Any, key: str = "plan", step: int | None = None) -> None:
         """Log a partition plan (stage ranges, predicted time and memory) as a W&B table and summary."""
         rows = plan if isinstance(plan, list) else plan_rows(plan)
-        self.log_table(key, rows)
+        self.log_table(key, rows, step=step)
         for attr in ("step_s", "bottleneck_s", "bubble_fraction", "lower_bound_s"):
             value = getattr(plan, attr, None)
             if isinstance(value, (int, float)):
                 self.summary({f"{key}/{attr}": value})
 
-    def log_image(self, key: str, path: str | os.PathLike, caption: str | None = None) -> None:
-        """Log a picture file (e.g. the timeline PNG) to W&B."""
+    def log_image(self, key: str, path: str | os.PathLike, caption: str | None = None,
+                  step: int | None = None) -> None:
+        """Log a picture file (e.g. the timeline PNG) to W&B (at `step`, default: W&B's next step)."""
         if not (self.enabled and self.run is not None):
             return
         import wandb
 
-        self.run.log({key: wandb.Image(str(path), caption=caption)})
+        self.run.log({key: wandb.Image(str(path), caption=caption)}, step=step)
 
     def summary(self, values: Mapping[str, Any]) -> None:
         """Set run-summary values (W&B summary; also returned by `finish`)."""

@@ -3,7 +3,9 @@
 Each rank builds ``engine.Pipeline(spec.layers, ranges, loss_fn=..., schedule=...,
 microbatches=m, virtual_stages=v, optimizer=OptimizerConfig("sgd", lr), seed=spec.seed)``
 (the engine builds only its own layers, seeded like every other system) and the shared loop
-times ``train_step``. Same SGD on the global-batch mean loss as the other rows.
+times ``train_step``. Same SGD on the global-batch mean loss as the other rows. The row also has
+``stats``: per rank, the median over timed steps of the engine's own ``StepResult.stats``
+(forward_s, backward_s, comm_wait_s, idle_s, optimizer_s, peak_activation_bytes, bytes_sent).
 
 Example::
 
@@ -15,16 +17,32 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+import statistics
+from typing import Any, Sequence
 
 from experiments.peers.common import make_row, timed_loop
 from experiments.peers.harness import spawn_workers
 from experiments.peers.spec import BenchSpec
 
-__all__ = ["PIPESHARD_SCHEDULES", "run_pipeshard"]
+__all__ = ["PIPESHARD_SCHEDULES", "run_pipeshard", "median_stats", "STAT_KEYS"]
 
 # name -> model chunks per rank
 PIPESHARD_SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1}
+
+
+# StepResult.stats figures kept per rank (median over the timed steps).
+STAT_KEYS = ("forward_s", "backward_s", "comm_wait_s", "idle_s", "optimizer_s",
+             "peak_activation_bytes", "bytes_sent")
+
+
+def median_stats(stats: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The median of each :data:`STAT_KEYS` figure over steps (figures a step lacks are skipped)."""
+    out: dict[str, float] = {}
+    for key in STAT_KEYS:
+        vals = [float(s[key]) for s in stats if s.get(key) is not None]
+        if vals:
+            out[key] = statistics.median(vals)
+    return out
 
 
 def _worker(rank: int, world_size: int, spec: BenchSpec, schedule: str, return_params: bool,
@@ -36,12 +54,15 @@ def _worker(rank: int, world_size: int, spec: BenchSpec, schedule: str, return_p
                     microbatches=spec.microbatches, virtual_stages=v,
                     optimizer=OptimizerConfig(name="sgd", lr=spec.lr), seed=spec.seed, **options)
     is_last = rank == world_size - 1
+    stats: list[dict[str, Any]] = []
 
     def step(inputs: Any, targets: Any) -> float | None:
-        loss = pipe.train_step(inputs, targets).loss
-        return loss if is_last else None
+        res = pipe.train_step(inputs, targets)
+        stats.append(res.stats)
+        return res.loss if is_last else None
 
     result = timed_loop(spec, step, rank=rank)
+    result["stats"] = median_stats(stats[spec.warmup:])
     if return_params:
         result["params"] = {f"{layer}.{name}": t.detach().clone()
                             for layer, params in pipe.named_layer_parameters().items()
@@ -59,5 +80,8 @@ def run_pipeshard(spec: BenchSpec, schedule: str = "1f1b", *, return_params: boo
         raise ValueError(f"unknown pipeshard schedule {schedule!r}; choose from {list(PIPESHARD_SCHEDULES)}")
     p = spec.num_stages
     results = spawn_workers(_worker, p, spec, schedule, return_params, options, timeout_s=timeout_s)
-    return make_row("pipeshard", schedule, spec, results, stages=p, microbatches=spec.microbatches,
-                    virtual_stages=PIPESHARD_SCHEDULES[schedule])
+    row = make_row("pipeshard", schedule, spec, results, stages=p, microbatches=spec.microbatches,
+                   virtual_stages=PIPESHARD_SCHEDULES[schedule])
+    row["stage_ranges"] = [list(r) for r in spec.ranges_for(PIPESHARD_SCHEDULES[schedule])]
+    row["stats"] = [r["stats"] for r in results]  # per rank: medians of StepResult.stats
+    return row

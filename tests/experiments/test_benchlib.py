@@ -180,3 +180,39 @@ def test_a_failing_run_becomes_an_error_row() -> None:
     assert rows[0]["step_s"] is None and "Traceback" in rows[0]["traceback"]
     assert rows[0]["error"] in format_table(rows)
     assert benchlib.json_rows(rows)[0]["error"] == rows[0]["error"]
+
+
+# ---- bench app helpers (pure) ---------------------------------------------------------------
+
+def _row(step_s: float, times: list[float], rss: list[int], **kw) -> dict:
+    return dict(system="pipeshard", schedule="1f1b", stages=2, microbatches=4, step_s=step_s,
+                step_s_all=times, samples_per_s=16 / step_s, peak_rss_bytes=rss, **kw)
+
+
+def test_combine_rounds_pools_steps_and_keeps_failures() -> None:
+    a = _row(1.0, [0.9, 1.0, 1.1], [10, 20], tag="a")
+    b = _row(3.0, [3.0, 3.0, 3.0], [30, 5], tag="b")
+    c = _row(2.0, [2.0, 2.0, 2.0], [1, 1], tag="c")
+    row = benchlib.combine_rounds([a, b, c])
+    assert row["step_s"] == 2.0 and row["step_s_rounds"] == [1.0, 3.0, 2.0] and row["rounds"] == 3
+    assert row["tag"] == "c" and row["peak_rss_bytes"] == [30, 20]
+    assert row["samples_per_s"] == pytest.approx(16 / 2.0)
+    failed = {"system": "pipeshard", "schedule": "1f1b", "step_s": None, "error": "boom"}
+    assert benchlib.combine_rounds([failed, a])["failed_rounds"] == ["boom"]
+    assert benchlib.combine_rounds([failed])["error"] == "boom"
+
+
+def test_ratios_and_markdown() -> None:
+    rows = [dict(_row(2.0, [2.0], [1, 1]), section="systems", ideal_step_s=1.0),
+            dict(_row(1.5, [1.5], [1, 1]), schedule="zb-h1", section="systems", ideal_step_s=1.0),
+            dict(_row(4.0, [4.0], [1, 1]), system="torch-pipelining", section="systems"),
+            dict(_row(8.0, [8.0], [1, 1]), system="deepspeed", section="systems"),
+            dict(_row(9.0, [9.0], [1, 1]), section="partition", method="uniform", predicted_step_s=9.9,
+                 step_error=0.1)]
+    r = benchlib.ratios(rows)
+    assert r["pipeshard_1f1b_over_torch_1f1b"] == pytest.approx(0.5)
+    assert r["deepspeed_over_pipeshard_1f1b"] == pytest.approx(4.0)
+    assert r["best_pipeshard_schedule"] == "zb-h1" and r["best_pipeshard_over_ideal"] == pytest.approx(1.5)
+    md = benchlib.format_markdown({"rows": rows, "ratios": r})
+    assert "| uniform |" in md and "+10.0%" in md and "`deepspeed_over_pipeshard_1f1b`: 4.000" in md
+    assert benchlib.ratios([])["pipeshard_1f1b_over_torch_1f1b"] is None

@@ -10,11 +10,15 @@ from hydra import compose, initialize_config_dir
 from experiments.config import CONF_DIR, ConfigError
 from experiments.models import build_model
 from experiments.train import (
+    checkpoint_root,
     engine_optimizer_kwargs,
+    make_plan,
     microbatch_size,
     partition_kwargs,
     pipeline_kwargs,
+    plan_matches,
     profile_kwargs,
+    resume_checkpoint,
     run_name,
     world_size,
 )
@@ -60,3 +64,42 @@ def test_pipeline_and_optimizer_kwargs_match_the_engine_signatures():
 def test_pipeline_kwargs_validates_first():
     with pytest.raises(ConfigError, match="multiple of 4"):
         pipeline_kwargs(_compose("train.batch_size=6"), [(0, 3), (3, 6)])
+
+
+def _fake_checkpoint(root, step: int) -> None:
+    d = root / f"step_{step:06d}"
+    d.mkdir(parents=True)
+    (d / "manifest.json").write_text("{}")
+    (root / "latest").write_text(d.name)
+
+
+def test_checkpoint_root_and_resume_modes(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = _compose("experiment=smoke")
+    assert checkpoint_root(cfg, run_dir) == run_dir / "checkpoints"
+    assert checkpoint_root(_compose(f"checkpoint.dir={tmp_path / 'elsewhere'}"), run_dir) == tmp_path / "elsewhere"
+    assert resume_checkpoint(cfg, run_dir) is None  # default true, but nothing to resume yet
+    _fake_checkpoint(run_dir / "checkpoints", 2)
+    _fake_checkpoint(run_dir / "checkpoints", 4)
+    assert resume_checkpoint(cfg, run_dir) == run_dir / "checkpoints" / "step_000004"
+    assert resume_checkpoint(_compose("checkpoint.resume=true"), run_dir).name == "step_000004"
+    assert resume_checkpoint(_compose("checkpoint.resume=false"), run_dir) is None
+    other = tmp_path / "other" / "checkpoints"
+    _fake_checkpoint(other, 7)
+    assert resume_checkpoint(_compose(f"checkpoint.resume={other}"), run_dir) == other / "step_000007"
+    assert resume_checkpoint(_compose(f"checkpoint.resume={other / 'step_000007'}"), run_dir).name == "step_000007"
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        resume_checkpoint(_compose(f"checkpoint.resume={tmp_path / 'nothing'}"), run_dir)
+
+
+def test_make_plan_and_plan_matches():
+    pytest.importorskip("partitioner")
+    cfg = _compose("experiment=smoke", "partitioner.method=uniform", "partitioner.profile=analytic",
+                   "partitioner.device_spec=h100")
+    spec = build_model(cfg.model)
+    plan = make_plan(cfg, spec)
+    assert plan.stage_ranges == [(0, 2), (2, 4)] and plan.method == "uniform"
+    assert plan_matches(plan, cfg, len(spec.layers))
+    assert not plan_matches(plan, _compose("experiment=smoke", "partitioner.method=uniform", "pipeline.stages=3"), 4)
+    assert not plan_matches(plan, _compose("experiment=smoke", "partitioner.method=optimal"), 4)
+    assert make_plan(cfg, spec, method="greedy").method == "greedy"

@@ -1,0 +1,89 @@
+"""`python -m experiments.bench [overrides]`: pipeshard and its peers on one model, one run.
+
+With no `experiment=` override the `bench` preset (conf/experiment/bench.yaml) is used. In one
+invocation, each in fresh processes with one thread per rank, on the same model, data, global
+batch, microbatches and stage boundaries:
+
+1. the configured model is profiled (`partitioner.profile(mode="measure")`, one worker, one
+   thread, the microbatch size, the loss folded into the last layer) and the gloo loopback link
+   speed is measured at the boundary's message size;
+2. `single` (microbatched: the reference for `ideal_step_s`; and full-batch);
+3. the profile is calibrated from the single-process step and partitioned (`method=optimal`);
+   pipeshard runs gpipe, 1f1b, interleaved-1f1b, zb-h1 on the plans' splits, and every
+   pipeshard row carries the plan's `predicted_step_s` (engine.simulate) and predicted vs
+   measured peak activation bytes per rank;
+4. torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and its
+   zero-bubble schedules ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble where they run)
+   and DeepSpeed's PipelineEngine (1F1B) on the same split;
+5. partition quality: pipeshard 1f1b with each of `bench.methods` (optimal, uniform,
+   parameters), measured (rows with `section="partition"` and `method`).
+
+Writes into the Hydra run directory: `bench.json` (`{"rows": [...], "ratios", "prediction",
+"meta", "plans", "profile"}`), `bench.png` (bar chart) and prints the tables.
+
+Example::
+
+    python -m experiments.bench                                  # the bench preset
+    python -m experiments.bench bench.steps=10 model.vocab=16384
+    python -m experiments.bench experiment=mlp_profile bench.systems=[single,pipeshard]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from experiments.config import CONF_DIR, validate_config
+
+__all__ = ["main", "write_outputs"]
+
+
+def write_outputs(result: dict, out_dir: Path) -> list[Path]:
+    """Write `bench.json` and `bench.png` into `out_dir`; return their paths."""
+    from experiments.benchlib import bar_chart
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "bench.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    png = out_dir / "bench.png"
+    rows = [r for r in result["rows"] if r.get("section") == "systems"]
+    bar_chart(rows, str(png), title=f"{result['meta'].get('model_name', 'model')}: step time (median)")
+    return [path, png]
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry point (see the module docstring)."""
+    from experiments.benchlib import format_prediction_table, format_table, run_bench
+
+    validate_config(cfg)
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    result = run_bench(cfg)
+    result["meta"]["command"] = " ".join(["python -m experiments.bench", *sys.argv[1:]])
+    paths = write_outputs(result, out_dir)
+    rows = result["rows"]
+    m = result["meta"]
+    title = (f"{m.get('model_name')}: batch {m['batch_size']}, {m['stages']} stages, "
+             f"{m['microbatches']} microbatches, 1 thread per rank")
+    print(format_table([r for r in rows if r.get("section") == "systems"], title=title))
+    print(format_prediction_table(rows))
+    print("ratios:", json.dumps(result["ratios"], indent=1))
+    print(f"load average start {m['load_avg_start']} end {m['load_avg_end']}")
+    print("wrote", *map(str, paths))
+
+
+def _default_experiment(argv: list[str]) -> list[str]:
+    """`experiment=bench` unless the command line picks an experiment itself."""
+    if any(a.split("=", 1)[0].lstrip("+~") == "experiment" for a in argv[1:]):
+        return argv
+    return [argv[0], "experiment=bench", *argv[1:]]
+
+
+if __name__ == "__main__":
+    sys.argv = _default_experiment(sys.argv)
+    main()

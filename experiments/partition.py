@@ -1,0 +1,166 @@
+"""`python -m experiments.partition [overrides]`: profile and partition a model, without training.
+
+Profiles the configured model once (`partitioner.profile`, measured here with one thread or
+analytic), splits it with every method (`optimal` and the baselines `uniform`, `parameters`,
+`greedy`) under the configured schedule, microbatches, replicas, ZeRO stage and memory limit,
+and prints the configured method's plan followed by a comparison table: predicted step time,
+bubble, per-stage memory and whether each stage fits. Writes into the Hydra run directory:
+`plan.json` (the configured method's plan, as `experiments.train` would run it),
+`partition_comparison.json` (every method's plan, or its error) and `profile.json`.
+
+Example:
+    python -m experiments.partition experiment=mlp_profile
+    python -m experiments.partition model.vocab=32000 partitioner.memory_limit=64MiB pipeline.stages=4
+
+    >>> rows = comparison_rows({"uniform": "PartitionError: nothing fits"})
+    >>> rows[0]["method"], rows[0]["fits"]
+    ('uniform', False)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from experiments.config import choice_text as _text
+from experiments.config import get_field as _get
+from experiments.config import validate_config
+
+__all__ = ["compare_plans", "comparison_rows", "format_comparison", "run", "main", "COMPARISON_FILE"]
+
+COMPARISON_FILE = "partition_comparison.json"
+
+
+def compare_plans(cfg: Any, spec: Any = None, prof: Any = None) -> dict[str, Any]:
+    """Every method's `Plan` for the config (one profile shared), or the error text where a method
+    has no feasible split (the optimal method under a memory limit nothing fits)."""
+    import partitioner
+
+    from experiments.models import build_model
+    from experiments.train import make_plan, profile_model
+
+    spec = spec if spec is not None else build_model(_get(cfg, "model"))
+    prof = prof if prof is not None else profile_model(cfg, spec)
+    out: dict[str, Any] = {}
+    for method in partitioner.METHODS:
+        try:
+            out[method] = make_plan(cfg, spec, prof, method=method)
+        except partitioner.PartitionError as exc:
+            out[method] = f"PartitionError: {exc}"
+    return out
+
+
+def comparison_rows(plans: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per method: predicted step, bubble, bottleneck, per-stage memory, fits, and the step
+    relative to the optimal plan (`vs_optimal`, 1.0 = as fast)."""
+    best = plans.get("optimal")
+    best_step = best.step_s if best is not None and not isinstance(best, str) else None
+    rows = []
+    for method, plan in plans.items():
+        if isinstance(plan, str):
+            rows.append({"method": method, "stage_ranges": None, "step_s": None, "bubble_fraction": None,
+                         "bottleneck_s": None, "stage_memory_bytes": None, "fits": False,
+                         "vs_optimal": None, "error": plan})
+            continue
+        rows.append({
+            "method": method, "stage_ranges": [list(r) for r in plan.stage_ranges], "step_s": plan.step_s,
+            "bubble_fraction": plan.bubble_fraction, "bottleneck_s": plan.bottleneck_s,
+            "stage_memory_bytes": list(plan.stage_memory_bytes), "fits": bool(plan.fits),
+            "vs_optimal": plan.step_s / best_step if best_step else None, "error": None,
+        })
+    return rows
+
+
+def _mib(values: list[int] | None) -> str:
+    return "-" if not values else " / ".join(f"{v / 2**20:.1f}" for v in values)
+
+
+def format_comparison(rows: list[dict[str, Any]], title: str = "methods compared") -> str:
+    """The comparison as a text table (rich)."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for head in ("method", "stage ranges", "step ms", "vs optimal", "bubble", "bottleneck ms",
+                 "memory per stage MiB", "fits"):
+        table.add_column(head, justify="left" if head in ("method", "stage ranges") else "right")
+    for r in rows:
+        if r["error"]:
+            table.add_row(r["method"], "infeasible", "-", "-", "-", "-", "-", "NO")
+            continue
+        table.add_row(
+            r["method"], " ".join(f"{a}-{b - 1}" for a, b in r["stage_ranges"]), f"{r['step_s'] * 1e3:.3f}",
+            f"{r['vs_optimal']:.3f}x" if r["vs_optimal"] else "-", f"{r['bubble_fraction']:.1%}",
+            f"{r['bottleneck_s'] * 1e3:.3f}", _mib(r["stage_memory_bytes"]), "yes" if r["fits"] else "NO")
+    buf = io.StringIO()
+    Console(file=buf, width=140, force_terminal=False, color_system=None).print(table)
+    text = buf.getvalue()
+    for r in rows:
+        if r["error"]:
+            text += f"{r['method']}: {r['error']}\n"
+    return text
+
+
+def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Profile, partition with every method, print and save (see the module docstring).
+
+    Returns `{"plans": {method: Plan | error text}, "rows": [...], "run_dir": ...}`. Raises the
+    configured method's `PartitionError` (after printing the comparison) when it has no split.
+    """
+    import partitioner
+
+    from experiments.models import build_model
+    from experiments.train import profile_model
+
+    validate_config(cfg)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = build_model(_get(cfg, "model"))
+    prof = profile_model(cfg, spec)
+    prof.to_json(run_dir / "profile.json")
+    plans = compare_plans(cfg, spec, prof)
+    method = _text(_get(cfg, "partitioner.method"))
+    chosen = plans[method]
+    print(f"model {spec.name}: {len(spec.layers)} pipeline layers, {spec.num_params:,} parameters; "
+          f"profile: {_text(_get(cfg, 'partitioner.profile'))}", flush=True)
+    if not isinstance(chosen, str):
+        print(chosen.summary(), flush=True)
+        chosen.to_json(run_dir / "plan.json")
+    rows = comparison_rows(plans)
+    print(format_comparison(rows, title=f"{method} beside the baselines (predicted)"), flush=True)
+    (run_dir / COMPARISON_FILE).write_text(json.dumps({
+        "configured_method": method, "rows": rows,
+        "plans": {k: (v if isinstance(v, str) else v.to_dict()) for k, v in plans.items()},
+    }, indent=1))
+    saved = ([run_dir / "plan.json"] if not isinstance(chosen, str) else []) + [run_dir / COMPARISON_FILE]
+    print("saved " + " and ".join(str(x) for x in saved), flush=True)
+    if isinstance(chosen, str):
+        raise partitioner.PartitionError(chosen.split(": ", 1)[1])
+    return {"plans": plans, "rows": rows, "run_dir": str(run_dir)}
+
+
+def main() -> None:
+    """The Hydra entry point (`python -m experiments.partition [overrides]`)."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from experiments.config import CONF_DIR, register_configs
+
+    register_configs()
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+    def _task(cfg: Any) -> None:
+        from experiments.train import refuse_bad_input
+
+        with refuse_bad_input():
+            run(cfg, HydraConfig.get().runtime.output_dir)
+
+    _task()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Predictions from pipeshard's partitioner, calibrated, and their errors against measurements.
+
+Chain: a measured per-layer profile (``experiments.peers.problem.profile_model``) ->
+:func:`calibrate` (optional: one factor on every layer time so that ``m`` microbatches of
+forward + backward through all layers take what the single-process run measured; it absorbs
+what isolated layer timings miss: the optimizer step, cache effects and machine load at run
+time) -> ``partitioner.partition`` (which predicts the step with ``engine.simulate`` on the
+per-stage costs, transfers at the measured link speed) -> compared with the measured row.
+
+Example::
+
+    cal, k = calibrate(profile, single_step_s=0.8, microbatches=8)
+    plan = plan_for(cal, 2, "1f1b", 8, link_bytes_per_s=2e9)
+    errs = prediction_fields(plan, row)   # predicted_step_s, step_error, activation ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["calibrate", "plan_for", "prediction_fields", "relative_error"]
+
+
+def calibrate(profile: Any, single_step_s: float, microbatches: int) -> tuple[Any, float]:
+    """``(profile with every time x k, k)`` with ``k = single_step_s / (m x sum(f + b))``."""
+    from partitioner import Profile
+
+    total = microbatches * sum(c.forward_s + c.backward_s for c in profile.layers)
+    if total <= 0 or single_step_s <= 0:
+        return profile, 1.0
+    k = single_step_s / total
+    layers = [dataclasses.replace(
+        c, forward_s=c.forward_s * k, backward_s=c.backward_s * k,
+        weight_grad_s=None if c.weight_grad_s is None else min(c.weight_grad_s * k, c.backward_s * k))
+        for c in profile.layers]
+    meta = dict(profile.meta, calibrated=True, calibration_factor=k,
+                calibration="layer times x k so that m x sum(f + b) = the measured single-process step")
+    return Profile(layers, dtype=profile.dtype, meta=meta), k
+
+
+def plan_for(profile: Any, num_stages: int, schedule: str, microbatches: int, *,
+             virtual_stages: int = 1, method: str = "optimal",
+             link_bytes_per_s: float | None = None, calibration: float | None = None) -> Any:
+    """``partitioner.partition`` as the bench runs it (plain SGD, no ZeRO); notes the calibration."""
+    import partitioner
+
+    plan = partitioner.partition(profile, num_stages, schedule=schedule, microbatches=microbatches,
+                                 virtual_stages=virtual_stages, method=method, optimizer="sgd",
+                                 zero_stage=0, link_bytes_per_s=link_bytes_per_s)
+    if calibration is not None:
+        plan.notes.append(f"calibrated: layer times x {calibration:.3f} from the measured "
+                          "single-process step (experiments.peers.predict.calibrate)")
+    return plan
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    """``predicted / measured - 1`` (None when either is missing)."""
+    if not predicted or not measured:
+        return None
+    return predicted / measured - 1.0
+
+
+def prediction_fields(plan: Any, row: dict[str, Any], raw_plan: Any = None) -> dict[str, Any]:
+    """Prediction fields for a pipeshard row: step time and per-rank activation bytes, predicted
+    (from ``plan``) next to measured (the row's ``step_s`` and engine stats), with errors."""
+    p = plan.num_stages
+    pred_act = [int(sum(plan.stage_activation_bytes[c] for c in range(r, plan.num_chunks, p)))
+                for r in range(p)]
+    stats = row.get("stats") or []
+    meas_act = [int(s.get("peak_activation_bytes", 0)) for s in stats] if stats else None
+    act_err = None
+    if meas_act and len(meas_act) == p:
+        act_err = [relative_error(a, b) for a, b in zip(pred_act, meas_act)]
+    out = {
+        "predicted_step_s": plan.step_s,
+        "step_error": relative_error(plan.step_s, row.get("step_s")),
+        "predicted_bubble": plan.bubble_fraction,
+        "predicted_activation_bytes": pred_act,
+        "measured_activation_bytes": meas_act,
+        "activation_error": act_err,
+        "plan_stage_ranges": [list(r) for r in plan.stage_ranges],
+    }
+    if raw_plan is not None:
+        out["predicted_step_uncalibrated_s"] = raw_plan.step_s
+        out["step_error_uncalibrated"] = relative_error(raw_plan.step_s, row.get("step_s"))
+    return out

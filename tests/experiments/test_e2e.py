@@ -1,0 +1,148 @@
+"""`python -m experiments.train` end to end, as users run it: subprocesses with Hydra overrides.
+
+Covers: a default-like job (metrics.jsonl fields, plan.json, a falling loss, the offline W&B run
+read back), a bad config refused before any worker starts, a Hydra multirun, and a two-node
+torchrun job on loopback whose losses equal the local launcher's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.tracking import read_metrics, read_offline_run
+
+ROOT = Path(__file__).resolve().parents[2]
+# Tiny, deterministic layout (the uniform split does not depend on timings).
+SMOKE = ["experiment=smoke", "partitioner.method=uniform", "logger.progress=false", "logger.timeline=false"]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_SILENT="true", HYDRA_FULL_ERROR="1",
+               WANDB_DIR=str(tmp_path / "wandb_dir"), WANDB_CACHE_DIR=str(tmp_path / "wandb_cache"),
+               WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"), PYTHONPATH=str(ROOT))
+    env.pop("WANDB_API_KEY", None)
+    env.pop("WANDB_MODE", None)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def run_module(module: str, tmp_path: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m <module> overrides...` in the repository root; output captured as text."""
+    return subprocess.run([sys.executable, "-m", module, *overrides], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_default_like_job_writes_metrics_plan_and_offline_wandb(tmp_path):
+    run_dir = tmp_path / "run"
+    out = _ok(run_module("experiments.train", tmp_path, "train.steps=8", "train.log_every=4",
+                         "optimizer.warmup_steps=0", "partitioner.repeats=1", "partitioner.warmup=1",
+                         "data.max_bytes=1000000", "logger.mode=offline", "logger.progress=false",
+                         f"hydra.run.dir={run_dir}"))
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["schedule"] == "1f1b" and plan["num_stages"] == 2 and plan["stage_ranges"][-1][1] == 6
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for r in records:
+        for key in ("step", "loss", "step_time_s", "samples_per_s", "tokens_per_s", "lr", "grad_norm",
+                    "skipped", "predicted_step_s"):
+            assert key in r, key
+        assert math.isfinite(r["loss"]) and r["step_time_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 128)
+    gathered = [r for r in records if "stage_forward_s" in r]
+    assert [r["step"] for r in gathered] == [1, 4, 8]  # first step, every log_every, last
+    for r in gathered:
+        for key in ("forward_s", "backward_s", "idle_fraction", "peak_activation_bytes",
+                    "optimizer_state_bytes", "predicted_peak_activation_bytes"):
+            assert len(r[f"stage_{key}"]) == 2, key
+        assert all(b > 0 for b in r["stage_peak_activation_bytes"])
+        assert len(r["optimizer_state_bytes"]) == 2  # per rank
+    assert "eval_loss" in records[-1] and math.isfinite(records[-1]["eval_loss"])
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 0.3, losses  # byte-level text: the loss falls within steps
+    assert (run_dir / "timeline_predicted.png").stat().st_size > 0
+    assert (run_dir / "timeline_measured.png").stat().st_size > 0
+    assert "wandb sync" in out and str(run_dir) in out
+
+    wb = read_offline_run(run_dir)
+    assert wb.config["pipeline"]["schedule"] == "1f1b" and wb.config["train"]["steps"] == 8
+    logged = [h for h in wb.history if "loss" in h]
+    assert [h["loss"] for h in logged] == pytest.approx(losses)
+    assert any("stage/predicted_peak_activation_bytes/1" in h for h in wb.history)
+    assert wb.summary["final_loss"] == pytest.approx(losses[-1])
+
+
+def test_bad_config_is_refused_before_any_worker_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_module("experiments.train", tmp_path, *SMOKE, "train.batch_size=5", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "error: train.batch_size=5" in proc.stderr and "multiple of 2" in proc.stderr
+    assert "Traceback" not in proc.stderr  # the message and its fix, not a stack
+    assert not (run_dir / "plan.json").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_multirun_sweeps_schedules(tmp_path):
+    sweep = tmp_path / "sweep"
+    _ok(run_module("experiments.train", tmp_path, "-m", "pipeline.schedule=1f1b,zb-h1", *SMOKE,
+                   "train.steps=3", f"hydra.sweep.dir={sweep}", timeout=180))
+    schedules = []
+    for job in ("0", "1"):
+        plan = json.loads((sweep / job / "plan.json").read_text())
+        schedules.append(plan["schedule"])
+        records = read_metrics(sweep / job)
+        assert [r["step"] for r in records] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in records)
+    assert schedules == ["1f1b", "zb-h1"]
+    # same model, data and seed: the schedules compute the same losses
+    a, b = ([r["loss"] for r in read_metrics(sweep / j)] for j in ("0", "1"))
+    assert a == pytest.approx(b, rel=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_node_torchrun_on_loopback_matches_local_launcher(tmp_path):
+    local = tmp_path / "local"
+    _ok(run_module("experiments.train", tmp_path, *SMOKE, f"hydra.run.dir={local}"))
+    shared = tmp_path / "shared"
+    port = _free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    agents = [subprocess.Popen([*torchrun, "--node-rank", str(n), "-m", "experiments.train", *SMOKE,
+                                f"hydra.run.dir={shared}"], cwd=ROOT, env=_env(tmp_path),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for n in (0, 1)]
+    outs = []
+    try:
+        for a in agents:
+            outs.append(a.communicate(timeout=150)[0])
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    for a, out in zip(agents, outs):
+        assert a.returncode == 0, out[-4000:]
+    assert "uniform split" in outs[0]  # rank 0 partitioned and printed the plan
+    assert "trained steps 1..5" in outs[1]  # the loss-owning rank (last stage) reported
+    want = [r["loss"] for r in read_metrics(local)]
+    got = [r["loss"] for r in read_metrics(shared)]
+    assert len(got) == 5 and got == pytest.approx(want, rel=1e-6)
+    assert json.loads((shared / "plan.json").read_text())["stage_ranges"] == \
+        json.loads((local / "plan.json").read_text())["stage_ranges"]

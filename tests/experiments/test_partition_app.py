@@ -1,0 +1,64 @@
+"""`python -m experiments.partition`: the optimal plan beside the baselines, without training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.config import CONF_DIR
+from experiments.partition import COMPARISON_FILE, comparison_rows, format_comparison, run
+
+ROOT = Path(__file__).resolve().parents[2]
+METHODS = ["optimal", "uniform", "parameters", "greedy"]
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_cli_prints_all_four_methods_and_saves_plan_and_comparison(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "experiments.partition", "experiment=mlp_profile",
+                           "partitioner.repeats=2", "partitioner.warmup=1", f"hydra.run.dir={tmp_path}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout.split("beside the baselines", 1)[1]
+    for method in METHODS:
+        assert f"│ {method}" in table, method
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["method"] == "optimal" and plan["stage_ranges"][-1][1] == 18  # 16 blocks + in/out
+    comparison = json.loads((tmp_path / COMPARISON_FILE).read_text())
+    rows = {r["method"]: r for r in comparison["rows"]}
+    assert sorted(rows) == sorted(METHODS)
+    assert (tmp_path / "profile.json").is_file()
+    # the exact solver's bottleneck is never worse than a baseline's (same profile)
+    for method in METHODS[1:]:
+        assert rows["optimal"]["bottleneck_s"] <= rows[method]["bottleneck_s"] * (1 + 1e-9)
+        assert rows[method]["vs_optimal"] == pytest.approx(rows[method]["step_s"] / rows["optimal"]["step_s"])
+    assert plan["stage_ranges"] == rows["optimal"]["stage_ranges"]
+
+
+def test_infeasible_limit_names_the_fix_and_still_compares_the_baselines(tmp_path):
+    import partitioner
+
+    cfg = _compose("experiment=smoke", "partitioner.memory_limit=4KiB", "partitioner.repeats=1")
+    with pytest.raises(partitioner.PartitionError, match="smallest memory_limit_bytes"):
+        run(cfg, tmp_path)
+    comparison = json.loads((tmp_path / COMPARISON_FILE).read_text())
+    rows = {r["method"]: r for r in comparison["rows"]}
+    assert rows["optimal"]["error"] and not rows["optimal"]["fits"]
+    assert all(rows[m]["error"] is None and rows[m]["fits"] is False for m in METHODS[1:])
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_comparison_table_text():
+    rows = comparison_rows({"optimal": "PartitionError: no split fits"})
+    text = format_comparison(rows)
+    assert "infeasible" in text and "no split fits" in text
