@@ -237,13 +237,13 @@ class TorchStageOptimizer:
         dev = self.params[0].device if self.params else torch.device("cpu")
         counted = torch.zeros((), dtype=torch.float64, device=dev)
         other = torch.zeros((), dtype=torch.float64, device=dev)
-        for name, prm in self.named.items():
-            if prm.grad is not None:
-                gsq = prm.grad.detach().double().pow(2).sum()
-                if name in self.norm_skip:
-                    other += gsq
-                else:
-                    counted += gsq
+        # one fused norm kernel per group: a per-tensor float64 copy cost ~10x more per step
+        for names, acc in (([n for n in self.named if n not in self.norm_skip], counted),
+                           ([n for n in self.named if n in self.norm_skip], other)):
+            gs = [self.named[n].grad.detach() for n in names if self.named[n].grad is not None]
+            if gs:
+                norms = torch._foreach_norm(gs)
+                acc += torch.stack([v.double() for v in norms]).pow(2).sum()
         finite = torch.isfinite(counted + other)
         buf = torch.zeros(1 + p, dtype=torch.float64, device=dev)
         buf[0] = torch.where(finite, counted, torch.zeros_like(counted))

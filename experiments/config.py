@@ -287,6 +287,7 @@ class BenchConfig:
     )  # pipeshard / torch schedules to run
     methods: List[str] = field(default_factory=lambda: ["optimal", "uniform", "parameters"])  # splits compared
     timeout_s: float = 600.0  # per-system limit
+    rounds: int = 1  # repeat every system this many times in alternating order (pools timings)
 
 
 @dataclass
