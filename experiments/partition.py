@@ -145,21 +145,9 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
 
 def main() -> None:
     """The Hydra entry point (`python -m experiments.partition [overrides]`)."""
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
+    from experiments.train import hydra_entry
 
-    from experiments.config import CONF_DIR, register_configs
-
-    register_configs()
-
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-    def _task(cfg: Any) -> None:
-        from experiments.train import refuse_bad_input
-
-        with refuse_bad_input():
-            run(cfg, HydraConfig.get().runtime.output_dir)
-
-    _task()
+    hydra_entry(run)
 
 
 if __name__ == "__main__":

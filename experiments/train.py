@@ -39,7 +39,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from experiments.config import choice_text as _text
 from experiments.config import get_field as _get
@@ -403,8 +403,9 @@ def refuse_bad_input() -> Iterator[None]:
         raise SystemExit(2) from None
 
 
-def main() -> None:
-    """The Hydra entry point (`python -m experiments.train [overrides]`)."""
+def hydra_entry(task: Callable[[Any, str], Any]) -> None:
+    """Run ``task(cfg, run_dir)`` as a Hydra app on ``conf/`` (overrides from the command
+    line), turning bad input into ``error: ...`` and exit status 2."""
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
@@ -415,9 +416,14 @@ def main() -> None:
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def _task(cfg: Any) -> None:
         with refuse_bad_input():
-            run(cfg, HydraConfig.get().runtime.output_dir)
+            task(cfg, HydraConfig.get().runtime.output_dir)
 
     _task()
+
+
+def main() -> None:
+    """The Hydra entry point (`python -m experiments.train [overrides]`)."""
+    hydra_entry(run)
 
 
 if __name__ == "__main__":

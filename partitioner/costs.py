@@ -71,8 +71,27 @@ class LayerCost:
         return self.forward_s + self.backward_s
 
 
+class JsonMixin:
+    """``to_json`` / ``from_json`` for classes that define ``to_dict`` / ``from_dict``."""
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """Serialise to a JSON string (and write it to ``path`` when given)."""
+        text = json.dumps(self.to_dict(), indent=1)  # type: ignore[attr-defined]
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Any:
+        """Parse a JSON string, or read a file path, written by :meth:`to_json`."""
+        s = str(text_or_path)
+        if not s.lstrip().startswith("{"):
+            s = Path(s).read_text()
+        return cls.from_dict(json.loads(s))  # type: ignore[attr-defined]
+
+
 @dataclass
-class Profile:
+class Profile(JsonMixin):
     """An ordered list of :class:`LayerCost` plus how it was obtained.
 
     ``dtype`` is the parameter/activation dtype of the profile (it sets bytes per parameter
@@ -115,20 +134,6 @@ class Profile:
             layers.append(LayerCost(**row))
         return cls(layers=layers, dtype=d.get("dtype", "float32"), meta=dict(d.get("meta", {})))
 
-    def to_json(self, path: str | Path | None = None) -> str:
-        """Serialise to a JSON string (and write it to ``path`` when given)."""
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
-    @classmethod
-    def from_json(cls, text_or_path: str | Path) -> "Profile":
-        """Parse a JSON string, or read a file path, written by :meth:`to_json`."""
-        s = str(text_or_path)
-        if not s.lstrip().startswith("{"):
-            s = Path(s).read_text()
-        return cls.from_dict(json.loads(s))
 
 
 _ITEMSIZE = {

@@ -12,10 +12,9 @@ Example::
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any, Sequence
+from partitioner.costs import JsonMixin
 
 __all__ = ["Plan", "PartitionError"]
 
@@ -25,7 +24,7 @@ class PartitionError(ValueError):
 
 
 @dataclass
-class Plan:
+class Plan(JsonMixin):
     """A pipeline split and its predicted cost.
 
     Per chunk (``num_stages * virtual_stages`` entries, chunk c runs on rank c % num_stages):
@@ -107,20 +106,6 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
-
-    def to_json(self, path: str | Path | None = None) -> str:
-        """JSON text (also written to ``path`` when given)."""
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
-    @classmethod
-    def from_json(cls, text_or_path: str | Path) -> "Plan":
-        s = str(text_or_path)
-        if not s.lstrip().startswith("{"):
-            s = Path(s).read_text()
-        return cls.from_dict(json.loads(s))
 
     # -- table ------------------------------------------------------------------------
     def summary(self, width: int = 110) -> str:
