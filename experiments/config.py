@@ -26,6 +26,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 __all__ = [
     "CONF_DIR",
+    "compose_config",
     "ConfigError",
     "Choice",
     "ScheduleName",
@@ -308,6 +309,18 @@ class Config:
 
 
 _REGISTERED = False
+
+
+def compose_config(*overrides: str) -> Any:
+    """Compose ``conf/config.yaml`` with command-line style overrides, without running an app.
+
+    >>> cfg = compose_config("pipeline.stages=4", "experiment=smoke")   # doctest: +SKIP
+    """
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
 
 
 def register_configs() -> None:

@@ -25,7 +25,7 @@ from torch import nn
 
 from experiments.models.spec import ModelSpec, compose, count_params
 
-__all__ = ["GPTEmbedding", "GPTBlock", "GPTHead", "build_gpt", "lm_loss", "random_tokens", "compose"]
+__all__ = ["lm_spec", "GPTEmbedding", "GPTBlock", "GPTHead", "build_gpt", "lm_loss", "random_tokens", "compose"]
 
 _INIT_STD = 0.02
 
@@ -137,14 +137,20 @@ def build_gpt(cfg: Any) -> ModelSpec:
     factories += [partial(GPTBlock, dim, heads, dropout, mlp_ratio, layers) for _ in range(layers)]
     factories.append(partial(GPTHead, dim, vocab))
     ties = [("0.tok.weight", f"{layers + 1}.head.weight")] if tie else []
+    return lm_spec(factories, ties, seq_len=seq_len, vocab=vocab, name=f"gpt-L{layers}-d{dim}-v{vocab}")
+
+
+def lm_spec(factories: list, ties: list[tuple[str, str]], *, seq_len: int, vocab: int, name: str,
+            **extra: Any) -> ModelSpec:
+    """The ModelSpec of a token-in, logits-out language model (GPT here, Hugging Face adapters)."""
     return ModelSpec(
         layers=factories,
         loss_fn=lm_loss,
         example_input=partial(random_tokens, seq_len=seq_len, vocab=vocab, seed=0),
         example_target=partial(random_tokens, seq_len=seq_len, vocab=vocab, seed=1),
         ties=ties,
-        name=f"gpt-L{layers}-d{dim}-v{vocab}",
+        name=name,
         num_params=count_params(factories, ties),
         tokens_per_sample=seq_len,
-        extra={"vocab": vocab, "seq_len": seq_len},
+        extra={"vocab": vocab, "seq_len": seq_len, **extra},
     )

@@ -28,8 +28,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from experiments.models.gpt import lm_loss, random_tokens
-from experiments.models.spec import ModelSpec, count_params
+from experiments.models.gpt import lm_spec
+from experiments.models.spec import ModelSpec
 
 __all__ = [
     "HFTokenEmbedding",
@@ -248,15 +248,5 @@ def build_hf(cfg: Any) -> ModelSpec:
     embed_name = "wte.weight"
     ties = [(f"0.{embed_name}", f"{n + 1}.lm_head.weight")] if config.tie_word_embeddings else []
     seq_len = int(_field(cfg, "seq_len", 128))
-    vocab = config.vocab_size
-    return ModelSpec(
-        layers=factories,
-        loss_fn=lm_loss,
-        example_input=partial(random_tokens, seq_len=seq_len, vocab=vocab, seed=0),
-        example_target=partial(random_tokens, seq_len=seq_len, vocab=vocab, seed=1),
-        ties=ties,
-        name=f"hf-{arch}-L{n}-d{_field(cfg, 'dim', 128)}",
-        num_params=count_params(factories, ties),
-        tokens_per_sample=seq_len,
-        extra={"vocab": vocab, "seq_len": seq_len, "arch": arch},
-    )
+    return lm_spec(factories, ties, seq_len=seq_len, vocab=config.vocab_size,
+                   name=f"hf-{arch}-L{n}-d{_field(cfg, 'dim', 128)}", arch=arch)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from experiments.config import (
     CONF_DIR,
+    compose_config,
     Config,
     ConfigError,
     GPTConfig,
@@ -25,8 +25,7 @@ from experiments.config import (
 
 
 def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose_config(*overrides)
 
 
 def _options(group: str) -> list[str]:

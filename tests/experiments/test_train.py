@@ -5,9 +5,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from experiments.config import CONF_DIR, ConfigError
+from experiments.config import ConfigError, compose_config
 from experiments.models import build_model
 from experiments.train import (
     checkpoint_root,
@@ -25,8 +24,7 @@ from experiments.train import (
 
 
 def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(*overrides)
 
 
 def test_names_and_sizes():
