@@ -305,6 +305,7 @@ class Generator:
                         self.p2p.send("F", p - 1, k * m + i, tok, 0)
                 else:
                     self.p2p.send("F", me, k * m + i, y, me + 1)
+                self.p2p.flush()  # NCCL batches: issue the send now, so the next rank can start
                 fwd += time.perf_counter() - t
                 masks[i] = torch.cat([masks[i], masks[i].new_ones(masks[i].shape[0], 1)], dim=1)
         self.p2p.wait_sends()
