@@ -55,8 +55,9 @@ class CachedChunk(Protocol):
     ``chunk(x, cache, mask)`` runs the layers on the new positions and updates ``cache``:
     ``x`` is token ids ``[b, q]`` (int64) on the first chunk, else what the previous chunk
     returned; ``mask`` is ``[b, past + q]`` (1 = token, 0 = left padding) over the cached and
-    the new positions. The last chunk returns logits ``[b, q, vocab]``; the others a tensor or a
-    flat tuple of tensors for the next chunk.
+    the new positions. The last chunk returns logits ``[b, q', vocab]`` whose last position
+    scores the next token (``q'`` may be 1); the others a tensor or a flat tuple of tensors for
+    the next chunk.
     """
 
     def new_cache(self, batch_size: int) -> Any: ...

@@ -70,6 +70,6 @@ class HFCachedChunk:
                     rotary = layer.position_embeddings(x, pos)
                 x = layer.run(x, mask=masks[layer.window], position_ids=pos, cache=cache,
                               position_embeddings=rotary)
-            else:
-                x = layer(x)
+            else:  # the head: only the last position's logits are used (as transformers' generate)
+                x = layer(x[:, -1:])
         return x

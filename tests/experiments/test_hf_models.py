@@ -3,7 +3,7 @@ loaded from a local save_pretrained directory, against transformers' own model.
 
 For Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2 and GPT-NeoX: the layer-by-layer forward equals
 the model's logits (fp32, 1e-5); the cached chunk (prefill with left padding, then decode steps)
-equals the full forward at the same positions; greedy generation through the engine's
+equals the full forward at every unpadded position; greedy generation through the engine's
 Generator (one stage) returns exactly `model.generate(do_sample=False)`'s tokens for prompts of
 different lengths. Also: Mistral's sliding window, sampling filters equal transformers' warpers,
 sampling does not depend on the microbatching, a layer reads only its own tensors (sharded
@@ -61,24 +61,30 @@ def test_layers_from_a_directory_equal_the_hf_forward(dirs, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cached_chunk_prefill_and_decode_equal_the_full_forward(dirs, arch):
     model = reference(dirs[arch])
-    chunk = HFCachedChunk(compose(_spec(dirs[arch]).layers).eval())
+    layers = list(compose(_spec(dirs[arch]).layers).eval())
+    body, head = HFCachedChunk(layers[:-1]), layers[-1]   # every position's hidden state
+    whole = HFCachedChunk(layers)                          # with the head: the next-token logits
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (3, 10), generator=gen)
     mask = torch.ones(3, 10, dtype=torch.long)
     mask[0, :4] = 0  # left padding
     mask[2, :1] = 0
-    cache = chunk.new_cache(3)
-    got = [chunk(ids, cache, mask)]
+    caches = body.new_cache(3), whole.new_cache(3)
+    with torch.no_grad():
+        hidden = [head(body(ids, caches[0], mask))]
+    nexts = [whole(ids, caches[1], mask)]
     seq = ids
     for _ in range(2):
         nxt = torch.randint(0, VOCAB, (3, 1), generator=gen)
         seq, mask = torch.cat([seq, nxt], 1), torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
-        got.append(chunk(nxt, cache, mask))
+        with torch.no_grad():
+            hidden.append(head(body(nxt, caches[0], mask)))
+        nexts.append(whole(nxt, caches[1], mask))
     with torch.no_grad():
         full = model(seq, attention_mask=mask, position_ids=position_ids(mask, seq.shape[1])).logits
-    real = mask[:, :10].bool()
-    torch.testing.assert_close(got[0][real], full[:, :10][real], **TOL)
-    torch.testing.assert_close(torch.cat(got[1:], 1), full[:, 10:], **TOL)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(hidden, 1)[real], full[real], **TOL)
+    torch.testing.assert_close(torch.cat(nexts, 1), full[:, 9:], **TOL)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
