@@ -170,14 +170,17 @@ def _reference_model(cfg: dict, spec: Any) -> Any:
 
 
 def single_process_generate(cfg: dict, spec: Any, prompts: Sequence[Sequence[int]], eos: Any, pad: int) -> dict:
-    """transformers' `model.generate` on all prompts in one batch, one process, one thread."""
+    """transformers' `model.generate` on all prompts in one batch, one process, one thread (on
+    `train.device`, like the pipeline)."""
     import torch
 
     from engine.generate import left_pad, trim_at_eos
 
     g = cfg["generate"]
-    model = _reference_model(cfg, spec)
-    ids, mask = left_pad(prompts, pad)
+    device = cfg["train"].get("device", "auto")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    model = _reference_model(cfg, spec).to(device)
+    ids, mask = (t.to(device) for t in left_pad(prompts, pad))
     kwargs: dict[str, Any] = {"do_sample": bool(g["do_sample"])}
     if g["do_sample"]:
         kwargs.update(temperature=float(g["temperature"]), top_k=int(g["top_k"]), top_p=float(g["top_p"]))
@@ -192,7 +195,7 @@ def single_process_generate(cfg: dict, spec: Any, prompts: Sequence[Sequence[int
         wall = time.perf_counter() - t0
     finally:
         torch.set_num_threads(threads)
-    new = out[:, ids.shape[1]:]
+    new = out[:, ids.shape[1]:].cpu()
     return {"tokens": [trim_at_eos(t, eos) for t in new.tolist()], "wall_s": wall,
             "new_tokens": int(new.numel()), "tokens_per_s": new.numel() / wall}
 

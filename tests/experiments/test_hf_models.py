@@ -257,3 +257,22 @@ def test_prompts_inline_and_from_files(tmp_path):
     for bad, msg in ((None, "not set"), ("[[]]", "non-empty"), ("nothing here", "neither a file"), ("[[-1]]", "outside")):
         with pytest.raises(ConfigError, match=msg):
             read_prompts(bad)
+
+
+def test_export_of_a_random_tied_model_from_a_checkpoint(tmp_path):
+    from engine.checkpoint import save_checkpoint
+    from experiments.export_hf import export
+
+    cfg = {"name": "hf", "pretrained": None, "arch": "gpt_neox", "layers": 2, "dim": 32, "heads": 4, "vocab": 128,
+           "seq_len": 16, "dropout": 0.0, "tie_embeddings": True, "kv_heads": None, "intermediate": None}
+    spec = build_model(cfg)
+    layers = compose(spec.layers, seed=3)
+    layers[-1].lm_head.weight = layers[0].wte.weight  # tied, as the pipeline keeps them
+    save_checkpoint(tmp_path / "ck", 7, layers={i: m.state_dict() for i, m in enumerate(layers)},
+                    num_layers=len(layers), meta={"step": 7, "model": cfg})
+    out = export(tmp_path / "ck", tmp_path / "hf")
+    model = reference(str(out))
+    assert model.config.tie_word_embeddings and json.loads((out / "pipeshard_export.json").read_text())["step"] == 7
+    x = spec.example_input(2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, layers.eval()(x), **TOL)
