@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from engine.allocator import tune_cpu_allocator
 from engine.comm import P2P
 from engine.executor import Executor
 from engine.mesh import Mesh
@@ -112,6 +113,8 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device())
             if self.mesh.backend == "nccl" else torch.device("cpu"))
+        if self.device.type == "cpu":
+            tune_cpu_allocator()  # engine/allocator.py: no page-fault churn per microbatch
         self.config = optimizer or OptimizerConfig()
         me = self.mesh.pipeline_rank
         self.my_stages = sched.stages_of(me)
