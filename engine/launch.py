@@ -225,9 +225,13 @@ def _worker_main(fn: Callable, args: tuple, rank: int, world: int, port: int,
         os._exit(code)
 
 
-def _torchrun(fn: Callable, args: tuple, pg_timeout_s: float) -> list[Any]:
+def _external(fn: Callable, args: tuple, env: Any, pg_timeout_s: float) -> list[Any]:
+    """Run ``fn`` on the rank torchrun, submitit or Slurm gave this process."""
     import torch
     import torch.distributed as dist
+
+    from engine.cluster import export_env
+    export_env(env)
     if not dist.is_initialized():
         backend = _device_backend()
         if backend == "nccl":
@@ -239,8 +243,10 @@ def _torchrun(fn: Callable, args: tuple, pg_timeout_s: float) -> list[Any]:
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,
-           pg_timeout_s: float = _DEFAULT_PG_TIMEOUT_S, backend: str | None = None) -> list[Any]:
-    """Run ``fn(*args)`` on ``nprocs`` local ranks (or in-process under torchrun).
+           pg_timeout_s: float = _DEFAULT_PG_TIMEOUT_S, backend: str | None = None,
+           max_restarts: int = 0) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks (or in-process under torchrun, or on the rank
+    Slurm / submitit gave this process: see ``engine.cluster``).
 
     Returns the list of per-rank return values (under torchrun: a list of world size holding
     only this rank's value). ``fn`` and ``args`` must be picklable (a module-level function);
@@ -254,13 +260,45 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | N
     forwarded to the workers as SIGTERM; they get ``PIPESHARD_TERM_GRACE_S`` seconds (default
     30, e.g. to checkpoint) before they are killed, then ``KeyboardInterrupt`` is raised here. A
     second signal kills them at once. A killed launcher's workers exit within about a second.
+
+    ``max_restarts``: when a worker fails, stop all of them and start all again, up to this many
+    times (as ``torchrun --max-restarts``); each start's workers see their attempt number in
+    ``PIPESHARD_RESTART_COUNT`` (``engine.cluster.restart_count()``) and the failure that caused
+    it in ``PIPESHARD_LAST_FAILURE``, so they can resume from their newest checkpoint. The
+    restart is reported on stderr; the last failure is raised. ``timeout_s`` bounds all attempts.
     """
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _torchrun(fn, args, pg_timeout_s)
-    import torch.distributed as dist
+    from engine.cluster import detect
+    env = detect()
+    if env is not None:
+        return _external(fn, args, env, pg_timeout_s)
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}")
-    backend = backend or _device_backend()
+    if max_restarts < 0:
+        raise ValueError(f"launch: max_restarts must be >= 0, got {max_restarts}")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failure = ""
+    for attempt in range(max_restarts + 1):
+        environ = dict(os.environ, PIPESHARD_RESTART_COUNT=str(attempt))
+        if attempt:
+            environ["PIPESHARD_LAST_FAILURE"] = failure
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return _launch_once(fn, args, nprocs, backend or _device_backend(), environ, left,
+                                pg_timeout_s)
+        except WorkerError as err:
+            if attempt == max_restarts or err.cause.startswith("job timed out"):
+                raise
+            failure = str(err).splitlines()[0]
+            print(f"pipeshard: {failure}\npipeshard: restarting all {nprocs} ranks "
+                  f"(restart {attempt + 1} of {max_restarts}); they resume from the newest "
+                  "complete checkpoint", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _launch_once(fn: Callable, args: tuple, nprocs: int, backend: str, environ: dict,
+                 timeout_s: float | None, pg_timeout_s: float) -> list[Any]:
+    """One start of the worker group (see :func:`launch`)."""
+    import torch.distributed as dist
     ctx = _mp_context()
     # The launcher owns the rendezvous store: binding port 0 here cannot race with other jobs.
     store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
@@ -271,7 +309,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | N
     # `finally` below, the parent-death signal and the launcher watch still leave no orphans.
     procs = [ctx.Process(target=_worker_main, name=f"pipeshard-rank{r}",
                          args=(fn, args, r, nprocs, store.port, pipes[r][1], pg_timeout_s,
-                               os.getpid(), backend, dict(os.environ), dump_dir))
+                               os.getpid(), backend, environ, dump_dir))
              for r in range(nprocs)]
     stopping: dict[str, Any] = {"signal": None}
     old_handlers: dict[int, Any] = {}

@@ -333,8 +333,7 @@ def runtime_resume_job(p: int, d: int, zero: int, steps: int, save_dir: str | No
         first = rank < p
         ck.save_checkpoint(save_dir, start + steps, layers=sd["layers"] if first else {},
                            optimizer=per_layer if first else {}, num_layers=RESUME_LAYERS,
-                           meta={"step": start + steps, "optimizer": scalars}, rank=rank,
-                           world=world, barrier=dist.barrier)
+                           meta={"step": start + steps, "optimizer": scalars})
     named = {f"{i}.{n}": t.detach().clone()
              for i, ps in pipe.named_layer_parameters().items() for n, t in ps.items()}
     return losses, named

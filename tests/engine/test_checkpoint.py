@@ -1,4 +1,4 @@
-"""engine.checkpoint: layer-keyed, atomic, verified, re-splittable checkpoints."""
+"""engine.checkpoint: layer-keyed, atomic, verified, re-splittable checkpoints on DCP."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -18,11 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from engine.checkpoint import (CheckpointError, capture_rng, latest_checkpoint, list_checkpoints,
-                               load_checkpoint, merge_optimizer_state, restore_rng, save_checkpoint,
+from engine.checkpoint import (CheckpointError, Checkpointer, capture_rng, checkpoint_problem,
+                               find_resumable, latest_checkpoint, list_checkpoints, load_checkpoint,
+                               merge_optimizer_state, restore_rng, save_checkpoint,
                                split_optimizer_state)
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
 N = 6
 
 
@@ -40,29 +41,6 @@ def make_optim(layers: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str
                 for name, t in params.items()} for i, params in layers.items()}
 
 
-def run_ranks(world: int, fn) -> list:
-    """Run fn(rank, barrier) on `world` threads with a shared barrier (ranks of one job)."""
-    bar = threading.Barrier(world, timeout=60)
-    results: list = [None] * world
-    errors: list = []
-
-    def target(r: int) -> None:
-        try:
-            results[r] = fn(r, bar.wait)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append((r, exc))
-            bar.abort()
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0][1]
-    return results
-
-
 def assert_nested_equal(a, b) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -75,16 +53,18 @@ def assert_nested_equal(a, b) -> None:
 
 def test_round_trip_single_rank(tmp_path):
     layers = make_layers()
+    layers[2] = {}  # a parameter-free layer is still "given"
     optim = make_optim(layers)
     meta = {"step": 7, "schedule": "1f1b", "data_position": 56, "optimizer": {"steps": 7}}
     path = save_checkpoint(tmp_path, 7, layers=layers, optimizer=optim, meta=meta, num_layers=N)
     assert path == tmp_path / "step_000007"
     assert latest_checkpoint(tmp_path) == path
     assert (tmp_path / "latest").read_text() == "step_000007"
+    assert {".metadata", "manifest.json"} <= {p.name for p in path.iterdir()}  # DCP + manifest
     ck = load_checkpoint(path, range(N), expected=layers, num_layers=N, rank=0, world=1)
     assert ck.step == 7 and ck.meta == meta
     assert_nested_equal(ck.layers, layers)
-    assert_nested_equal(ck.optimizer, optim)
+    assert_nested_equal(ck.optimizer, {i: v for i, v in optim.items() if v})
     assert ck.rng is not None
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")], "no debris left"
 
@@ -104,39 +84,69 @@ def test_rng_states_round_trip(tmp_path):
     assert first[1:] == again[1:]
 
 
-def test_resplit_two_ranks_to_three_with_replicas(tmp_path):
-    layers, full_optim = make_layers(), None
-    full_optim = make_optim(layers)
-    # world 4 = 2 stages x 2 replicas: stage 0 holds layers 0-2, stage 1 holds 3-5; the second
-    # replica passes nothing (its copies are identical).
-    owned = {0: [0, 1, 2], 1: [3, 4, 5], 2: [], 3: []}
+def test_async_save_writes_the_state_at_save_time(tmp_path):
+    saver = Checkpointer(tmp_path, num_layers=2, async_save=True, keep_last=1)
+    w = torch.zeros(256, 256)
+    stall = saver.save(3, layers={0: {"w": w}, 1: {"b": torch.ones(2)}}, meta={"step": 3})
+    w.add_(1.0)  # the step loop goes on and changes the weights while the save is in flight
+    done = saver.close()
+    assert [d.step for d in done] == [3] and done[0].asynchronous
+    assert stall <= done[0].total_s and done[0].bytes > 256 * 256 * 4
+    ck = load_checkpoint(latest_checkpoint(tmp_path), [0, 1])
+    assert torch.count_nonzero(ck.layers[0]["w"]) == 0
 
-    def writer(rank, barrier):
-        mine = {i: layers[i] for i in owned[rank]}
-        return save_checkpoint(tmp_path, 10, layers=mine, optimizer={i: full_optim[i] for i in mine},
-                               meta={"step": 10}, rank=rank, world=4, num_layers=N, barrier=barrier)
 
-    paths = run_ranks(4, writer)
-    assert len(set(paths)) == 1
+def _writer_job(root: str) -> dict:
+    """4 ranks = 2 stages x 2 replicas. Stage 0 holds layers 0-2, stage 1 holds 3-5; replica 1
+    of stage 0 passes nothing, replica 1 of stage 1 passes its (identical) copy."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    layers, optim = make_layers(), None
+    optim = make_optim(layers)
+    owned = {0: [0, 1, 2], 1: [3, 4, 5], 2: [], 3: [3, 4, 5]}[rank]
+    mine = {i: layers[i] for i in owned}
+    path = save_checkpoint(root, 10, layers=mine, optimizer={i: optim[i] for i in mine},
+                           meta={"step": 10}, num_layers=N)
+    saver = Checkpointer(root, num_layers=N, async_save=True)
+    changed = {i: {k: v + 1 for k, v in p.items()} for i, p in mine.items()}
+    saver.save(12, layers=changed, meta={"step": 12})
+    for p in changed.values():  # in-place change while the async save is in flight
+        for v in p.values():
+            v.mul_(0)
+    done = saver.close()
+    try:  # layers 4 and 5 never given: an error on every rank, no hang
+        save_checkpoint(root, 14, layers={i: layers[i] for i in owned if i < 4}, num_layers=N)
+        missing = "no error"
+    except CheckpointError as exc:
+        missing = str(exc)
+    return {"path": str(path), "async": [str(d.path) for d in done], "missing": missing}
+
+
+@pytest.mark.slow
+def test_four_ranks_write_in_parallel_and_any_split_loads(tmp_path):
+    from dist_helpers import run_workers
+
+    out = run_workers(_writer_job, 4, str(tmp_path), timeout_s=180)
+    layers, optim = make_layers(), None
+    optim = make_optim(layers)
+    path = Path(out[0]["path"])
+    assert {o["path"] for o in out} == {str(path)} and {o["async"][0] for o in out} == {str(tmp_path / "step_000012")}
+    assert sorted(p.name for p in path.glob("__*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     for subset in ([0, 1], [2, 3], [4, 5]):  # three stages now
-        ck = load_checkpoint(paths[0], subset, expected={i: layers[i] for i in subset}, num_layers=N)
+        ck = load_checkpoint(path, subset, expected={i: layers[i] for i in subset}, num_layers=N)
         assert sorted(ck.layers) == subset
         assert_nested_equal(ck.layers, {i: layers[i] for i in subset})
-        assert_nested_equal(ck.optimizer, {i: full_optim[i] for i in subset})
+        assert_nested_equal(ck.optimizer, {i: optim[i] for i in subset})
         assert ck.rng is None  # RNG states are per rank of the writing job
-
-
-def test_rank_without_its_layers_is_an_error_that_does_not_hang(tmp_path):
-    layers = make_layers()
-
-    def writer(rank, barrier):
-        mine = {i: layers[i] for i in ([0, 1] if rank == 0 else [2, 3])}  # 4, 5 never given
-        return save_checkpoint(tmp_path, 1, layers=mine, rank=rank, world=2, num_layers=N,
-                               barrier=barrier)
-
-    with pytest.raises(CheckpointError, match=r"no rank saved layers \[4, 5\]|failed to finalise"):
-        run_ranks(2, writer)
-    assert latest_checkpoint(tmp_path) is None
+    assert load_checkpoint(path, [1], rank=2, world=4).rng is not None
+    assert load_checkpoint(path, [1], rank=2, world=3).rng is None
+    ck = load_checkpoint(tmp_path / "step_000012", range(N))
+    assert_nested_equal(ck.layers, {i: {k: v + 1 for k, v in p.items()} for i, p in layers.items()})
+    for o in out:
+        assert "no rank saved layers [4, 5]" in o["missing"]
+    assert not (tmp_path / "step_000014").exists()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_000012"
 
 
 def test_optimizer_state_split_merge_round_trip():
@@ -168,6 +178,8 @@ def test_model_mismatch_is_named(tmp_path):
         load_checkpoint(path, [0], expected=renamed)
     with pytest.raises(CheckpointError, match=r"has no layers \[12\]"):
         load_checkpoint(path, [11, 12])
+    with pytest.raises(ValueError, match="not a tensor"):
+        save_checkpoint(tmp_path, 2, layers={0: {"w": 3}}, num_layers=1)
 
 
 class _Evil:
@@ -179,14 +191,24 @@ def test_loading_never_executes_code(tmp_path, monkeypatch):
     path = save_checkpoint(tmp_path, 1, layers=make_layers(2), num_layers=2)
     mark = tmp_path / "pwned"
     monkeypatch.setenv("PIPESHARD_EVIL_MARK", str(mark))
-    target = path / "rank_00000.pt"
-    with open(target, "wb") as f:
-        pickle.dump({"layers": _Evil()}, f)
-    # A forged file is caught by the checksum; with checksums off, by weights_only loading.
+    # DCP's index is a pickle: a forged one is caught by the checksum, and with checksums off
+    # by the restricted unpickler (DCP's own reader would run it).
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(_Evil(), f)
     with pytest.raises(CheckpointError, match="checksum"):
         load_checkpoint(path, [0])
-    torch.save({"layers": _Evil()}, target)
-    with pytest.raises(CheckpointError, match="weights_only"):
+    with pytest.raises(CheckpointError, match="refusing to load .metadata: it references posix.system"):
+        load_checkpoint(path, [0], verify_checksums=False)
+    # forged tensor data: the checksum, else weights_only loading
+    path = save_checkpoint(tmp_path, 2, layers=make_layers(2), num_layers=2)
+    data = path / "__0_0.distcp"
+    blob = data.read_bytes()
+    torch.save(_Evil(), data)
+    with open(data, "ab") as f:
+        f.write(b"\0" * max(0, len(blob) - data.stat().st_size))
+    with pytest.raises(CheckpointError, match="checksum"):
+        load_checkpoint(path, [0])
+    with pytest.raises(CheckpointError, match="reading .* failed"):
         load_checkpoint(path, [0], verify_checksums=False)
     assert not mark.exists()
 
@@ -203,57 +225,69 @@ def test_keep_last_and_resave(tmp_path):
     # a dangling pointer falls back to the newest complete checkpoint
     (tmp_path / "latest").write_text("step_000099")
     assert latest_checkpoint(tmp_path).name == "step_000004"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_torn_checkpoints_are_skipped_with_the_reason(tmp_path):
+    layers = make_layers(2)
+    for step in (2, 4, 6, 8):
+        save_checkpoint(tmp_path, step, layers=layers, num_layers=2)
+    data = tmp_path / "step_000008" / "__0_0.distcp"
+    size = data.stat().st_size
+    data.write_bytes(data.read_bytes()[:100])                       # truncated
+    (tmp_path / "step_000006" / "__0_0.distcp").unlink()            # a file lost
+    (tmp_path / "step_000004" / "manifest.json").unlink()           # never finished
+    os.replace(tmp_path / "step_000004", tmp_path / ".tmp_step_000010")
+    found, skipped = find_resumable(tmp_path)
+    assert found == tmp_path / "step_000002" == latest_checkpoint(tmp_path)
+    why = {p.name: reason for p, reason in skipped}
+    assert list(why) == [".tmp_step_000010", "step_000008", "step_000006"]  # newest first
+    assert why[".tmp_step_000010"].startswith("incomplete: it was being written when the job stopped")
+    assert why["step_000008"] == f"torn: __0_0.distcp has 100 bytes, the manifest says {size}"
+    assert why["step_000006"] == "torn: __0_0.distcp is missing"
+    assert checkpoint_problem(tmp_path / "step_000002") is None
+    with pytest.raises(CheckpointError, match="is missing: the checkpoint is incomplete"):
+        load_checkpoint(tmp_path / "step_000006", [0])
 
 
 WRITER = textwrap.dedent("""
-    import os, sys, time
-    sys.path.insert(0, {root!r})
+    import sys
     import torch
     import engine.checkpoint as ck
-    root, kill_at = sys.argv[1], int(sys.argv[2])
-    layers = {{i: {{"w": torch.full((64, 64), float(i))}} for i in range(4)}}
+    root = sys.argv[1]
+    layers = {i: {"w": torch.full((64, 64), float(i))} for i in range(4)}
     ck.save_checkpoint(root, 1, layers=layers, num_layers=4)
-    calls = []
-    def hook(path):
-        calls.append(path.name)
-        if len(calls) == kill_at:
-            with open(os.path.join(root, "..", "signal"), "w") as f:
-                f.write(path.name)
-            time.sleep(120)
-    ck._after_file_hook = hook
-    ck.save_checkpoint(root, 2, layers={{i: {{"w": t["w"] + 100}} for i, t in layers.items()}},
+    ck.save_checkpoint(root, 2, layers={i: {"w": t["w"] + 100} for i, t in layers.items()},
                        num_layers=4)
 """)
 
 
-@pytest.mark.parametrize("kill_at, after", [(1, "rank_00000.pt"), (3, "manifest.json")])
-def test_writer_killed_mid_checkpoint_leaves_previous_loadable(tmp_path, kill_at, after):
+@pytest.mark.parametrize("point", ["save", "manifest"])
+def test_writer_killed_mid_checkpoint_leaves_previous_loadable(tmp_path, point):
+    """SIGKILL after the data of step 2 is written (DCP's own index included) but before the
+    manifest, and after the manifest but before the rename: step 1 stays the one loaded."""
     root = tmp_path / "ckpt"
     script = tmp_path / "writer.py"
-    script.write_text(WRITER.format(root=str(ROOT)))
-    proc = subprocess.Popen([sys.executable, str(script), str(root), str(kill_at)])
-    signal_file = tmp_path / "signal"
-    deadline = time.time() + 120
-    while not signal_file.exists():
-        assert proc.poll() is None, "the writer exited before reaching the kill point"
-        assert time.time() < deadline, "the writer never reached the kill point"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert signal_file.read_text() == after
-    latest = latest_checkpoint(root)
+    script.write_text(WRITER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PIPESHARD_FAULT=f"{point}@2")
+    proc = subprocess.run([sys.executable, str(script), str(root)], env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    torn = root / ".tmp_step_000002"
+    assert (torn / ".metadata").is_file() and (torn / "manifest.json").is_file() == (point == "manifest")
+    latest, skipped = find_resumable(root)
     assert latest is not None and latest.name == "step_000001"
+    assert [(p.name, why.split(":")[0]) for p, why in skipped] == [(".tmp_step_000002", "incomplete")]
     ck = load_checkpoint(latest, range(4), num_layers=4)
     for i in range(4):
         torch.testing.assert_close(ck.layers[i]["w"], torch.full((64, 64), float(i)))
-    if after != "manifest.json":  # the uncommitted directory is unusable, and never listed
+    if point == "save":  # the uncommitted directory is unusable, and never listed
         with pytest.raises(CheckpointError, match="not a complete checkpoint"):
-            load_checkpoint(root / ".tmp_step_000002", [0])
+            load_checkpoint(torn, [0])
     assert [p.name for p in list_checkpoints(root)] == ["step_000001"]
     # the next save cleans the debris and succeeds
     save_checkpoint(root, 2, layers={i: {"w": torch.zeros(1)} for i in range(4)}, num_layers=4)
     assert latest_checkpoint(root).name == "step_000002"
-    assert not (root / ".tmp_step_000002").exists()
+    assert not torn.exists()
 
 
 @pytest.mark.slow
@@ -262,9 +296,8 @@ def test_writer_killed_mid_checkpoint_leaves_previous_loadable(tmp_path, kill_at
 def test_zero_run_resumes_resplit_and_equals_uninterrupted(tmp_path, zero_before, zero_after):
     """2 stages x 2 replicas with ZeRO, checkpoint after 2 steps, resume as 3 stages x 1 replica
     (and with another backend): the third step equals the uninterrupted run's."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from dist_helpers import run_workers
     from _zero_harness import runtime_resume_job
+    from dist_helpers import run_workers
 
     full = run_workers(runtime_resume_job, 4, 2, 2, zero_before, 3, None, None, timeout_s=300)
     run_workers(runtime_resume_job, 4, 2, 2, zero_before, 2, str(tmp_path), None, timeout_s=300)
