@@ -180,3 +180,37 @@ def test_large_results_and_torn_messages():
     with pytest.raises(WorkerError, match="exited with code 5") as info:
         run_workers(_big_result_or_torn_message, 2, timeout_s=60)
     assert info.value.rank == 1 and time.monotonic() - t0 < 20
+
+
+def _die_until(last_failing_attempt, log_dir):
+    """Rank 1 dies (SIGKILL) while the attempt number is <= last_failing_attempt."""
+    import torch.distributed as dist
+    from engine.cluster import restart_count
+    rank, attempt = dist.get_rank(), restart_count()
+    with open(os.path.join(log_dir, f"{attempt}_{rank}"), "w") as f:
+        f.write(os.environ.get("PIPESHARD_LAST_FAILURE", ""))
+    dist.barrier()
+    if rank == 1 and attempt <= last_failing_attempt:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    return attempt
+
+
+def test_restart_stops_and_starts_every_rank_with_the_attempt_number(tmp_path, capfd):
+    from engine import launch
+    out = launch(_die_until, 2, 1, str(tmp_path), max_restarts=2, timeout_s=120)
+    assert out == [2, 2]                    # the third start (restart 2) finished
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0_0", "0_1", "1_0", "1_1", "2_0", "2_1"]
+    assert (tmp_path / "0_0").read_text() == ""
+    assert "rank 1 failed: the process was killed by SIGKILL" in (tmp_path / "2_0").read_text()
+    err = capfd.readouterr().err
+    assert "restarting all 2 ranks (restart 1 of 2)" in err and "(restart 2 of 2)" in err
+
+
+def test_restarts_exhausted_raise_the_last_failure(tmp_path):
+    from engine import launch
+    with pytest.raises(WorkerError, match="rank 1 failed: the process was killed by SIGKILL"):
+        launch(_die_until, 2, 5, str(tmp_path), max_restarts=1, timeout_s=120)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0_0", "0_1", "1_0", "1_1"]
+    with pytest.raises(ValueError, match="max_restarts must be >= 0"):
+        launch(_die_until, 2, 0, str(tmp_path), max_restarts=-1)
