@@ -240,13 +240,14 @@ def run_worker(job: Job) -> dict:
     try:
         while step < total_steps:
             x, y = batch_of(step)
-            res = pipe.train_step(x, y)
             done = step + 1
+            log_now = done % log_every == 0 or done == total_steps or done == start + 1
+            res = pipe.train_step(x, y, diagnose=log_now)  # diagnostics only on logged steps
             stats = dict(res.stats, step_time_s=res.step_time_s)
             record_extra: dict[str, Any] = {"lr": res.lr, "grad_norm": res.grad_norm,
                                             "skipped": res.skipped,
                                             "predicted_step_s": plan.get("step_s")}
-            if done % log_every == 0 or done == total_steps or done == start + 1:
+            if log_now:
                 gathered: list[Any] = [None] * world
                 if world > 1:
                     dist.all_gather_object(gathered, stats)
