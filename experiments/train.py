@@ -287,7 +287,14 @@ def _prepare(cfg: Any, run_dir: Path) -> dict[str, Any]:
 
 
 def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """Whether torchrun, submitit or Slurm started this process as one rank of the job (its
+    RANK, WORLD_SIZE, ... are then in the environment: `engine.cluster`)."""
+    from engine.cluster import detect, export_env
+
+    env = detect()
+    if env is not None:
+        export_env(env)
+    return env is not None
 
 
 def _torchrun_prepare(cfg: Any, run_dir: Path) -> dict[str, Any]:
@@ -302,8 +309,9 @@ def _torchrun_prepare(cfg: Any, run_dir: Path) -> dict[str, Any]:
     world = int(os.environ["WORLD_SIZE"])
     if world != world_size(cfg):
         raise ConfigError(
-            f"torchrun started {world} processes but pipeline.stages x pipeline.data_parallel = "
-            f"{world_size(cfg)}; set --nnodes x --nproc-per-node to {world_size(cfg)} or change the layout")
+            f"the cluster launcher started {world} processes but pipeline.stages x pipeline.data_parallel = "
+            f"{world_size(cfg)}; set torchrun's --nnodes x --nproc-per-node (or Slurm's nodes x tasks per "
+            f"node, hydra.launcher.nodes x hydra.launcher.tasks_per_node) to {world_size(cfg)} or change the layout")
     if not dist.is_initialized():
         backend = _device_backend()
         if backend == "nccl":
