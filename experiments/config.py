@@ -270,6 +270,7 @@ class TrainConfig:
     eval_batches: int = 4  # batches per evaluation
     device: Device = Device["auto"]  # auto (cuda if available) | cpu | cuda
     timeout_s: Optional[float] = None  # whole-job limit for the local launcher; null = none
+    max_restarts: int = 0  # local launcher: restart all ranks after a failure, up to N times (resume from the newest checkpoint)
 
 
 @dataclass
@@ -280,6 +281,7 @@ class CheckpointConfig:
     dir: Optional[str] = None  # where to write; null = <run dir>/checkpoints
     keep_last: int = 2  # checkpoints kept (older ones deleted)
     resume: Optional[str] = "true"  # true: resume from this run's newest checkpoint if any | false: fresh start | a checkpoint path
+    async_save: bool = True  # write in the background (the step loop waits only for a copy to host memory)
 
 
 @dataclass
@@ -630,10 +632,13 @@ def validate_config(cfg: Any) -> None:
         if dim % heads:
             raise ConfigError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
 
-    for key in ("train.log_every", "train.eval_every", "checkpoint.every_steps"):
+    for key in ("train.log_every", "train.eval_every", "checkpoint.every_steps", "train.max_restarts"):
         value = _get(cfg, key)
         if value is not None and int(value) < 0:
             raise ConfigError(f"{key}={value}; it must be >= 0 (0 turns it off)")
+    if int(_get(cfg, "train.max_restarts", 0) or 0) > 0 and not int(_get(cfg, "checkpoint.every_steps") or 0):
+        raise ConfigError(f"train.max_restarts={_get(cfg, 'train.max_restarts')} restarts a failed job from its newest "
+                          "checkpoint, but checkpoint.every_steps=0 writes none; set checkpoint.every_steps (e.g. 50)")
 
 
 def _check_pretrained(model: Any, facts: dict, data_name: str) -> None:

@@ -146,6 +146,9 @@ def run_worker(job: Job) -> dict:
 
     from engine import OptimizerConfig, Pipeline
     from engine import checkpoint as ck
+    from engine.cluster import restart_count
+    from engine.faults import inject
+    from experiments import recovery
     from experiments.data import make_dataset
     from experiments.models import build_model
     from experiments.tracking import ProgressBar, Tracker
@@ -166,13 +169,13 @@ def run_worker(job: Job) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     p = pipe.num_stages
     owner = rank == p - 1  # last stage of replica 0 owns the loss
-    barrier = dist.barrier if world > 1 else (lambda: None)
     num_layers = len(spec.layers)
 
-    start = 0
-    if job.resume_from:
+    start, attempt = 0, restart_count()
+    resume_from, skipped = recovery.resume_point(job.resume_from, job.checkpoint_root, attempt)
+    if resume_from:
         expected = {int(i): m.state_dict() for i, m in pipe.layer_module.items()}
-        c = ck.load_checkpoint(job.resume_from, sorted(expected), expected=expected,
+        c = ck.load_checkpoint(resume_from, sorted(expected), expected=expected,
                                num_layers=num_layers, rank=rank, world=world)
         pipe.load_state_dict({"layers": c.layers, "step": c.meta["step"],
                               "optimizer": ck.merge_optimizer_state(c.optimizer, c.meta["optimizer"])})
@@ -196,17 +199,19 @@ def run_worker(job: Job) -> dict:
 
     every = int(ccfg.get("every_steps") or 0)
     saved: list[str] = []
+    saver = recovery.make_checkpointer(ccfg, job.checkpoint_root, num_layers)
 
     def save(step: int) -> None:
         sd = pipe.state_dict()  # collective with ZeRO (gathers the sharded optimizer state)
         per_layer, scalars = ck.split_optimizer_state(sd["optimizer"])
-        first = pipe.mesh.replica == 0
-        path = ck.save_checkpoint(job.checkpoint_root, step, layers=sd["layers"] if first else {},
-                                  optimizer=per_layer if first else {}, num_layers=num_layers,
-                                  meta=checkpoint_meta(step, scalars, cfg, job.stage_ranges),
-                                  rank=rank, world=world, barrier=barrier,
-                                  keep_last=int(ccfg.get("keep_last") or 0) or None)
-        saved.append(str(path))
+        # every replica offers its copy: DCP writes each key once, spread over the ranks
+        saver.save(step, layers=sd["layers"], optimizer=per_layer,
+                   meta=checkpoint_meta(step, scalars, cfg, job.stage_ranges))
+        saved.append(str(Path(job.checkpoint_root) / f"step_{step:06d}"))
+
+    def record_saves(finished: list) -> None:
+        for s in finished:
+            tracker.log_event("checkpoint", s.step, **recovery.checkpoint_event(s))
 
     plan = job.plan
     pred_act, pred_f, pred_b = _rank_predictions(plan, p)
@@ -215,6 +220,10 @@ def run_worker(job: Job) -> dict:
         "stage_ranges", "step_s", "bubble_fraction", "method", "predicted_by")}},
         mode=lcfg["mode"], project=lcfg["project"], name=job.run_name, entity=lcfg.get("entity"),
         group=lcfg.get("group"), tags=lcfg.get("tags") or (), enabled=owner)
+    if owner and attempt > 0:
+        event = recovery.restart_event(run_dir, attempt, start, resume_from, skipped)
+        recovery.announce(event)
+        tracker.log_event("restart", start, **event)
     if owner:
         tracker.log_plan(_PlanView(plan), step=start)
         tracker.summary({"resumed_from_step": start} if start else {})
@@ -239,6 +248,7 @@ def run_worker(job: Job) -> dict:
     t_start = time.perf_counter()
     try:
         while step < total_steps:
+            inject("step", step + 1, rank=rank)  # fault injection (PIPESHARD_FAULT), else nothing
             x, y = batch_of(step)
             done = step + 1
             log_now = done % log_every == 0 or done == total_steps or done == start + 1
@@ -283,6 +293,8 @@ def run_worker(job: Job) -> dict:
             step = done
             if every and done % every == 0:
                 save(done)
+            if saver is not None:
+                record_saves(saver.poll())
             flag = torch.tensor([stop.signum or 0], dtype=torch.int64)
             if world > 1:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -291,6 +303,8 @@ def run_worker(job: Job) -> dict:
                 break
         if every and step > start and (not saved or not saved[-1].endswith(f"{step:06d}")):
             save(step)  # the final (or interrupted) state
+        if saver is not None:
+            record_saves(saver.close())
     finally:
         bar.close()
         stop.restore()

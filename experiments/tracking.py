@@ -34,9 +34,27 @@ __all__ = [
     "OfflineRun",
     "read_offline_run",
     "METRICS_FILE",
+    "stable_run_id",
 ]
 
 METRICS_FILE = "metrics.jsonl"
+RUN_ID_FILE = "wandb_run_id"
+
+
+def stable_run_id(run_dir: str | os.PathLike) -> str:
+    """The W&B run id of the job in `run_dir`: created once, stored in `<run_dir>/wandb_run_id`,
+    so a restarted or resumed job logs into the same W&B run."""
+    path = Path(run_dir) / RUN_ID_FILE
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    import secrets
+
+    run_id = secrets.token_hex(4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(run_id)
+    os.replace(tmp, path)
+    return run_id
 
 
 def _jsonable(value: Any) -> Any:
@@ -96,7 +114,9 @@ class Tracker:
 
     `mode`: "offline" (default; no account, `wandb sync` later), "online", or "disabled" (no W&B
     at all; `metrics.jsonl` is still written). `enabled=False` makes every method a no-op (use it
-    on ranks that do not own the loss).
+    on ranks that do not own the loss). The W&B run id is stable per run directory
+    (`stable_run_id`) and the run is opened with `resume="allow"`: a restarted or resumed job
+    continues the same W&B run; steps W&B already has are not sent again.
     """
 
     def __init__(
@@ -118,6 +138,8 @@ class Tracker:
         self.run: Any = None
         self._file = None
         self._summary: dict[str, Any] = {}
+        self._pending: dict[str, Any] = {}  # event figures, sent to W&B with the next step
+        self._floor = 0                     # W&B's next step when resuming a run
         if not enabled:
             return
         if self.mode not in ("offline", "online", "disabled"):
@@ -125,6 +147,8 @@ class Tracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / METRICS_FILE
         self._file = open(self.metrics_path, "a", encoding="utf-8")
+        if self._file.tell() and not self.metrics_path.read_bytes().endswith(b"\n"):
+            self._file.write("\n")  # a line cut short by a killed writer stays on its own line
         if self.mode != "disabled":
             import wandb
 
@@ -138,7 +162,10 @@ class Tracker:
                 tags=list(tags) or None,
                 config=_jsonable(dict(config or {})),
                 settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+                id=stable_run_id(self.run_dir),
+                resume="allow",
             )
+            self._floor = int(getattr(self.run, "step", 0) or 0)
 
     # ------------------------------------------------------------------ per step
     def log_step(
@@ -181,8 +208,28 @@ class Tracker:
                     for j, v in enumerate(values):
                         if isinstance(v, (int, float)):
                             flat[f"stage/{key[6:]}/{j}"] = v
-            self.run.log({k: v for k, v in flat.items() if v is not None and not isinstance(v, (list, dict))},
-                         step=int(step))
+            if int(step) >= self._floor:  # W&B drops steps below the run's current one
+                flat.update(self._pending)
+                self._pending = {}
+                self.run.log({k: v for k, v in flat.items() if v is not None and not isinstance(v, (list, dict))},
+                             step=int(step))
+        return record
+
+    def log_event(self, kind: str, step: int, **fields: Any) -> dict[str, Any]:
+        """Record an event (e.g. `restart`, `checkpoint`) as `{"event": kind, "step": step, ...}`
+        in `metrics.jsonl`; its numbers go to W&B as `<kind>/<field>` with the next step."""
+        record = _jsonable({"event": kind, "step": int(step), **fields})
+        if not self.enabled:
+            return record
+        assert self._file is not None
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.run is not None:
+            self._pending.update({f"{kind}/{k}": v for k, v in record.items()
+                                  if isinstance(v, (int, float)) and not isinstance(v, bool)
+                                  and k not in ("step", "time")})
+            if kind == "restart":
+                self.summary({"restarts": record.get("attempt")})
         return record
 
     # ------------------------------------------------------------------ tables, pictures, summary
@@ -241,13 +288,24 @@ class Tracker:
         self.finish()
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a `metrics.jsonl` file (or of the one in a run directory)."""
+def read_metrics(path: str | os.PathLike, *, events: bool = False) -> list[dict[str, Any]]:
+    """The step records of a `metrics.jsonl` file (or of the one in a run directory); with
+    `events=True` also the event records (`{"event": "restart" | "checkpoint", ...}`). After a
+    restart the steps after `resumed_from_step` appear again: the later record is the one kept
+    by training. A line cut short by a killed writer is skipped."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
+    out = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                rec = json.loads(line) if line.strip() else None
+            except ValueError:
+                continue
+            if rec is not None and (events or "event" not in rec):
+                out.append(rec)
+    return out
 
 
 def plot_loss(records: Iterable[Mapping[str, Any]], path: str | os.PathLike, title: str = "") -> Path:

@@ -193,7 +193,13 @@ def resume_checkpoint(cfg: Any, run_dir: str | os.PathLike) -> Path | None:
     if text.lower() in _NO:
         return None
     if text.lower() in _YES:
-        return latest_checkpoint(checkpoint_root(cfg, run_dir))
+        from engine.checkpoint import find_resumable
+        from experiments.recovery import skipped_messages
+
+        found, skipped = find_resumable(checkpoint_root(cfg, run_dir))
+        for line in skipped_messages(skipped):
+            print(line, flush=True)
+        return found
     path = Path(text)
     if (path / MANIFEST).is_file():
         return path
@@ -297,6 +303,19 @@ def _under_torchrun() -> bool:
     return env is not None
 
 
+def _check_restartable_run_dir() -> None:
+    """`torchrun --max-restarts` starts this module again: with the default time-stamped run
+    directory the new start would not find the run's checkpoints. Refuse that before training."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) <= 0:
+        return
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized() and not any(o.startswith("hydra.run.dir=")
+                                             for o in HydraConfig.get().overrides.hydra):
+        raise ConfigError("torchrun --max-restarts needs a fixed run directory shared by all nodes, so that a "
+                          "restarted job finds its checkpoints: add hydra.run.dir=<shared dir>")
+
+
 def _torchrun_prepare(cfg: Any, run_dir: Path) -> dict[str, Any]:
     """Under torchrun: initialise the process group, rank 0 prepares, every rank gets its result."""
     import datetime
@@ -366,6 +385,8 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any] | None:
     validate_config(cfg)
     run_dir = Path(run_dir).resolve()
     torchrun = _under_torchrun()
+    if torchrun:
+        _check_restartable_run_dir()
     prep = _torchrun_prepare(cfg, run_dir) if torchrun else _prepare(cfg, run_dir)
     run_dir = Path(prep["run_dir"])
     plan = prep["plan"]
@@ -379,7 +400,8 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any] | None:
         # Ctrl-C: take the launcher's SIGTERM path (workers get a grace period to checkpoint).
         old_int = signal.signal(signal.SIGINT, lambda s, f: os.kill(os.getpid(), signal.SIGTERM))
     try:
-        results = engine.launch(run_worker, world, job, timeout_s=float(timeout) if timeout else None)
+        results = engine.launch(run_worker, world, job, timeout_s=float(timeout) if timeout else None,
+                                max_restarts=int(_get(cfg, "train.max_restarts", 0) or 0))
     except KeyboardInterrupt:
         _print_stopped(cfg, run_dir)
         return None

@@ -201,6 +201,15 @@ def test_layer_shape_mismatch_is_found_while_profiling():
         assert "consecutive layers agree on shapes" in str(info.value)
 
 
+def test_restarts_need_checkpoints(base_cfg):
+    with pytest.raises(ConfigError, match=r"train.max_restarts=2 restarts a failed job from its newest checkpoint, "
+                                          r"but checkpoint.every_steps=0 writes none; set checkpoint.every_steps"):
+        validate_config(_cfg(base_cfg, train__max_restarts=2, checkpoint__every_steps=0))
+    with pytest.raises(ConfigError, match=r"train.max_restarts=-1; it must be >= 0"):
+        validate_config(_cfg(base_cfg, train__max_restarts=-1))
+    validate_config(_cfg(base_cfg, train__max_restarts=2, checkpoint__every_steps=10))
+
+
 def test_checkpoint_from_another_model(tmp_path):
     mine = {i: dict(nn.Linear(8, 8).state_dict()) for i in range(3)}
     save_checkpoint(tmp_path, 1, layers=mine, num_layers=3)
