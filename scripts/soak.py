@@ -10,9 +10,19 @@ and down); the script exits with status 1 if any rank's median RSS over its last
 exceeds that over its first 10 by more than ``--tolerance-mib``, or live Python objects grew by
 more than 1000.
 
+With ``--kills K`` it soaks failure recovery instead: ``python -m experiments.train`` (the smoke
+model, ``--layouts``' first layout) trains ``--steps`` steps with an asynchronous checkpoint every
+``--every`` steps and ``train.max_restarts``; a random worker is killed with SIGKILL at ``K``
+random steps. It checks that the job finishes on its own, that every step's loss is in
+metrics.jsonl, that each kill produced one ``restart`` record, and that memory does not grow: the
+launcher's RSS across the restarts and each worker's RSS over its life (sampled from outside
+every ``--sample-s`` seconds; growth = median of the last 10 samples minus that of the first 10
+after the first quarter of the life). It prints the figures and exits with status 1 on a failure.
+
 Example::
 
     OMP_NUM_THREADS=1 python scripts/soak.py --steps 300 --layouts 4x1 2x2
+    OMP_NUM_THREADS=1 python scripts/soak.py --kills 4 --steps 400 --every 5 --layouts 2x1
 """
 from __future__ import annotations
 
@@ -105,6 +115,147 @@ def _slope(points: list[tuple[int, int]]) -> float:
     return sum((p[0] - mx) * (p[1] - my) for p in points) / var if var else 0.0
 
 
+# ------------------------------------------------------------------------- failure-recovery soak
+def _metric_lines(path: str) -> list[dict]:
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _workers(launcher) -> list:
+    """The training workers: children of the launcher's fork server (else of the launcher)."""
+    kids = launcher.children()
+    servers = [k for k in kids if any("forkserver" in part for part in _cmdline(k))]
+    return [w for s in servers for w in s.children()] if servers else \
+        [k for k in kids if "resource_tracker" not in " ".join(_cmdline(k))]
+
+
+def _cmdline(proc) -> list[str]:
+    try:
+        return proc.cmdline()
+    except Exception:  # noqa: BLE001 - gone in the meantime
+        return []
+
+
+def _sample(launcher, stop, samples: dict, interval: float) -> None:
+    """RSS of the launcher and of each worker (by pid) every `interval` seconds."""
+    while not stop.is_set():
+        try:
+            samples.setdefault("launcher", []).append((time.time(), launcher.memory_info().rss))
+            for w in _workers(launcher):
+                samples.setdefault(w.pid, []).append((time.time(), w.memory_info().rss))
+        except Exception:  # noqa: BLE001 - a process ended between the listing and the read
+            pass
+        stop.wait(interval)
+
+
+def _kill_at(launcher, metrics: str, steps: list[int], rng, kills: list, stop) -> None:
+    """SIGKILL a random worker once the run has recorded each of `steps` (after new progress)."""
+    import signal
+    seen = 0
+    for target in steps:
+        while not stop.is_set():
+            recs = [r for r in _metric_lines(metrics) if "loss" in r]
+            if len(recs) > seen and recs[-1]["step"] >= target:
+                break
+            stop.wait(0.2)
+        workers = _workers(launcher)
+        if stop.is_set() or not workers:
+            return
+        victim = rng.choice(workers)
+        os.kill(victim.pid, signal.SIGKILL)
+        seen = len([r for r in _metric_lines(metrics) if "loss" in r])
+        kills.append({"at_step": recs[-1]["step"], "pid": victim.pid, "time": time.time()})
+
+
+def _growth_mib(points: list[tuple[float, int]]) -> float | None:
+    """Median RSS of the last 10 samples minus that of the first 10 after the first quarter."""
+    body = [b for _, b in points[len(points) // 4:]]
+    if len(body) < 20:
+        return None
+    first, last = sorted(body[:10]), sorted(body[-10:])
+    return (last[5] - first[5]) / MiB
+
+
+def restart_soak(a) -> int:
+    """The failure-recovery soak (see the module docstring)."""
+    import random
+    import subprocess
+    import tempfile
+    import threading
+
+    import psutil
+    stages, replicas = (int(v) for v in a.layouts[0].lower().split("x"))
+    run_dir = a.run_dir or tempfile.mkdtemp(prefix="pipeshard-soak-")
+    os.makedirs(run_dir, exist_ok=True)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    cmd = [sys.executable, "-m", "experiments.train", "experiment=smoke", "partitioner.method=uniform",
+           f"train.steps={a.steps}", f"checkpoint.every_steps={a.every}", f"train.max_restarts={a.kills + 2}",
+           f"pipeline.stages={stages}", f"pipeline.data_parallel={replicas}", "train.log_every=50",
+           "train.eval_every=0", "logger.progress=false", "logger.timeline=false", "logger.mode=disabled",
+           f"hydra.run.dir={run_dir}", *a.override]
+    rng = random.Random(a.seed)
+    kill_steps = sorted(rng.sample(range(a.every + 1, a.steps - a.every), a.kills))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    t0 = time.time()
+    with open(os.path.join(run_dir, "soak.log"), "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        launcher, stop, samples, kills = psutil.Process(proc.pid), threading.Event(), {}, []
+        threads = [threading.Thread(target=_sample, args=(launcher, stop, samples, a.sample_s), daemon=True),
+                   threading.Thread(target=_kill_at, args=(launcher, metrics, kill_steps, rng, kills, stop),
+                                    daemon=True)]
+        for t in threads:
+            t.start()
+        rc = proc.wait()
+        stop.set()
+    return _restart_report(a, rc, run_dir, metrics, kills, samples, time.time() - t0)
+
+
+def _restart_report(a, rc: int, run_dir: str, metrics: str, kills: list, samples: dict, wall: float) -> int:
+    records = _metric_lines(metrics)
+    losses = {r["step"] for r in records if "loss" in r and r.get("loss") is not None}
+    restarts = [r for r in records if r.get("event") == "restart"]
+    saves = [r for r in records if r.get("event") == "checkpoint"]
+    missing = sorted(set(range(1, a.steps + 1)) - losses)
+    launcher = [(t, b) for t, b in samples.pop("launcher", []) if b > 0]  # not the exited one
+    lives = {pid: _growth_mib(pts) for pid, pts in samples.items()}
+    measured = [g for g in lives.values() if g is not None]
+    worker_growth = max(measured, default=0.0)
+    first_up = [b for t, b in launcher if t >= min((p[0][0] for p in samples.values()), default=0)]
+    launcher_growth = (launcher[-1][1] - first_up[0]) / MiB if first_up else 0.0
+    print(f"run directory: {run_dir} ({wall:.0f} s, exit status {rc})")
+    print(f"kills at steps {[k['at_step'] for k in kills]}; restart records "
+          f"{[(r['attempt'], r['resumed_from_step'], r['lost_steps']) for r in restarts]} "
+          "(attempt, resumed from, lost steps)")
+    stalls = sorted(r["stall_s"] for r in saves)
+    if stalls:
+        print(f"{len(saves)} checkpoints; stall median {stalls[len(stalls) // 2] * 1e3:.1f} ms, max "
+              f"{stalls[-1] * 1e3:.1f} ms; write median "
+              f"{sorted(r['write_s'] for r in saves)[len(saves) // 2] * 1e3:.0f} ms")
+    print(f"steps with a loss: {len(losses)} of {a.steps} (missing: {missing[:10] or 'none'})")
+    print(f"memory: launcher RSS {first_up[0] / MiB if first_up else 0:.1f} -> "
+          f"{launcher[-1][1] / MiB if launcher else 0:.1f} MiB ({launcher_growth:+.1f}); largest growth over "
+          f"a worker's life {worker_growth:+.1f} MiB ({len(measured)} of {len(lives)} worker lives long "
+          "enough to measure)")
+    ok = (rc == 0 and not missing and len(restarts) == len(kills) == a.kills
+          and launcher_growth <= a.tolerance_mib and worker_growth <= a.tolerance_mib)
+    print("OK" if ok else "FAILED")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"exit": rc, "wall_s": wall, "kills": kills, "restarts": restarts, "missing_steps": missing,
+                       "checkpoints": saves, "launcher_growth_mib": launcher_growth,
+                       "worker_growth_mib": lives, "ok": ok}, f, indent=1)
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -121,7 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance-mib", type=float, default=32.0,
                     help="largest allowed growth of the median RSS (first vs last 10 samples)")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--kills", type=int, default=0,
+                    help="failure-recovery soak: kill a random worker this many times (see above)")
+    ap.add_argument("--every", type=int, default=5, help="--kills: checkpoint interval (steps)")
+    ap.add_argument("--seed", type=int, default=0, help="--kills: where the kills land")
+    ap.add_argument("--sample-s", type=float, default=0.5, help="--kills: RSS sample interval (s)")
+    ap.add_argument("--run-dir", help="--kills: the run directory (default: a temporary one)")
+    ap.add_argument("--override", nargs="*", default=[], help="--kills: extra experiments.train overrides")
     a = ap.parse_args(argv)
+    if a.kills:
+        return restart_soak(a)
     if a.steps < a.warmup + a.window:
         ap.error("--steps must be at least --warmup + --window")
     from engine import launch
