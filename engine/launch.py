@@ -1,8 +1,11 @@
 """Local launcher and torchrun detection, with fast failure propagation.
 
 ``launch(fn, nprocs, *args)`` runs ``fn(*args)`` on ``nprocs`` ranks with ``torch.distributed``
-initialised (gloo on CPU, NCCL on CUDA) and returns the per-rank return values. Under ``torchrun``
-(``RANK``/``WORLD_SIZE`` set) it runs ``fn`` in this process on the rank it was given.
+initialised (gloo on CPU, NCCL on CUDA) and returns the per-rank return values. Under ``torchrun``,
+a submitit job with several tasks or an ``srun`` step (``engine.cluster.detect``) it runs ``fn``
+in this process on the rank it was given. ``max_restarts=N`` restarts all workers after a failure
+(as ``torchrun --max-restarts``); the workers read their attempt from
+``engine.cluster.restart_count()``.
 
 A worker that raises or dies ends the job within seconds: the other workers are terminated and
 :class:`WorkerError` names the rank, its pipeline stage (when the runtime registered it) and the

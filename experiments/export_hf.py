@@ -10,8 +10,8 @@ written by transformers' `save_pretrained` (config.json, safetensors, sharded ab
 `max_shard_size`, tied weights stored once). Tokenizer and generation files of the pretrained
 directory are copied along, so the result replaces it.
 
-Checkpoints are read only through `read_checkpoint` (one function: when checkpoints move to
-torch.distributed.checkpoint, only it changes).
+Checkpoints are read only through `read_checkpoint`, from this one process: the checkpoint's
+DCP files are read directly, whatever split and replica count wrote them.
 
 Example:
     python -m experiments.export_hf checkpoint=outputs/ft/2026-01-01_00-00-00 out=/models/ft
