@@ -33,8 +33,8 @@ class Plan(JsonMixin):
     ``stage_activation_bytes`` (saved-for-backward bytes at the peak), ``stage_inflight``,
     ``stage_recompute``. Per rank: ``rank_memory_bytes``, ``rank_fits``.
 
-    ``step_s`` / ``bubble_fraction``: from ``engine.simulate`` on these costs (see
-    ``predicted_by``). ``lower_bound_s``: a lower bound on the step of this schedule for any
+    ``step_s`` / ``bubble_fraction``: from :meth:`simulate` (``engine.simulate`` on these
+    costs; see ``predicted_by``). ``lower_bound_s``: a lower bound on the step of this schedule for any
     split, using ``bottleneck_lower_bound_s = max(largest layer, total / chunks)`` (gpipe and
     1f1b: ``(m - 1) * that + total``; other schedules: ``max(m * per-rank bound, total)``).
     ``gap = step_s / lower_bound_s - 1``.
@@ -94,6 +94,40 @@ class Plan(JsonMixin):
     def stage_layers(self) -> list[int]:
         """Number of layers per chunk."""
         return [b - a for a, b in self.stage_ranges]
+
+    def rank_of(self, chunk: int) -> int:
+        """The pipeline rank that runs model chunk ``chunk`` (the schedule's loop placement)."""
+        return chunk % self.num_stages
+
+    def per_rank(self, values: Sequence[float]) -> list[float]:
+        """Per-chunk ``values`` summed per pipeline rank (the chunks a rank runs)."""
+        out = [0.0] * self.num_stages
+        for c, x in enumerate(values):
+            out[self.rank_of(c)] += x
+        return out
+
+    # -- prediction -------------------------------------------------------------------
+    def simulate(self, forward_s: Sequence[float] | None = None,
+                 backward_s: Sequence[float] | None = None) -> Any:
+        """The predicted timeline of one step: ``engine.simulate`` of this plan's schedule on
+        its per-chunk costs (``stage_forward_s``, ``stage_backward_s`` with recomputation,
+        ``stage_weight_s``, ``boundary_comm_s``). ``forward_s`` / ``backward_s`` replace the
+        compute costs (e.g. measured ones) and keep the rest. The one place a plan's step time
+        is predicted: the planner, the training run's timeline pictures and the benchmark's
+        predictions all call it.
+
+        >>> res = plan.simulate()                         # doctest: +SKIP
+        >>> res.step_s, res.bubble_fraction; res.to_png("timeline.png")
+        """
+        from engine.schedules import build_schedule
+        from engine.simulate import simulate
+
+        f = list(self.stage_forward_s if forward_s is None else forward_s)
+        b = list(self.stage_backward_s if backward_s is None else backward_s)
+        w = [min(x, y) for x, y in zip(self.stage_weight_s or b, b)]
+        sched = build_schedule(self.schedule, self.num_stages, self.microbatches, self.virtual_stages)
+        comm = self.boundary_comm_s if len(f) > 1 and self.boundary_comm_s else 0.0
+        return simulate(sched, f, b, weight_s=w, comm_s=comm)
 
     # -- JSON -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
