@@ -1,6 +1,6 @@
 """Predictions from pipeshard's partitioner, calibrated, and their errors against measurements.
 
-Chain: a measured per-layer profile (``experiments.peers.problem.profile_model``) ->
+Chain: a measured per-layer profile (``experiments.bench.problem.profile_model``) ->
 :func:`calibrate` (optional: one factor on every layer time so that ``m`` microbatches of
 forward + backward through all layers take what the single-process run measured; it absorbs
 what isolated layer timings miss: the optimizer step, cache effects and machine load at run
@@ -50,7 +50,7 @@ def plan_for(profile: Any, num_stages: int, schedule: str, microbatches: int, *,
                                  zero_stage=0, link_bytes_per_s=link_bytes_per_s)
     if calibration is not None:
         plan.notes.append(f"calibrated: layer times x {calibration:.3f} from the measured "
-                          "single-process step (experiments.peers.predict.calibrate)")
+                          "single-process step (experiments.bench.predict.calibrate)")
     return plan
 
 
