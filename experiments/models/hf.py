@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import functools
 from functools import partial
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
+from experiments.fields import get_field as _field
 from experiments.models.gpt import lm_spec
 from experiments.models.spec import ModelSpec
 
@@ -42,12 +43,6 @@ __all__ = [
 ]
 
 ARCHS = ("gpt2", "llama")
-
-
-def _field(cfg: Any, name: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
 
 
 class HFTokenEmbedding(nn.Module):
