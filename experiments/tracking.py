@@ -63,7 +63,7 @@ def _transpose_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]
 def plan_rows(plan: Any) -> list[dict[str, Any]]:
     """One row per chunk from a `partitioner.Plan` (or anything with `stage_ranges` etc.).
 
-    Columns: stage (chunk index), rank (chunk % num_stages), start, stop, layers, time_s,
+    Columns: stage (chunk index), rank (`plan.rank_of(chunk)`), start, stop, layers, time_s,
     memory_bytes, and activation_bytes where the plan has it.
     """
     ranges = list(getattr(plan, "stage_ranges"))
@@ -74,7 +74,8 @@ def plan_rows(plan: Any) -> list[dict[str, Any]]:
     activation = getattr(plan, "stage_activation_bytes", None)
     rows = []
     for j, (a, b) in enumerate(ranges):
-        row = {"stage": j, "rank": j % ranks, "start": int(a), "stop": int(b), "layers": int(b) - int(a),
+        rank = plan.rank_of(j) if hasattr(plan, "rank_of") else j % ranks
+        row = {"stage": j, "rank": rank, "start": int(a), "stop": int(b), "layers": int(b) - int(a),
                "time_s": times[j], "memory_bytes": memory[j]}
         if activation:
             row["activation_bytes"] = activation[j]
