@@ -148,7 +148,7 @@ class Plan(JsonMixin):
         rows = []
         p = self.num_stages
         for c, (a, b) in enumerate(self.stage_ranges):
-            r = c % p
+            r = self.rank_of(c)
             lim = self.memory_limit_bytes[r] if self.memory_limit_bytes else None
             rows.append([
                 str(c), str(r), f"{a}-{b - 1}" + (" R" if self.stage_recompute and self.stage_recompute[c] else ""),

@@ -65,8 +65,7 @@ def prediction_fields(plan: Any, row: dict[str, Any], raw_plan: Any = None) -> d
     """Prediction fields for a pipeshard row: step time and per-rank activation bytes, predicted
     (from ``plan``) next to measured (the row's ``step_s`` and engine stats), with errors."""
     p = plan.num_stages
-    pred_act = [int(sum(plan.stage_activation_bytes[c] for c in range(r, plan.num_chunks, p)))
-                for r in range(p)]
+    pred_act = [int(x) for x in plan.per_rank(plan.stage_activation_bytes)]
     stats = row.get("stats") or []
     meas_act = [int(s.get("peak_activation_bytes", 0)) for s in stats] if stats else None
     act_err = None
