@@ -25,6 +25,8 @@ _EXPORTS = {
     "build_schedule": "engine.schedules", "validate": "engine.schedules",
     "lower": "engine.schedules",
     "simulate": "engine.simulate", "SimResult": "engine.simulate",
+    "Generator": "engine.generate", "SamplingConfig": "engine.generate",
+    "GenerationResult": "engine.generate", "CachedChunk": "engine.generate",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -202,8 +202,10 @@ def _worker_main(fn: Callable, args: tuple, rank: int, world: int, port: int,
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         result = fn(*args)
         payload = pickle.dumps(result)
-        if dist.is_initialized():
-            dist.barrier()  # no rank leaves while a peer may still be receiving from it
+        # No rank leaves while a peer may still be receiving from it. Met on the rendezvous
+        # store, not with a collective: a gloo receive that timed out closes its connection.
+        store.set(f"pipeshard-done-{rank}", "1")
+        store.wait([f"pipeshard-done-{r}" for r in range(world)])
         q.put(("result", rank, time.time(), payload))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the launcher
         code = 1

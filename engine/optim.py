@@ -148,7 +148,7 @@ class StageOptimizer(Protocol):
     def scale_loss(self, loss: Tensor) -> Tensor: ...            # loss / m * loss_scale
     def backward(self, tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor] | None,
                  inputs: Sequence[Tensor] | None = None, retain_graph: bool = False) -> None: ...
-    def step(self) -> tuple[bool, float | None]: ...            # (skipped, global grad norm)
+    def step(self, need_norm: bool = True) -> tuple[bool, float | None]: ...  # (skipped, norm)
     def zero_grad(self) -> None: ...
     def lr(self) -> float: ...
     def optimizer_state_bytes(self) -> int: ...
@@ -208,7 +208,13 @@ class TorchStageOptimizer:
     def lr(self) -> float:
         return float(self.opt.param_groups[0]["lr"])
 
-    def step(self) -> tuple[bool, float | None]:
+    def step(self, need_norm: bool = True) -> tuple[bool, float | None]:
+        """Average over replicas, check, clip, update; returns ``(skipped, global grad norm)``.
+
+        The global norm costs a collective over the pipeline; it is computed when asked
+        (``need_norm``) or needed (clipping, fp16, ``nonfinite="skip"``: every rank must take
+        the same decision). Otherwise each rank checks its own gradients for NaN/inf (same
+        reading, no collective) and the norm is reported as None."""
         self.attempts += 1
         grads = [self._grad(p) for p in self.params]
         d = self.mesh.data_parallel
@@ -218,7 +224,11 @@ class TorchStageOptimizer:
         if div != 1.0:
             for g in grads:
                 g.div_(div)
-        norm, bad_stages = self._global_norm()
+        if (need_norm or self.config.grad_clip is not None or self.precision == "fp16"
+                or self.nonfinite == "skip"):
+            norm, bad_stages = self._global_norm()
+        else:
+            norm, bad_stages = None, self._local_nonfinite()
         if bad_stages:
             if self.precision == "fp16":
                 self.scaler.update(overflow=True)
@@ -230,7 +240,7 @@ class TorchStageOptimizer:
                     "grad_clip, or pass nonfinite='skip' to skip such steps")
             return True, None
         clip = self.config.grad_clip
-        if clip is not None and norm > clip:
+        if clip is not None and norm is not None and norm > clip:
             coef = clip / (norm + 1e-6)
             for g in grads:
                 g.mul_(coef)
@@ -263,6 +273,14 @@ class TorchStageOptimizer:
                     b.copy_(flat[off:off + b.numel()].view_as(b))
                     off += b.numel()
             bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
+
+    def _local_nonfinite(self) -> list[int]:
+        """``[this pipeline stage]`` if one of its gradients holds a NaN/inf, else ``[]``."""
+        gs = [p.grad.detach() for p in self.params if p.grad is not None]
+        if not gs:
+            return []
+        total = torch.stack([v.double() for v in torch._foreach_norm(gs)]).sum()
+        return [] if bool(torch.isfinite(total)) else [self.mesh.pipeline_rank]
 
     def _global_norm(self) -> tuple[float, list[int]]:
         """Global grad norm over the pipeline (replicas hold equal averaged grads) and the list

@@ -19,12 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from engine.allocator import tune_cpu_allocator
 from engine.backend import make_optimizer
 from engine.choices import check_nonfinite, check_precision
-from engine.comm import P2P, Recv
+from engine.comm import P2P
+from engine.executor import Executor
 from engine.mesh import Mesh
 from engine.optim import NonFiniteError, OptimizerConfig, StageOptimizer, check_optimizer_config
-from engine.stage import Chunk, _cut, build_layers
+from engine.stage import Chunk, build_layers
 
 __all__ = ["Pipeline", "StepResult", "check_stage_ranges"]
 
@@ -144,7 +146,7 @@ class Pipeline:
                  activation_checkpointing: bool = False, seed: int = 0,
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
-                 recv_lookahead: int = 2):
+                 recv_lookahead: int = 2, diagnose_every: int = 100):
         from engine.schedules import lower
 
         sched = self.check_arguments(
@@ -163,12 +165,12 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device())
             if self.mesh.backend == "nccl" else torch.device("cpu"))
+        if self.device.type == "cpu":
+            tune_cpu_allocator()  # engine/allocator.py: no page-fault churn per microbatch
         self.config = optimizer or OptimizerConfig()
-        self.recv_lookahead = recv_lookahead
         me = self.mesh.pipeline_rank
         self.my_stages = sched.stages_of(me)
         self.program = lower(sched)[me]
-        self.split = {(a.stage, a.microbatch) for a in self.program if a.kind == "I"}
         from engine.launch import set_worker_info
         set_worker_info(stage=me, replica=self.mesh.replica)
 
@@ -179,7 +181,8 @@ class Pipeline:
             self.chunks[s] = Chunk(
                 s, start, build_layers(layers, start, stop, seed, self.device),
                 loss_fn=loss_fn if s == n_chunks - 1 else None,
-                activation_checkpointing=activation_checkpointing, autocast=autocast)
+                activation_checkpointing=activation_checkpointing, autocast=autocast,
+                measure_activations=False)
         self._tie_groups: list[tuple[Any, str]] = []
         norm_skip = self._setup_ties(ties)
         for c in self.chunks.values():
@@ -193,7 +196,13 @@ class Pipeline:
         for c in self.chunks.values():  # ZeRO moves parameters into flat buffers: re-read them
             c.refresh_params()
         self.p2p = P2P(self.mesh, comm_timeout_s, self.device)
+        # The graph-node I/W split needs a backend that takes GradientEdge roots; else per-layer cuts.
+        node_split = None if self.optimizer.accepts_gradient_edges else False
+        split = {(a.stage, a.microbatch) for a in self.program if a.kind == "I"}
+        self.executor = Executor(self.chunks, self.p2p, sched, lookahead=recv_lookahead,
+                                 split=split, node_split=node_split)
         self.nonfinite = nonfinite
+        self.diagnose_every = int(diagnose_every)
         self.step_count = 0
 
     @staticmethod
@@ -289,8 +298,9 @@ class Pipeline:
                                          f"{tuple(pb.shape)} differ in shape")
                     self._set_param(lb, nb, pa)
                 continue
-            group = None
-            for rep in range(self.data_parallel):  # every rank creates every group, in order
+            group = self.mesh.pipeline_group if self.num_stages == 2 else None
+            for rep in range(self.data_parallel if group is None else 0):
+                # every rank creates every group, in order
                 g = dist.new_group([self.mesh.global_rank(ra, rep), self.mesh.global_rank(rb, rep)])
                 if rep == self.mesh.replica:
                     group = g
@@ -325,11 +335,16 @@ class Pipeline:
             self.optimizer.load_state_dict(sd["optimizer"])
         self.step_count = int(sd.get("step", self.step_count))
 
-    def train_step(self, inputs: Any, targets: Any) -> StepResult:
-        """One optimizer step on the global batch (see docs/contracts.md)."""
+    def train_step(self, inputs: Any, targets: Any, *, diagnose: bool | None = None
+                   ) -> StepResult:
+        """One optimizer step on the global batch (see docs/contracts.md). ``diagnose`` (default:
+        every ``diagnose_every`` steps) adds the costly figures: bytes saved for backward, the
+        peak of live activations and the global gradient norm."""
+        if diagnose is None:
+            diagnose = self.diagnose_every > 0 and self.step_count % self.diagnose_every == 0
         t0 = time.perf_counter()
         self.optimizer.zero_grad()
-        stats = self._run(self.program, inputs, targets, train=True)
+        stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose)
         t1 = time.perf_counter()
         for group, prm in self._tie_groups:
             if prm.grad is None:
@@ -337,31 +352,36 @@ class Pipeline:
             dist.all_reduce(prm.grad, group=group)
         # One all-reduce carries the loss and, per chunk, whether its forward output was
         # non-finite: every rank then knows the same first stage where a NaN/inf appeared.
-        loss, bad_chunks = self._reduce_loss(stats.pop("_losses"), stats.pop("_bad_out"))
+        loss, bad_chunks = self._reduce_loss(stats.pop("_losses"), stats.pop("_flags"))
         if bad_chunks:
-            first = bad_chunks[0]
-            stats["nonfinite_stage"] = first
+            stats["nonfinite_stage"] = bad_chunks[0]
             if self.nonfinite == "raise" and self.precision != "fp16":
-                a, b = self.ranges[first]
-                raise NonFiniteError(
-                    f"non-finite forward output at step {self.step_count} on pipeline stage "
-                    f"{self.schedule.rank_of(first)} (model chunk {first}, layers {a}..{b - 1}); "
-                    f"first of the chunks {bad_chunks} whose output was NaN/inf; loss={loss}. "
-                    "Lower the lr, enable grad_clip, check the data, or pass nonfinite='skip' "
-                    "to skip such steps")
-        skipped, norm = self.optimizer.step()
+                raise self._nonfinite_error(bad_chunks, loss)
+        skipped, norm = self.optimizer.step(need_norm=diagnose)
         stats["optimizer_s"] = time.perf_counter() - t1
         dt = time.perf_counter() - t0
         stats["idle_s"] = max(0.0, dt - stats["forward_s"] - stats["backward_s"]
                               - stats["optimizer_s"])
-        stats["optimizer_state_bytes"] = self.optimizer.optimizer_state_bytes()
+        if diagnose:
+            stats["optimizer_state_bytes"] = self.optimizer.optimizer_state_bytes()
         self.step_count += 1
         return StepResult(loss, bool(skipped), norm, self.optimizer.lr(), dt, stats)
+
+    def _nonfinite_error(self, bad_chunks: list[int], loss: float) -> NonFiniteError:
+        first = bad_chunks[0]
+        a, b = self.ranges[first]
+        return NonFiniteError(
+            f"non-finite forward output at step {self.step_count} on pipeline stage "
+            f"{self.schedule.rank_of(first)} (model chunk {first}, layers {a}..{b - 1}); "
+            f"first of the chunks {bad_chunks} whose output was NaN/inf; loss={loss}. "
+            "Lower the lr, enable grad_clip, check the data, or pass nonfinite='skip' "
+            "to skip such steps")
 
     def eval_step(self, inputs: Any, targets: Any) -> float:
         """Forward-only loss on the global batch (same on every rank)."""
         with torch.no_grad():
-            stats = self._run(self._forward_program(), inputs, targets, train=False)
+            stats = self._run(self._forward_program(), inputs, targets, train=False,
+                              diagnose=False)
         return self._reduce_loss(stats["_losses"])[0]
 
     # ---- execution ---------------------------------------------------------------------------
@@ -397,127 +417,19 @@ class Pipeline:
                 mbs[i].append(c)
         return [tuple(x) if isinstance(value, (tuple, list)) else x[0] for x in mbs]
 
-    def _run(self, program: Sequence[Any], inputs: Any, targets: Any, train: bool) -> dict:
-        sched, me = self.schedule, self.mesh.pipeline_rank
-        last = sched.num_chunks - 1
+    def _run(self, program: Sequence[Any], inputs: Any, targets: Any, *, train: bool,
+             diagnose: bool) -> dict:
+        last = self.schedule.num_chunks - 1
         x_mbs = self._microbatches(inputs, "inputs") if 0 in self.chunks else None
         y_mbs = self._microbatches(targets, "targets") if last in self.chunks else None
         if 0 in self.chunks and x_mbs is None:
             raise ValueError(f"rank {self.mesh.rank} runs the first stage and needs the inputs")
         if last in self.chunks and y_mbs is None:
             raise ValueError(f"rank {self.mesh.rank} runs the last stage and needs the targets")
-        p2p = self.p2p
-        # The graph-node I/W split needs a backend that takes GradientEdge roots; else per-layer cuts.
-        node_split = None if self.optimizer.accepts_gradient_edges else False
-        p2p.new_step()
-        wait0, sent0 = p2p.wait_s, p2p.bytes_sent
-        for c in self.chunks.values():
-            c.reset_peak()
-        inbox_f: dict[tuple[int, int], Any] = {}
-        inbox_b: dict[tuple[int, int], Any] = {}
-        outbox: dict[tuple[str, int, int], Any] = {}
-        posted: dict[tuple[str, int, int], Recv] = {}
-        header_wait: dict[int, Recv] = {}
-        recv_pos = [k for k, it in enumerate(program) if it.kind.startswith("RECV")]
-        nxt = 0  # index into recv_pos of the next receive not yet posted
-        losses: list[Tensor] = []
-        bad_out: dict[int, Any] = {}   # chunk -> non-finite forward outputs (device scalars)
-        fwd_s = bwd_s = 0.0
-        peak = 0
+        return self.executor.run(program, x_mbs, y_mbs, self.optimizer, train=train,
+                                 diagnose=diagnose)
 
-        def post(it: Any) -> Recv:
-            d = it.kind[-1]
-            r = p2p.post(d, it.stage, it.microbatch, it.peer)
-            if d == "F" and r.header is not None:
-                header_wait[it.stage] = r
-            return r
-
-        def postable(it: Any) -> bool:
-            d = it.kind[-1]
-            if d == "F" and it.stage in header_wait and it.stage not in p2p.in_specs:
-                p2p.poll_header(header_wait[it.stage])
-            return p2p.can_post(d, it.stage)
-
-        def prefetch(pos: int) -> None:
-            nonlocal nxt
-            while nxt < len(recv_pos) and len(posted) < self.recv_lookahead:
-                it = program[recv_pos[nxt]]
-                if recv_pos[nxt] <= pos or not postable(it):
-                    break
-                posted[(it.kind, it.stage, it.microbatch)] = post(it)
-                nxt += 1
-            p2p.flush()
-
-        def val(x: Any) -> Any:
-            return x.wait() if isinstance(x, Recv) else x
-
-        for pos, it in enumerate(program):
-            k, s, i = it.kind, it.stage, it.microbatch
-            if k in ("RECV_F", "RECV_B"):
-                key = (k, s, i)
-                if key in posted:
-                    r = posted.pop(key)
-                else:
-                    if not p2p.can_post(k[-1], s) and s in header_wait:
-                        header_wait[s].wait()  # an earlier message's header: it comes first
-                    r = post(it)
-                    nxt += 1
-                (inbox_f if k == "RECV_F" else inbox_b)[(s, i)] = r
-            elif k == "SEND_F":
-                p2p.send("F", s, i, outbox.pop(("F", s, i)), it.peer)
-            elif k == "SEND_B":
-                p2p.send("B", s, i, outbox.pop(("B", s, i)), it.peer)
-            elif k == "F":
-                x = x_mbs[i] if s == 0 else val(inbox_f.pop((s, i)))
-                if s in p2p.in_specs:
-                    header_wait.pop(s, None)  # do not keep its buffers alive all step
-                t = time.perf_counter()
-                out = self.chunks[s].forward(i, x, y_mbs[i] if s == last else None,
-                                             split=(s, i) in self.split, keep=train,
-                                             node_split=node_split)
-                fwd_s += time.perf_counter() - t
-                if train:
-                    bad_out[s] = bad_out.get(s, 0) + _nonfinite_count(out)
-                if s == last:
-                    losses.append(out.detach().float())
-                elif sched.rank_of(s + 1) == me:
-                    inbox_f[(s + 1, i)] = _cut(out) if train else out
-                else:
-                    outbox[("F", s, i)] = out
-                if train:
-                    peak = max(peak, sum(c.live_bytes for c in self.chunks.values()))
-            elif k in ("B", "I"):
-                g = None if s == last else val(inbox_b.pop((s, i)))
-                t = time.perf_counter()
-                c = self.chunks[s]
-                gx = c.backward(i, g, self.optimizer) if k == "B" else \
-                    c.backward_input(i, g, self.optimizer)
-                bwd_s += time.perf_counter() - t
-                if s > 0:
-                    if sched.rank_of(s - 1) == me:
-                        inbox_b[(s - 1, i)] = gx
-                    else:
-                        outbox[("B", s, i)] = gx
-            elif k == "W":
-                t = time.perf_counter()
-                self.chunks[s].backward_weight(i, self.optimizer)
-                bwd_s += time.perf_counter() - t
-            else:
-                raise ValueError(f"unknown program item {it!r}")
-            if k in ("F", "B", "I", "W"):
-                # After compute only, so that adjacent transfers form one NCCL batch.
-                prefetch(pos)
-        p2p.wait_sends()
-        leftover = [c.index for c in self.chunks.values() if c.state]
-        if train and leftover:
-            raise RuntimeError(f"internal: chunks {leftover} hold microbatches with no backward; "
-                               "the schedule is incomplete")
-        return {"forward_s": fwd_s, "backward_s": bwd_s, "comm_wait_s": p2p.wait_s - wait0,
-                "bytes_sent": p2p.bytes_sent - sent0, "peak_activation_bytes": peak,
-                "pipeline_rank": me, "replica": self.mesh.replica, "stages": self.my_stages,
-                "_losses": losses, "_bad_out": bad_out}
-
-    def _reduce_loss(self, losses: list[Tensor], bad_out: dict[int, Any] | None = None
+    def _reduce_loss(self, losses: list[Tensor], flags: dict[int, Tensor] | None = None
                      ) -> tuple[float, list[int]]:
         """Mean over microbatches on the last stage, averaged over replicas, on every rank; and
         the chunks (on any rank) whose forward produced a non-finite value, in order."""
@@ -525,19 +437,9 @@ class Pipeline:
         buf = torch.zeros(1 + k, dtype=torch.float64, device=self.device)
         if losses:
             buf[0] = torch.stack(losses).mean().double() / self.data_parallel
-        for s, n in (bad_out or {}).items():
-            buf[1 + s] += n
+        for s, flag in (flags or {}).items():
+            buf[1 + s] = (~torch.isfinite(flag)).double()
         if self.mesh.distributed and self.mesh.world_size > 1:
             dist.all_reduce(buf)
         buf = buf.cpu()
         return float(buf[0]), [s for s in range(k) if buf[1 + s] != 0]
-
-
-def _nonfinite_count(value: Any) -> Tensor | int:
-    """A scalar tensor, non-zero iff a floating tensor in ``value`` holds a NaN or inf (one read
-    of each tensor, no host synchronisation)."""
-    flag: Tensor | int = 0
-    for t in (value if isinstance(value, (tuple, list)) else (value,)):
-        if isinstance(t, Tensor) and t.is_floating_point():
-            flag = flag + (~torch.isfinite(t.detach().sum(dtype=torch.float32))).to(torch.float64)
-    return flag

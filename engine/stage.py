@@ -132,17 +132,21 @@ class Chunk:
         return layer(x)
 
     def forward(self, mb: int, x: Any, target: Any = None, *, split: bool = False,
-                keep: bool = True, node_split: bool | None = None) -> Any:
+                keep: bool = True, node_split: bool | None = None,
+                measure: bool | None = None) -> Any:
         """Run microbatch ``mb``; returns the output (the loss on the last chunk). With ``keep``
         (training) the state for backward is kept; ``split`` prepares the I/W split
-        (``node_split``: the graph-node split; default: unless checkpointing)."""
+        (``node_split``: the graph-node split; default: unless checkpointing). ``measure``
+        (default: the chunk's ``measure_activations``) counts the bytes saved for backward,
+        with a Python hook per saved tensor: a diagnostic, not for every step."""
         if node_split is None:
             node_split = not self.checkpointing
         node_split = split and node_split
         split = split and not node_split  # from here on: whether to cut the graph per layer
+        measure = self.measure if measure is None else measure
         seen: dict[int, int] = {}
         hooks = (torch.autograd.graph.saved_tensors_hooks(*self._hooks(seen))
-                 if keep and self.measure and not self.checkpointing
+                 if keep and measure and not self.checkpointing
                  else contextlib.nullcontext())
         chunk_in = _rg(flatten(x)[1])
         segments: list[tuple[list[Tensor], list[Tensor], bool]] = []
@@ -151,7 +155,7 @@ class Chunk:
             for j, layer in enumerate(self.module):
                 if split and j > 0:
                     cur = _cut(cur)
-                if keep and self.checkpointing:
+                if keep and measure and self.checkpointing:
                     self._count(flatten(cur)[1], seen)
                 out = self._run_layer(layer, cur)
                 if split:

@@ -300,8 +300,9 @@ class DeepSpeedStageOptimizer:
         for p in self._params:
             p.grad = None
 
-    def step(self) -> tuple[bool, float | None]:
-        """Reduce over replicas, clip by the global norm, update.
+    def step(self, need_norm: bool = True) -> tuple[bool, float | None]:
+        """Reduce over replicas, clip by the global norm, update. (DeepSpeed computes the global
+        norm on every step, so ``need_norm`` changes nothing here.)
 
         Returns ``(skipped, grad_norm)``; ``grad_norm`` is the pre-clip global norm over all
         stages and replicas, None for a skipped step. A non-finite gradient anywhere skips the

@@ -59,6 +59,8 @@ __all__ = [
     "TrainConfig",
     "CheckpointConfig",
     "BenchConfig",
+    "GenerateConfig",
+    "ExportConfig",
     "Config",
     "register_configs",
     "validate_config",
@@ -109,7 +111,7 @@ OptimizerBackend = _choice("OptimizerBackend", BACKENDS)
 Precision = _choice("Precision", PRECISIONS)
 LoggerMode = _choice("LoggerMode", ("offline", "online", "disabled"))
 MLPProfile = _choice("MLPProfile", ("uniform", "ramp", "hourglass"))
-HFArch = _choice("HFArch", ("gpt2", "llama"))
+HFArch = _choice("HFArch", ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox"))
 Device = _choice("Device", ("auto", "cpu", "cuda"))
 NonFinite = _choice("NonFinite", NONFINITE)
 
@@ -119,7 +121,7 @@ NonFinite = _choice("NonFinite", NONFINITE)
 class ModelConfig:
     """Base of the `model` group; `name` selects the builder in `experiments.models.build_model`."""
 
-    name: str = MISSING  # builder name: gpt | mlp | hf_gpt2 | hf_llama (set by the option's schema)
+    name: str = MISSING  # builder name: gpt | mlp | hf | hf_gpt2 | hf_llama (set by the option's schema)
 
 
 @dataclass
@@ -155,19 +157,25 @@ class MLPConfig(ModelConfig):
 
 @dataclass
 class HFModelConfig(ModelConfig):
-    """`model=hf_gpt2` / `model=hf_llama`: a transformers model from its config class, random weights."""
+    """`model=hf` (and the presets `hf_gpt2` / `hf_llama`): a Hugging Face causal LM.
+
+    With `pretrained` (a `save_pretrained` directory: config.json + safetensors) the architecture,
+    sizes and weights come from the directory (each rank loads only its own layers) and the size
+    fields below are ignored; without it, a random model of family `arch` with these sizes.
+    """
 
     name: str = "hf_gpt2"
-    arch: HFArch = HFArch["gpt2"]  # transformers architecture: gpt2 | llama
+    pretrained: Optional[str] = None  # local save_pretrained directory; null = random weights of `arch`
+    arch: HFArch = HFArch["gpt2"]  # family of a random model: gpt2 | llama | mistral | qwen2 | qwen3 | phi3 | gpt_neox
     layers: int = 4  # decoder blocks (the pipeline has layers + 2 layers)
     dim: int = 128  # hidden size
     heads: int = 4  # attention heads
-    vocab: int = 256  # vocabulary size; >= 256 for byte-level text data
-    seq_len: int = 128  # context length (max positions)
+    vocab: int = 256  # vocabulary size (with pretrained: the token range data=synthetic draws from)
+    seq_len: int = 128  # training sequence length (random models: also the max positions)
     dropout: float = 0.0  # attention / residual / embedding dropout
     tie_embeddings: bool = True  # tie input and output embeddings (as the HF models do by default)
-    kv_heads: Optional[int] = None  # Llama only: key/value heads (grouped-query attention); None = heads
-    intermediate: Optional[int] = None  # Llama only: MLP hidden size; None = 4 * dim
+    kv_heads: Optional[int] = None  # key/value heads (grouped-query attention; not gpt2/gpt_neox); None = heads
+    intermediate: Optional[int] = None  # MLP hidden size (not gpt2); None = 4 * dim
 
 
 # --------------------------------------------------------------------------- pipeline etc.
@@ -296,6 +304,32 @@ class BenchConfig:
 
 
 @dataclass
+class GenerateConfig:
+    """`generate`: `python -m experiments.generate` (pipelined generation with a KV cache per stage)."""
+
+    prompts: Any = None  # token-id lists inline ([[1,2,3],[4,5]]) or a file: JSON list, or JSONL of lists / {"prompt": [...]}
+    max_new_tokens: int = 32  # tokens generated per prompt
+    microbatches: Optional[int] = None  # prompts are split into this many microbatches; null = pipeline.stages
+    do_sample: bool = False  # false: greedy; true: sample with temperature / top_k / top_p
+    temperature: float = 1.0  # sampling temperature (> 0)
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set with this probability mass; 1.0 = off
+    seed: int = 0  # sampling seed (prompt j draws from its own generator: the tokens do not depend on the split)
+    eos_token_id: Optional[int] = None  # stop token (the output is cut after it); null = the model's; -1 = none
+    pad_token_id: Optional[int] = None  # id used for left padding (masked out); null = the model's pad, else eos, else 0
+    compare: bool = True  # also time transformers' model.generate in one process on the same prompts
+
+
+@dataclass
+class ExportConfig:
+    """`python -m experiments.export_hf` (`conf/export_hf.yaml`)."""
+
+    checkpoint: str = MISSING  # a checkpoint (step_N dir), a checkpoint root, or a run directory (its newest)
+    out: str = MISSING  # the Hugging Face directory to write (config.json + safetensors)
+    max_shard_size: str = "5GB"  # shard the weights above this size (transformers' save_pretrained)
+
+
+@dataclass
 class Config:
     """The whole experiment (`conf/config.yaml`)."""
 
@@ -308,6 +342,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     precision: Precision = Precision["fp32"]  # fp32 | bf16 | fp16 (mixed precision compute)
     name: str = "default"  # experiment name (run directory, W&B run name)
 
@@ -339,6 +374,7 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="pipeshard_schema", node=Config)
+    cs.store(name="export_hf_schema", node=ExportConfig)
     cs.store(group="model", name="gpt_schema", node=GPTConfig)
     cs.store(group="model", name="mlp_schema", node=MLPConfig)
     cs.store(group="model", name="hf_schema", node=HFModelConfig)
@@ -414,7 +450,27 @@ def count_pipeline_layers(model: Any) -> int:
     if name == "mlp":
         widths = _get(model, "widths")
         return (len(widths) if widths else int(_get(model, "depth"))) + 2
+    facts = pretrained_facts(model)
+    if facts is not None:
+        return facts["num_layers"] + 2
     return int(_get(model, "layers")) + 2
+
+
+def pretrained_facts(model: Any) -> dict | None:
+    """For a Hugging Face model config with `pretrained` set: the directory's facts
+    (`num_layers`, `vocab`, `tie`, `model_type`, `learned_positions`), read from its
+    config.json without loading weights; None for other models. A bad directory is a ConfigError."""
+    if choice_text(_get(model, "name")) not in HF_MODELS or not _get(model, "pretrained"):
+        return None
+    from experiments.models.hf_load import pretrained_facts as facts
+
+    try:
+        return facts(str(_get(model, "pretrained")))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model.pretrained: {exc}") from None
+
+
+HF_MODELS = ("hf", "hf_gpt2", "hf_llama")
 
 
 def to_plain_dict(cfg: Any) -> dict:
@@ -558,7 +614,8 @@ def _check_optimizer(cfg: Any) -> None:
 def _check_model_and_data(cfg: Any) -> None:
     model, stages = _get(cfg, "model"), _layout(cfg)[0]
     model_name = choice_text(_get(model, "name"))
-    tied = bool(_get(model, "tie_embeddings", model_name in ("hf_gpt2", "hf_llama")))
+    facts = pretrained_facts(model)
+    tied = facts["tie"] if facts else bool(_get(model, "tie_embeddings", model_name in HF_MODELS))
     if int(_get(cfg, "optimizer.zero_stage", 0)) == 2 and tied and stages > 1:
         raise ConfigError(
             f"optimizer.zero_stage=2 cannot be used with model.tie_embeddings=true over pipeline.stages={stages}: "
@@ -569,10 +626,26 @@ def _check_model_and_data(cfg: Any) -> None:
     data_name = choice_text(_get(cfg, "data.name"))
     if model_name == "mlp" and data_name != "synthetic":
         raise ConfigError(f"model=mlp takes feature vectors, not text; use data=synthetic (got data={data_name})")
-    if model_name in ("gpt", "hf_gpt2", "hf_llama"):
+    if facts is not None:
+        _check_pretrained(model, facts, data_name)
+    elif model_name in ("gpt", *HF_MODELS):
         vocab = int(_get(model, "vocab"))
         if data_name == "text" and vocab < 256:
             raise ConfigError(f"data=text is byte-level (256 symbols) but model.vocab={vocab}; set model.vocab>=256")
         dim, heads = int(_get(model, "dim")), int(_get(model, "heads"))
         if dim % heads:
             raise ConfigError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
+
+
+def _check_pretrained(model: Any, facts: dict, data_name: str) -> None:
+    """A pretrained model against the data and sequence length."""
+    where = f"the model in model.pretrained={_get(model, 'pretrained')}"
+    if data_name == "text" and facts["vocab"] < 256:
+        raise ConfigError(f"data=text is byte-level (256 symbols) but {where} has a vocabulary of {facts['vocab']}")
+    if data_name == "synthetic" and int(_get(model, "vocab")) > facts["vocab"]:
+        raise ConfigError(f"data=synthetic draws tokens below model.vocab={_get(model, 'vocab')} but {where} has a "
+                          f"vocabulary of {facts['vocab']}; set model.vocab={facts['vocab']}")
+    learned = facts["learned_positions"]
+    if learned is not None and int(_get(model, "seq_len")) > learned:
+        raise ConfigError(f"model.seq_len={_get(model, 'seq_len')} exceeds the {learned} positions of {where}; "
+                          f"set model.seq_len<={learned}")

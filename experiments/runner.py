@@ -201,9 +201,14 @@ class Trainer:
         x, y = get(step, self.batch)
         return (x if 0 in self.pipe.chunks else None), (y if self.last in self.pipe.chunks else None)
 
+    def _logged(self, done: int) -> bool:
+        """Whether step `done` gathers the per-rank figures: the first, every `log_every`, the last."""
+        return done % self.log_every == 0 or done == self.total_steps or done == self.start + 1
+
     def step(self, step: int) -> Any:
-        """One optimizer step on the global batch of `step`; returns the `StepResult`."""
-        res = self.pipe.train_step(*self._batch_of(step))
+        """One optimizer step on the global batch of `step`; returns the `StepResult`. The
+        engine's costly diagnostics (activation bytes, grad norm) run on logged steps only."""
+        res = self.pipe.train_step(*self._batch_of(step), diagnose=self._logged(step + 1))
         self.losses.append(res.loss)
         self.times.append(res.step_time_s)
         return res
@@ -244,7 +249,7 @@ class Trainer:
         extra: dict[str, Any] = {"lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
                                  "predicted_step_s": self.plan.step_s}
         ranks = None
-        if done % self.log_every == 0 or done == self.total_steps or done == self.start + 1:
+        if self._logged(done):
             ranks, more = self._gather(res, done)
             extra.update(more)
         eval_every = int(self.tcfg.get("eval_every") or 0)

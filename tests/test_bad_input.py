@@ -212,3 +212,31 @@ def test_checkpoint_from_another_model(tmp_path):
         load_checkpoint(tmp_path / "step_000001", range(3), expected=half, num_layers=3)
     ok = load_checkpoint(tmp_path / "step_000001", range(3), expected=mine, num_layers=3)
     assert torch.equal(ok.layers[2]["weight"], mine[2]["weight"])
+
+
+def test_pretrained_directory_that_cannot_be_loaded(base_cfg, tmp_path):
+    hf = {"name": "hf", "arch": "llama", "layers": 2, "dim": 32, "heads": 4, "vocab": 256, "seq_len": 16,
+          "dropout": 0.0, "tie_embeddings": True, "kv_heads": None, "intermediate": None}
+    with pytest.raises(ConfigError, match="is not a directory; give the folder that "
+                                          r"model.save_pretrained\(...\) wrote"):
+        validate_config(_cfg(base_cfg, model={**hf, "pretrained": str(tmp_path / "missing")}))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        validate_config(_cfg(base_cfg, model={**hf, "pretrained": str(tmp_path / "empty")}))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"neither model.safetensors nor .* convert with .*save_pretrained"):
+        validate_config(_cfg(base_cfg, model={**hf, "pretrained": str(tmp_path / "bin")}))
+
+
+def test_generation_prompts_and_export_input():
+    from experiments.export_hf import resolve_checkpoint
+    from experiments.generate import read_prompts
+
+    with pytest.raises(ConfigError, match=r"generate.prompts is not set; give token-id lists"):
+        read_prompts(None)
+    with pytest.raises(ConfigError, match="prompt 1 is \\[\\]; each prompt must be a non-empty list"):
+        read_prompts([[1], []])
+    with pytest.raises(ConfigError, match="holds no complete pipeshard checkpoint"):
+        resolve_checkpoint("/nonexistent/run")

@@ -55,12 +55,16 @@ def _worker(spec: BenchSpec, schedule: str, return_params: bool, options: dict[s
     stats: list[dict[str, Any]] = []
 
     def step(inputs: Any, targets: Any) -> float | None:
-        res = pipe.train_step(inputs, targets)
+        # Diagnostics (activation bytes) on the warm-up steps only: timed steps run lean.
+        res = pipe.train_step(inputs, targets, diagnose=len(stats) < max(1, spec.warmup))
         stats.append(res.stats)
         return res.loss if is_last else None
 
     result = timed_loop(spec, step)
     result["stats"] = median_stats(stats[spec.warmup:])
+    # diagnostics come from the warm-up steps (the timed ones do not run them)
+    result["stats"].update({k: v for k, v in median_stats(stats[:max(1, spec.warmup)]).items()
+                            if k not in result["stats"]})
     if return_params:
         result["params"] = {f"{layer}.{name}": t.detach().clone()
                             for layer, params in pipe.named_layer_parameters().items()

@@ -29,7 +29,7 @@ def _mlp(cfg: Any) -> ModelSpec:
 
 
 def _hf(cfg: Any) -> ModelSpec:
-    from experiments.models.hf import build_hf
+    from experiments.models.hf_build import build_hf
 
     return build_hf(cfg)
 
@@ -37,13 +37,14 @@ def _hf(cfg: Any) -> ModelSpec:
 MODEL_BUILDERS: dict[str, Callable[[Any], ModelSpec]] = {
     "gpt": _gpt,
     "mlp": _mlp,
+    "hf": _hf,
     "hf_gpt2": _hf,
     "hf_llama": _hf,
 }
 
 
 def build_model(cfg: Any) -> ModelSpec:
-    """Build the model named by `cfg.name` (`gpt`, `mlp`, `hf_gpt2`, `hf_llama`) from its config group."""
+    """Build the model named by `cfg.name` (`gpt`, `mlp`, `hf`, `hf_gpt2`, `hf_llama`) from its config group."""
     name = cfg.get("name") if isinstance(cfg, Mapping) else getattr(cfg, "name", None)
     name = str(getattr(name, "value", name))
     if name not in MODEL_BUILDERS:

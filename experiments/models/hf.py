@@ -1,15 +1,21 @@
-"""Hugging Face transformers causal LMs (GPT-2, Llama) as pipeshard layers.
+"""Hugging Face transformers decoder-only causal LMs as pipeshard layers.
 
-Models are built from their config class with random weights; nothing is downloaded. The layer
-list is: the embedding (tokens -> hidden states), one layer per decoder block (hidden states in
-and out, causal attention through SDPA), and the final norm with the LM head (-> logits). Tied
-input/output embeddings are reported in `ModelSpec.ties`.
+Any causal LM with the usual layout works: a token embedding (plus, optionally, learned
+positions and an embedding dropout), a list of decoder layers, a final norm and an LM head; the
+pieces are found on the model itself (`HFLayout`), so Llama, Mistral, Qwen2/3, Phi-3, GPT-2,
+GPT-NeoX and their many look-alikes share one adapter. The pipeline layers are:
 
-Two ways in:
-    * `build_hf(cfg)`: layer factories; each builds only its own HF modules and initialises them
-      with the model class's own `_init_weights` (so a pipeline rank never builds the whole model).
-    * `layers_from_hf(model)`: wrap the submodules of an existing `GPT2LMHeadModel` /
-      `LlamaForCausalLM` instance (same weights, shared, not copied).
+    0        HFTokenEmbedding  token ids [b, t] -> hidden [b, t, d]
+    1..n     HFBlock           one decoder layer, hidden -> hidden (causal; rotary models carry
+                               their own, parameter-free rotary module)
+    n + 1    HFHead            final norm + LM head -> logits [b, t, vocab]
+
+Ways in:
+    * `experiments.models.hf_build.build_hf(cfg)`: layer factories. With `cfg.pretrained` (a `save_pretrained` directory)
+      each factory builds its layer on the meta device and loads only that layer's tensors from
+      the safetensors files (`experiments.models.hf_load`); otherwise it builds a random layer of
+      the family `cfg.arch`, initialised by the model class's own `_init_weights`.
+    * `layers_from_hf(model)`: wrap an existing model's own submodules (weights shared).
 
 Example:
     >>> from transformers import GPT2Config, GPT2LMHeadModel
@@ -21,32 +27,85 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import functools
-from functools import partial
+import inspect
+import json
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from experiments.fields import get_field as _field
-from experiments.models.gpt import lm_spec
-from experiments.models.spec import ModelSpec
 
 __all__ = [
+    "ARCHS",
+    "HFLayout",
     "HFTokenEmbedding",
     "HFBlock",
     "HFHead",
-    "build_hf",
     "hf_config",
+    "config_from_json",
+    "discover_layout",
+    "layer_prefixes",
     "layers_from_hf",
     "build_hf_layer",
+    "meta_reference",
+    "meta_layer",
+    "model_class",
+    "attention_mask",
 ]
 
-ARCHS = ("gpt2", "llama")
+ARCHS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox")
+"""Families `model.arch` builds with random weights; each is tested against its HF forward."""
+
+# Model types whose forward does work outside the modules this adapter runs (it would silently
+# compute something else): refused with the reason.
+INCOMPATIBLE = {
+    "granite": "scales embeddings, residuals and logits by config multipliers in its forward",
+    "granitemoe": "scales embeddings, residuals and logits by config multipliers in its forward",
+    "cohere": "scales the logits in its forward",
+    "cohere2": "scales the logits in its forward",
+    "gemma2": "soft-caps attention and logits and alternates sliding and global attention",
+    "gemma3_text": "soft-caps logits and uses two rotary embeddings",
+    "falcon": "may use ALiBi position biases computed in its forward",
+    "bloom": "uses ALiBi position biases computed in its forward",
+    "mpt": "uses ALiBi position biases computed in its forward",
+}
+
+log = logging.getLogger(__name__)
 
 
+def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None = None
+                   ) -> torch.Tensor | None:
+    """The boolean attention mask `[b, 1, q, kv]` (True = attend) for the last `q_len` of the
+    `kv` positions of `padding` (`[b, kv]`, 1 = token, 0 = left padding), causal, with an
+    optional sliding window (key `j` visible from query `i` iff `i - window < j <= i`).
+
+    None when SDPA's own causal flag gives the same result (no padding, no window cut, and
+    `q == kv` or `q == 1`), the same rule transformers applies, so both run the same kernel.
+
+    >>> attention_mask(torch.tensor([[0, 1, 1]]), 3)[0, 0].int().tolist()
+    [[0, 0, 0], [0, 1, 0], [0, 1, 1]]
+    """
+    if padding is None:
+        return None
+    kv = padding.shape[1]
+    if (window is None or kv < window) and (q_len == 1 or q_len == kv) and bool(padding.all()):
+        return None
+    q_pos = torch.arange(kv - q_len, kv, device=padding.device)[:, None]
+    k_pos = torch.arange(kv, device=padding.device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)
+    return allowed[None, None] & padding.bool()[:, None, None, :]
+
+
+# --------------------------------------------------------------------------- the pipeline layers
 class HFTokenEmbedding(nn.Module):
-    """Token embedding (+ learned positions for GPT-2): `[b, t]` int64 -> `[b, t, d]`."""
+    """Token embedding (+ learned positions, + dropout): `[b, t]` int64 -> `[b, t, d]`."""
 
     def __init__(self, wte: nn.Embedding, wpe: nn.Embedding | None = None, drop: nn.Module | None = None) -> None:
         super().__init__()
@@ -54,31 +113,66 @@ class HFTokenEmbedding(nn.Module):
         self.wpe = wpe
         self.drop = drop if drop is not None else nn.Identity()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.wte(input_ids)
         if self.wpe is not None:
-            h = h + self.wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+            if position_ids is None:
+                t = input_ids.shape[1]
+                if t > self.wpe.num_embeddings:
+                    raise ValueError(f"sequence length {t} exceeds the model's {self.wpe.num_embeddings} "
+                                     "learned positions; use shorter sequences (model.seq_len)")
+                position_ids = torch.arange(t, device=input_ids.device)
+            h = h + self.wpe(position_ids)
         return self.drop(h)
 
 
-class HFBlock(nn.Module):
-    """One HF decoder block taking and returning hidden states `[b, t, d]` (causal, no cache).
+def _call_names(block: nn.Module) -> tuple[str | None, frozenset[str]]:
+    """(name of the KV-cache argument, explicit argument names) of a decoder layer's forward."""
+    params = inspect.signature(type(block).forward).parameters
+    cache = next((n for n in ("cache", "layer_past", "past_key_values", "past_key_value") if n in params), None)
+    return cache, frozenset(params)
 
-    For Llama the block needs rotary position embeddings, which the model normally computes once
-    for all blocks; here each block owns a (parameter-free) rotary module and computes them.
+
+class HFBlock(nn.Module):
+    """One HF decoder layer: hidden states `[b, t, d]` in and out, causal.
+
+    Rotary models compute their position embeddings once per model; here each block owns a
+    (parameter-free) rotary module and computes them itself, so a block runs on any rank.
+    `window`: the layer's sliding attention window (Mistral, Qwen2 sliding layers), or None.
     """
 
-    def __init__(self, block: nn.Module, rotary: nn.Module | None = None) -> None:
+    def __init__(self, block: nn.Module, rotary: nn.Module | None = None, window: int | None = None) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary
+        self.window = window
+        self._cache_arg, self._args = _call_names(block)
+
+    def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        return None if self.rotary is None else self.rotary(hidden, position_ids)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        kwargs: dict[str, Any] = {"attention_mask": None}  # None + SDPA = causal attention
-        if self.rotary is not None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        t = hidden.shape[1]
+        positions = torch.arange(t, device=hidden.device).unsqueeze(0)
+        mask = None
+        if self.window is not None and t >= self.window:
+            mask = attention_mask(torch.ones(1, t, dtype=torch.long, device=hidden.device), t, self.window)
+        return self.run(hidden, mask=mask, position_ids=positions)
+
+    def run(self, hidden: torch.Tensor, *, mask: torch.Tensor | None, position_ids: torch.Tensor,
+            cache: Any = None, position_embeddings: Any = None) -> torch.Tensor:
+        """The layer with an explicit mask (None = causal), positions and optional KV cache."""
+        kwargs: dict[str, Any] = {"attention_mask": mask}
+        if "position_ids" in self._args:
             kwargs["position_ids"] = position_ids
-            kwargs["position_embeddings"] = self.rotary(hidden, position_ids)
+        if self.rotary is not None:
+            kwargs["position_embeddings"] = (position_embeddings if position_embeddings is not None
+                                             else self.rotary(hidden, position_ids))
+        if cache is not None:
+            if self._cache_arg is None:
+                raise TypeError(f"{type(self.block).__name__}.forward takes no KV cache argument")
+            kwargs[self._cache_arg] = cache
+            kwargs["use_cache"] = True
         out = self.block(hidden, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
@@ -95,153 +189,224 @@ class HFHead(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
-def _arch_of(model_or_config: Any) -> str:
-    model_type = getattr(model_or_config, "model_type", None) or model_or_config.config.model_type
-    if model_type not in ARCHS:
-        raise ValueError(f"unsupported Hugging Face model type {model_type!r}; supported: {ARCHS}")
-    return model_type
+# --------------------------------------------------------------------------- where the pieces are
+@dataclass(frozen=True)
+class HFLayout:
+    """Module paths of the pipeline pieces inside a transformers causal LM.
 
-
-def hf_config(cfg: Any) -> Any:
-    """The transformers config object for a pipeshard model config (`experiments.config.HFModelConfig`).
-
-    >>> hf_config({"arch": "gpt2", "layers": 2, "dim": 32, "heads": 2, "vocab": 300, "seq_len": 16}).n_layer
-    2
+    >>> HFLayout("llama", "model.embed_tokens", None, None, "model.layers", "model.norm",
+    ...          "model.rotary_emb", "lm_head", 2).layers
+    'model.layers'
     """
-    arch = str(_field(cfg, "arch", "gpt2"))
-    layers = int(_field(cfg, "layers", 2))
-    dim = int(_field(cfg, "dim", 128))
-    heads = int(_field(cfg, "heads", 4))
-    vocab = int(_field(cfg, "vocab", 50257))
-    seq_len = int(_field(cfg, "seq_len", 128))
-    dropout = float(_field(cfg, "dropout", 0.0))
-    tie = bool(_field(cfg, "tie_embeddings", True))
-    if arch == "gpt2":
-        from transformers import GPT2Config
 
-        return GPT2Config(
-            vocab_size=vocab, n_positions=seq_len, n_embd=dim, n_layer=layers, n_head=heads,
-            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-            tie_word_embeddings=tie, use_cache=False, attn_implementation="sdpa",
-            bos_token_id=vocab - 1, eos_token_id=vocab - 1,
-        )
-    if arch == "llama":
-        from transformers import LlamaConfig
-
-        kv_heads = _field(cfg, "kv_heads", None)
-        intermediate = _field(cfg, "intermediate", None)
-        return LlamaConfig(
-            vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=int(kv_heads) if kv_heads else heads,
-            intermediate_size=int(intermediate) if intermediate else 4 * dim,
-            max_position_embeddings=seq_len, attention_dropout=dropout,
-            tie_word_embeddings=tie, use_cache=False, attn_implementation="sdpa",
-            bos_token_id=min(1, vocab - 1), eos_token_id=min(2, vocab - 1),
-        )
-    raise ValueError(f"model.arch={arch!r}; choose one of {ARCHS}")
+    model_type: str
+    embed: str
+    positions: str | None
+    dropout: str | None
+    layers: str
+    norm: str
+    rotary: str | None
+    head: str
+    num_layers: int
 
 
-def layers_from_hf(model: nn.Module) -> list[nn.Module]:
-    """Wrap an existing HF causal LM's own submodules as pipeshard layers (weights shared)."""
-    arch = _arch_of(model)
-    if arch == "gpt2":
-        body = model.transformer
-        first = HFTokenEmbedding(body.wte, body.wpe, body.drop)
-        blocks = [HFBlock(b) for b in body.h]
-        last = HFHead(body.ln_f, model.lm_head)
-    else:
-        body = model.model
-        first = HFTokenEmbedding(body.embed_tokens)
-        blocks = [HFBlock(b, body.rotary_emb) for b in body.layers]
-        last = HFHead(body.norm, model.lm_head)
-    return [first, *blocks, last]
+def _kind(child: nn.Module) -> str:
+    name = type(child).__name__
+    if isinstance(child, nn.ModuleList):
+        return "layers"
+    if isinstance(child, nn.Embedding):
+        return "positions"
+    if isinstance(child, nn.Dropout):
+        return "dropout"
+    if "Rotary" in name:
+        return "rotary"
+    if "norm" in name.lower():
+        return "norm"
+    return "other"
+
+
+def discover_layout(model: nn.Module) -> HFLayout:
+    """Find the embedding, positions, dropout, decoder layers, final norm, rotary and head of a
+    causal LM (any device, meta included); a clear error when it has another shape."""
+    mtype = str(getattr(model.config, "model_type", type(model).__name__))
+    if mtype in INCOMPATIBLE:
+        raise ValueError(f"model type {mtype!r} is not supported: it {INCOMPATIBLE[mtype]}, which "
+                         "a pipeline of its modules cannot reproduce")
+    base, prefix = model.base_model, model.base_model_prefix
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if base is model or head is None:
+        raise ValueError(f"{type(model).__name__} is not a causal LM with a base model and an LM head; "
+                         "load it with AutoModelForCausalLM")
+    found: dict[str, list[str]] = {}
+    for name, child in base.named_children():
+        found.setdefault("embed" if child is embed else _kind(child), []).append(f"{prefix}.{name}")
+    heads = [n for n, c in model.named_children() if c is head]
+    extra = [n for n, c in model.named_children() if c is not head and c is not base]
+    problems = [f"{k}: {v}" for k, v in found.items() if len(v) > 1] + \
+        [f"no {k}" for k in ("embed", "layers", "norm") if k not in found] + \
+        ([f"unexpected modules {found['other']}"] if "other" in found else []) + \
+        ([f"modules outside the base model {extra}"] if extra else []) + ([] if heads else ["no head"])
+    if problems:
+        raise ValueError(f"{type(model).__name__} does not have the embedding / decoder layers / final "
+                         f"norm / LM head layout pipeshard splits ({'; '.join(problems)})")
+    one = {k: v[0] for k, v in found.items()}
+    if mtype not in ARCHS:
+        log.warning("model type %r has the usual layout but is not among the tested families %s; "
+                    "compare a forward with transformers' before relying on it", mtype, ARCHS)
+    return HFLayout(mtype, one["embed"], one.get("positions"), one.get("dropout"), one["layers"],
+                    one["norm"], one.get("rotary"), heads[0], len(model.get_submodule(one["layers"])))
+
+
+def layer_prefixes(layout: HFLayout, index: int) -> dict[str, str]:
+    """Pipeline layer `index`'s submodule names -> their module paths in the HF model (the one
+    rule mapping parameter names both ways: loading and export).
+
+    >>> lay = HFLayout("gpt2", "transformer.wte", "transformer.wpe", "transformer.drop",
+    ...                "transformer.h", "transformer.ln_f", None, "lm_head", 2)
+    >>> layer_prefixes(lay, 0), layer_prefixes(lay, 2), layer_prefixes(lay, 3)
+    ({'wte': 'transformer.wte', 'wpe': 'transformer.wpe'}, {'block': 'transformer.h.1'}, {'norm': 'transformer.ln_f', 'lm_head': 'lm_head'})
+    """
+    n = layout.num_layers
+    if index == 0:
+        out = {"wte": layout.embed}
+        if layout.positions:
+            out["wpe"] = layout.positions
+        return out
+    if index <= n:
+        return {"block": f"{layout.layers}.{index - 1}"}
+    if index == n + 1:
+        return {"norm": layout.norm, "lm_head": layout.head}
+    raise IndexError(f"pipeline layer {index} does not exist (the model has {n + 2})")
+
+
+# --------------------------------------------------------------------------- building layers
+def model_class(config: Any) -> type:
+    """The `AutoModelForCausalLM` class of a transformers config."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"model type {config.model_type!r} has no causal-LM class in transformers") from None
 
 
 def _model_class(arch: str) -> type:
-    if arch == "gpt2":
-        from transformers import GPT2LMHeadModel
+    """The causal-LM class of a family name (e.g. "llama")."""
+    from transformers import AutoConfig
 
-        return GPT2LMHeadModel
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM
+    return model_class(AutoConfig.for_model(arch))
 
 
-@functools.lru_cache(maxsize=8)
-def _meta_reference(arch: str, config_json: str) -> nn.Module:
-    """The full model on the meta device (no memory): used only for its `_init_weights` method."""
-    config = _config_from_json(arch, config_json)
-    with torch.device("meta"):
-        return _model_class(arch)(config)
+def config_from_json(config_json: str) -> Any:
+    """A transformers config from its JSON (`model_type` picks the class), attention on SDPA."""
+    from transformers import AutoConfig
 
-
-def _config_from_json(arch: str, config_json: str) -> Any:
-    import json
-
-    if arch == "gpt2":
-        from transformers import GPT2Config as C
-    else:
-        from transformers import LlamaConfig as C
-    config = C.from_dict(json.loads(config_json))
+    d = json.loads(config_json)
+    config = AutoConfig.for_model(d.pop("model_type"), **d)
     config._attn_implementation = "sdpa"
     return config
 
 
+@functools.lru_cache(maxsize=8)
+def meta_reference(config_json: str) -> tuple[nn.Module, HFLayout]:
+    """The whole model on the meta device (no memory) and its layout, cached per process."""
+    config = config_from_json(config_json)
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    return model, discover_layout(model)
+
+
+def _window(config: Any, layer: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None and layer < len(types):
+        return window if types[layer] == "sliding_attention" else None
+    return window
+
+
+def meta_layer(config_json: str, index: int) -> nn.Module:
+    """Pipeline layer `index` with its weights on the meta device (rotary buffers on the CPU)."""
+    model, lay = meta_reference(config_json)
+    n = lay.num_layers
+    get = model.get_submodule
+    if index == 0:
+        return HFTokenEmbedding(copy.deepcopy(get(lay.embed)),
+                                copy.deepcopy(get(lay.positions)) if lay.positions else None,
+                                copy.deepcopy(get(lay.dropout)) if lay.dropout else None)
+    if index <= n:
+        rotary = None
+        if lay.rotary:
+            with torch.device("cpu"):
+                rotary = type(get(lay.rotary))(config=model.config)
+        return HFBlock(copy.deepcopy(get(f"{lay.layers}.{index - 1}")), rotary, _window(model.config, index - 1))
+    if index == n + 1:
+        return HFHead(copy.deepcopy(get(lay.norm)), copy.deepcopy(get(lay.head)))
+    raise IndexError(f"pipeline layer {index} does not exist (the model has {n + 2})")
+
+
+def _ambient_meta() -> bool:
+    return torch.empty(0).device.type == "meta"
+
+
 def build_hf_layer(arch: str, config_json: str, index: int) -> nn.Module:
-    """Build pipeline layer `index` alone (0 = embedding, last = head), initialised as HF would."""
-    config = _config_from_json(arch, config_json)
-    n = config.num_hidden_layers
-    if arch == "gpt2":
-        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-        if index == 0:
-            layer: nn.Module = HFTokenEmbedding(
-                nn.Embedding(config.vocab_size, config.n_embd),
-                nn.Embedding(config.n_positions, config.n_embd),
-                nn.Dropout(config.embd_pdrop),
-            )
-        elif index <= n:
-            layer = HFBlock(GPT2Block(config, layer_idx=index - 1))
-        else:
-            layer = HFHead(
-                nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
-                nn.Linear(config.n_embd, config.vocab_size, bias=False),
-            )
-    else:
-        from transformers.models.llama.modeling_llama import (
-            LlamaDecoderLayer,
-            LlamaRMSNorm,
-            LlamaRotaryEmbedding,
-        )
-
-        if index == 0:
-            layer = HFTokenEmbedding(nn.Embedding(config.vocab_size, config.hidden_size))
-        elif index <= n:
-            layer = HFBlock(LlamaDecoderLayer(config, layer_idx=index - 1), LlamaRotaryEmbedding(config=config))
-        else:
-            layer = HFHead(
-                LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps),
-                nn.Linear(config.hidden_size, config.vocab_size, bias=False),
-            )
-    reference = _meta_reference(arch, config_json)
-    for module in layer.modules():
-        reference._init_weights(module)
+    """Build pipeline layer `index` alone with random weights, initialised as transformers would
+    (the model class's `_init_weights`, children before parents). `arch` is informational."""
+    layer = meta_layer(config_json, index)
+    if _ambient_meta():  # counting parameters / analytic profiling: no memory, no init
+        return layer
+    rotary = getattr(layer, "rotary", None)
+    for child in layer.children():
+        if child is not rotary:
+            child.to_empty(device="cpu")
+    for p in layer.parameters():
+        if hasattr(p, "_is_hf_initialized"):
+            del p._is_hf_initialized
+    reference, _ = meta_reference(config_json)
+    with torch.no_grad():
+        layer.apply(lambda m: None if m is rotary else reference._init_weights(m))
     return layer
 
 
-def build_hf(cfg: Any) -> ModelSpec:
-    """Layer factories for a Hugging Face GPT-2 / Llama built from its config class (random weights).
+def layers_from_hf(model: nn.Module) -> list[nn.Module]:
+    """Wrap an existing HF causal LM's own submodules as pipeshard layers (weights shared)."""
+    lay = discover_layout(model)
+    get = model.get_submodule
+    first = HFTokenEmbedding(get(lay.embed), get(lay.positions) if lay.positions else None,
+                             get(lay.dropout) if lay.dropout else None)
+    rotary = get(lay.rotary) if lay.rotary else None
+    blocks = [HFBlock(b, rotary, _window(model.config, i)) for i, b in enumerate(get(lay.layers))]
+    return [first, *blocks, HFHead(get(lay.norm), get(lay.head))]
 
-    Fields: arch (gpt2 | llama), layers, dim, heads, vocab, seq_len, dropout, tie_embeddings,
-    kv_heads and intermediate (Llama only).
+
+# --------------------------------------------------------------------------- configs and specs
+def hf_config(cfg: Any) -> Any:
+    """The transformers config of a random model of family `cfg.arch` (`HFModelConfig` fields).
+
+    >>> hf_config({"arch": "gpt2", "layers": 2, "dim": 32, "heads": 2, "vocab": 300, "seq_len": 16}).n_layer
+    2
     """
-    config = hf_config(cfg)
-    arch = config.model_type
-    config_json = config.to_json_string(use_diff=False)
-    n = config.num_hidden_layers
-    factories = [partial(build_hf_layer, arch, config_json, i) for i in range(n + 2)]
-    embed_name = "wte.weight"
-    ties = [(f"0.{embed_name}", f"{n + 1}.lm_head.weight")] if config.tie_word_embeddings else []
-    seq_len = int(_field(cfg, "seq_len", 128))
-    return lm_spec(factories, ties, seq_len=seq_len, vocab=config.vocab_size,
-                   name=f"hf-{arch}-L{n}-d{_field(cfg, 'dim', 128)}", arch=arch)
+    from transformers import AutoConfig
+
+    arch = str(getattr(_field(cfg, "arch", "gpt2"), "value", _field(cfg, "arch", "gpt2")))
+    if arch not in ARCHS:
+        raise ValueError(f"model.arch={arch!r}; choose one of {ARCHS} (or give model.pretrained=<dir>)")
+    layers, dim = int(_field(cfg, "layers", 2)), int(_field(cfg, "dim", 128))
+    heads, vocab = int(_field(cfg, "heads", 4)), int(_field(cfg, "vocab", 50257))
+    seq_len, dropout = int(_field(cfg, "seq_len", 128)), float(_field(cfg, "dropout", 0.0))
+    tie = bool(_field(cfg, "tie_embeddings", True))
+    kv_heads, intermediate = _field(cfg, "kv_heads", None), _field(cfg, "intermediate", None)
+    if arch == "gpt2":
+        kwargs: dict[str, Any] = dict(
+            n_positions=seq_len, n_embd=dim, n_layer=layers, n_head=heads, resid_pdrop=dropout,
+            embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=vocab - 1, eos_token_id=vocab - 1)
+    else:
+        kwargs = dict(hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
+                      intermediate_size=int(intermediate) if intermediate else 4 * dim,
+                      max_position_embeddings=seq_len, attention_dropout=dropout, pad_token_id=None,
+                      bos_token_id=min(1, vocab - 1), eos_token_id=min(2, vocab - 1))
+        if arch == "gpt_neox":
+            kwargs["hidden_dropout"] = dropout
+        else:
+            kwargs["num_key_value_heads"] = int(kv_heads) if kv_heads else heads
+    return AutoConfig.for_model(arch, vocab_size=vocab, tie_word_embeddings=tie, use_cache=False,
+                                attn_implementation="sdpa", **kwargs)

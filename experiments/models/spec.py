@@ -34,6 +34,9 @@ class ModelSpec:
         input/output embeddings): the first is the source of truth at build time and their
         gradients are summed.
     name: short model name for logs.
+    cached_chunk: for generation, a picklable callable taking a list of this model's layers (one
+        chunk) and returning an `engine.generate.CachedChunk` (runs them with a KV cache);
+        None when the model cannot generate.
     num_params: trainable parameters, counting a tied pair once.
     tokens_per_sample: tokens in one sample (sequence length for language models, 1 otherwise),
         for `tokens_per_s`.
@@ -48,6 +51,7 @@ class ModelSpec:
     num_params: int = 0
     tokens_per_sample: int = 1
     extra: dict[str, Any] = field(default_factory=dict)  # model-specific facts (e.g. vocab)
+    cached_chunk: Callable[[list[nn.Module]], Any] | None = None
 
 
 def count_params(layers: list[LayerFactory], ties: list[tuple[str, str]] = ()) -> int:

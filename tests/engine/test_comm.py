@@ -53,7 +53,9 @@ def _exchange():
             for mb, got in enumerate((got0, got1)):
                 p2p.send("B", 1, mb, [got[0].detach() * 10], peer=0)
         p2p.wait_sends()
-    # a receive that never comes fails with a message naming the peer
+    # a receive that never comes fails with a message naming the peer (gloo then closes the
+    # connection: rank 0 waits on the rendezvous store, not on a collective)
+    store = dist.distributed_c10d._get_default_store()
     if mesh.rank == 1:
         slow = P2P(mesh, timeout_s=1.0)
         try:
@@ -61,7 +63,9 @@ def _exchange():
             r.wait()
         except CommError as e:
             out["timeout"] = str(e)
-    dist.barrier()
+        store.set("timeout-seen", "1")
+    else:
+        store.wait(["timeout-seen"])
     return out
 
 

@@ -1,0 +1,194 @@
+"""Runs one rank's lowered program (``engine.schedules.lower``) for one step.
+
+The program is a list of compute actions (F, B, I, W) and transfers (SEND_* / RECV_*).
+Receives are posted ``lookahead`` entries ahead, after compute, so that the data of the next
+actions arrives while this rank computes (and, on NCCL, adjacent transfers form one batch).
+Hand-offs between two chunks of the same rank stay in memory.
+
+What runs on every step is only what a step needs: the compute, the transfers, and one fused
+reduction per forward output that flags a NaN/inf (``nonfinite`` guard, named by chunk). The
+costly diagnostics (bytes saved for backward, counted by a Python hook per saved tensor, and the
+peak of live activations) run only when asked (``diagnose=True``).
+
+Example (what ``engine.Pipeline.train_step`` does on each rank)::
+
+    ex = Executor(chunks, p2p, schedule, lookahead=2, split=split, node_split=None)
+    stats = ex.run(program, x_mbs, y_mbs, optimizer, train=True, diagnose=False)
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from engine.comm import P2P, Recv
+from engine.stage import Chunk, _cut
+
+__all__ = ["Executor", "nonfinite_flag"]
+
+
+def nonfinite_flag(value: Any) -> Tensor | None:
+    """A float64 scalar that is NaN/inf iff a floating tensor of ``value`` holds a NaN or inf:
+    one fused reduction per tensor, no host synchronisation (``None`` for non-float values)."""
+    flag: Tensor | None = None
+    for t in (value if isinstance(value, (tuple, list)) else (value,)):
+        if isinstance(t, Tensor) and t.is_floating_point():
+            s = t.detach().sum(dtype=torch.float64)
+            flag = s if flag is None else flag + s
+    return flag
+
+
+class Executor:
+    """One rank's program runner; keeps nothing between steps but its configuration."""
+
+    def __init__(self, chunks: dict[int, Chunk], p2p: P2P, schedule: Any, *, lookahead: int,
+                 split: set[tuple[int, int]], node_split: bool | None):
+        self.chunks, self.p2p, self.schedule = chunks, p2p, schedule
+        self.lookahead, self.split, self.node_split = lookahead, split, node_split
+        self.rank = p2p.mesh.pipeline_rank
+        self.last = schedule.num_chunks - 1
+
+    def run(self, program: Sequence[Any], x_mbs: list | None, y_mbs: list | None,
+            optimizer: Any, *, train: bool, diagnose: bool) -> dict:
+        """Run ``program``; returns the step's figures (see ``Pipeline.train_step``) and, under
+        private keys, the losses (``_losses``) and per-chunk non-finite flags (``_flags``)."""
+        step = _Step(self, program, x_mbs, y_mbs, optimizer, train, diagnose)
+        self.p2p.new_step()
+        wait0, sent0 = self.p2p.wait_s, self.p2p.bytes_sent
+        if diagnose:
+            for c in self.chunks.values():
+                c.reset_peak()
+        for pos, it in enumerate(program):
+            step.do(pos, it)
+        self.p2p.wait_sends()
+        leftover = [c.index for c in self.chunks.values() if c.state]
+        if train and leftover:
+            raise RuntimeError(f"internal: chunks {leftover} hold microbatches with no backward; "
+                               "the schedule is incomplete")
+        out = {"forward_s": step.fwd_s, "backward_s": step.bwd_s,
+               "comm_wait_s": self.p2p.wait_s - wait0, "bytes_sent": self.p2p.bytes_sent - sent0,
+               "pipeline_rank": self.rank, "replica": self.p2p.mesh.replica,
+               "stages": sorted(self.chunks), "_losses": step.losses, "_flags": step.flags}
+        if diagnose and train:
+            out["peak_activation_bytes"] = step.peak
+        return out
+
+
+class _Step:
+    """The state of one run of a program: inboxes, outboxes, posted receives, figures."""
+
+    def __init__(self, ex: Executor, program: Sequence[Any], x_mbs: list | None,
+                 y_mbs: list | None, optimizer: Any, train: bool, diagnose: bool):
+        self.ex, self.program, self.x_mbs, self.y_mbs = ex, program, x_mbs, y_mbs
+        self.optimizer, self.train, self.diagnose = optimizer, train, diagnose
+        self.inbox_f: dict[tuple[int, int], Any] = {}
+        self.inbox_b: dict[tuple[int, int], Any] = {}
+        self.outbox: dict[tuple[str, int, int], Any] = {}
+        self.posted: dict[tuple[str, int, int], Recv] = {}
+        self.header_wait: dict[int, Recv] = {}
+        self.recv_pos = [k for k, it in enumerate(program) if it.kind.startswith("RECV")]
+        self.nxt = 0  # index into recv_pos of the next receive not yet posted
+        self.losses: list[Tensor] = []
+        self.flags: dict[int, Tensor] = {}
+        self.fwd_s = self.bwd_s = 0.0
+        self.peak = 0
+        self._ops = {"RECV_F": self._recv, "RECV_B": self._recv, "SEND_F": self._send,
+                     "SEND_B": self._send, "F": self._forward, "B": self._backward,
+                     "I": self._backward, "W": self._weight}
+
+    def do(self, pos: int, it: Any) -> None:
+        op = self._ops.get(it.kind)
+        if op is None:
+            raise ValueError(f"unknown program item {it!r}")
+        op(it)
+        if it.kind in ("F", "B", "I", "W"):
+            self._prefetch(pos)  # after compute only, so adjacent transfers form one NCCL batch
+
+    # ---- transfers ---------------------------------------------------------------------------
+    def _post(self, it: Any) -> Recv:
+        d = it.kind[-1]
+        r = self.ex.p2p.post(d, it.stage, it.microbatch, it.peer)
+        if d == "F" and r.header is not None:
+            self.header_wait[it.stage] = r
+        return r
+
+    def _postable(self, it: Any) -> bool:
+        p2p, d = self.ex.p2p, it.kind[-1]
+        if d == "F" and it.stage in self.header_wait and it.stage not in p2p.in_specs:
+            p2p.poll_header(self.header_wait[it.stage])
+        return p2p.can_post(d, it.stage)
+
+    def _prefetch(self, pos: int) -> None:
+        while self.nxt < len(self.recv_pos) and len(self.posted) < self.ex.lookahead:
+            it = self.program[self.recv_pos[self.nxt]]
+            if self.recv_pos[self.nxt] <= pos or not self._postable(it):
+                break
+            self.posted[(it.kind, it.stage, it.microbatch)] = self._post(it)
+            self.nxt += 1
+        self.ex.p2p.flush()
+
+    def _recv(self, it: Any) -> None:
+        key = (it.kind, it.stage, it.microbatch)
+        r = self.posted.pop(key, None)
+        if r is None:
+            s = it.stage
+            if not self.ex.p2p.can_post(it.kind[-1], s) and s in self.header_wait:
+                self.header_wait[s].wait()  # an earlier message's header: it comes first
+            r = self._post(it)
+            self.nxt += 1
+        (self.inbox_f if it.kind == "RECV_F" else self.inbox_b)[(it.stage, it.microbatch)] = r
+
+    def _send(self, it: Any) -> None:
+        d = it.kind[-1]
+        self.ex.p2p.send(d, it.stage, it.microbatch, self.outbox.pop((d, it.stage, it.microbatch)),
+                         it.peer)
+
+    # ---- compute -----------------------------------------------------------------------------
+    def _forward(self, it: Any) -> None:
+        ex, s, i = self.ex, it.stage, it.microbatch
+        x = self.x_mbs[i] if s == 0 else _value(self.inbox_f.pop((s, i)))
+        if s in ex.p2p.in_specs:
+            self.header_wait.pop(s, None)  # do not keep its buffers alive all step
+        last = s == ex.last
+        t = time.perf_counter()
+        out = ex.chunks[s].forward(i, x, self.y_mbs[i] if last else None,
+                                   split=(s, i) in ex.split, keep=self.train,
+                                   node_split=ex.node_split, measure=self.diagnose)
+        self.fwd_s += time.perf_counter() - t
+        if self.train:
+            flag = nonfinite_flag(out)
+            if flag is not None:
+                self.flags[s] = flag if s not in self.flags else self.flags[s] + flag
+        if last:
+            self.losses.append(out.detach().float())
+        elif ex.schedule.rank_of(s + 1) == ex.rank:
+            self.inbox_f[(s + 1, i)] = _cut(out) if self.train else out
+        else:
+            self.outbox[("F", s, i)] = out
+        if self.diagnose and self.train:
+            self.peak = max(self.peak, sum(c.live_bytes for c in ex.chunks.values()))
+
+    def _backward(self, it: Any) -> None:
+        ex, s, i = self.ex, it.stage, it.microbatch
+        g = None if s == ex.last else _value(self.inbox_b.pop((s, i)))
+        t = time.perf_counter()
+        c = ex.chunks[s]
+        gx = c.backward(i, g, self.optimizer) if it.kind == "B" else \
+            c.backward_input(i, g, self.optimizer)
+        self.bwd_s += time.perf_counter() - t
+        if s > 0:
+            if ex.schedule.rank_of(s - 1) == ex.rank:
+                self.inbox_b[(s - 1, i)] = gx
+            else:
+                self.outbox[("B", s, i)] = gx
+
+    def _weight(self, it: Any) -> None:
+        t = time.perf_counter()
+        self.ex.chunks[it.stage].backward_weight(it.microbatch, self.optimizer)
+        self.bwd_s += time.perf_counter() - t
+
+
+def _value(x: Any) -> Any:
+    return x.wait() if isinstance(x, Recv) else x

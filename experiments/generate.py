@@ -1,0 +1,277 @@
+"""`python -m experiments.generate [overrides]`: pipelined generation with a KV cache per stage.
+
+    python -m experiments.generate model=hf model.pretrained=DIR pipeline.stages=2 \\
+        generate.prompts='[[1,2,3],[4,5,6,7]]' generate.max_new_tokens=32
+
+The model is split over `pipeline.stages` ranks (balanced by the parameters that compute,
+`partitioner.solve.parameter_split`; embedding tables count as free), each rank builds (or loads)
+only its own layers and `engine.generate.Generator` runs the forward-only schedule: the prompts,
+left-padded, go through the stages in `generate.microbatches` microbatches, every stage keeps a
+KV cache per microbatch, and the last stage samples (greedy, or temperature / top-k / top-p
+with `generate.seed`) and hands the token back to the first.
+
+Writes into the Hydra run directory:
+    generations.jsonl   one `{"prompt": [...], "tokens": [...]}` per prompt, in order
+    generation.json     tokens/s pipelined and with transformers' `model.generate` in one process
+                        (`generate.compare`), their ratio, whether the tokens agree, per-rank times
+
+Throughput: both sides run one thread per process and count prompts x max_new_tokens tokens
+(the baseline counts what it generated, which is fewer if every prompt ends early at eos).
+
+Example:
+    >>> read_prompts([[1, 2], [3]])
+    [[1, 2], [3]]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from experiments.config import HF_MODELS, ConfigError, count_pipeline_layers, to_plain_dict
+from experiments.fields import get_field as _get
+
+__all__ = ["GenerateJob", "read_prompts", "stage_split", "token_ids", "generate_worker",
+           "single_process_generate", "run", "main"]
+
+
+@dataclass
+class GenerateJob:
+    """What every rank needs (plain data)."""
+
+    config: dict
+    prompts: list
+    stage_ranges: list
+    eos_token_id: Any
+    pad_token_id: int
+
+
+def read_prompts(value: Any) -> list[list[int]]:
+    """Prompts from `generate.prompts`: token-id lists inline, or a file (a JSON list, or JSONL
+    lines each a list or `{"prompt": [...]}`)."""
+    from omegaconf import ListConfig, OmegaConf
+
+    if isinstance(value, ListConfig):
+        value = OmegaConf.to_container(value)
+    if value is None:
+        raise ConfigError("generate.prompts is not set; give token-id lists, e.g. generate.prompts='[[1,2,3],[4,5]]', "
+                          "or a JSON / JSONL file of them")
+    if isinstance(value, str):
+        path = Path(value).expanduser()
+        try:
+            text = path.read_text() if path.is_file() else value
+        except OSError as exc:
+            raise ConfigError(f"generate.prompts={value!r}: {exc}") from None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            try:
+                value = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError:
+                raise ConfigError(f"generate.prompts={value!r} is neither a file nor JSON token-id lists") from None
+    if isinstance(value, list):
+        value = [v["prompt"] if isinstance(v, dict) and "prompt" in v else v for v in value]
+    from engine.generate import check_prompts
+
+    try:
+        return check_prompts(value, 1)
+    except ValueError as exc:
+        raise ConfigError(f"generate.prompts: {exc}") from None
+
+
+def stage_split(spec: Any, stages: int) -> list[tuple[int, int]]:
+    """Contiguous stage ranges balancing the parameters that compute (embedding lookups are free)."""
+    import torch
+    from torch import nn
+
+    from partitioner.solve import Infeasible, parameter_split
+
+    costs = []
+    with torch.device("meta"):
+        for factory in spec.layers:
+            layer = factory()
+            lookup = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Embedding))
+            costs.append(max(1, sum(p.numel() for p in layer.parameters()) - lookup))
+    try:
+        return [tuple(r) for r in parameter_split(costs, stages)]
+    except Infeasible as exc:
+        raise ConfigError(f"pipeline.stages={stages}: {exc}") from None
+
+
+def token_ids(cfg: Any, spec: Any) -> tuple[Any, int]:
+    """(eos, pad) ids: `generate.eos_token_id` / `pad_token_id`, else the model's (its
+    generation_config.json, then config.json), pad falling back to eos, then 0."""
+    config = json.loads(spec.extra.get("hf_config_json") or "{}")
+    pretrained = spec.extra.get("pretrained")
+    gen_file = Path(pretrained) / "generation_config.json" if pretrained else None
+    if gen_file is not None and gen_file.is_file():
+        config = {**config, **{k: v for k, v in json.loads(gen_file.read_text()).items() if v is not None}}
+    eos = _get(cfg, "generate.eos_token_id")
+    eos = config.get("eos_token_id") if eos is None else (None if int(eos) < 0 else int(eos))
+    pad = _get(cfg, "generate.pad_token_id")
+    if pad is None:
+        pad = config.get("pad_token_id")
+    if pad is None:
+        pad = eos[0] if isinstance(eos, list) and eos else eos
+    return eos, int(pad) if pad is not None else 0
+
+
+def _sampling(cfg: dict) -> Any:
+    from engine.generate import SamplingConfig
+
+    g = cfg["generate"]
+    return SamplingConfig(do_sample=bool(g["do_sample"]), temperature=float(g["temperature"]),
+                          top_k=int(g["top_k"]), top_p=float(g["top_p"]), seed=int(g["seed"]))
+
+
+def generate_worker(job: GenerateJob) -> dict:
+    """One rank: build its layers, run the pipelined generation; every rank returns the result."""
+    import torch
+
+    from engine.generate import Generator
+    from experiments.models import build_model
+
+    torch.set_num_threads(1)
+    cfg = job.config
+    spec = build_model(cfg["model"])
+    device = None if cfg["train"].get("device", "auto") == "auto" else cfg["train"]["device"]
+    gen = Generator(spec.layers, job.stage_ranges, chunk=spec.cached_chunk, seed=int(cfg["train"]["seed"]),
+                    device=device, ties=spec.ties, comm_timeout_s=float(cfg["pipeline"]["comm_timeout_s"]))
+    res = gen.generate(job.prompts, int(cfg["generate"]["max_new_tokens"]), sampling=_sampling(cfg),
+                       microbatches=cfg["generate"].get("microbatches"), pad_token_id=job.pad_token_id,
+                       eos_token_id=job.eos_token_id)
+    return {"tokens": res.tokens, "wall_s": res.wall_s, "tokens_per_s": res.tokens_per_s,
+            "new_tokens": res.new_tokens, "microbatches": res.microbatches, "stats": res.stats}
+
+
+def _reference_model(cfg: dict, spec: Any) -> Any:
+    """The whole model as a transformers model, with the weights the pipeline used."""
+    import torch
+
+    from experiments.export_hf import hf_model_from_layers
+
+    pretrained = cfg["model"].get("pretrained")
+    if pretrained:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32,
+                                                    attn_implementation="sdpa").eval()
+    from experiments.models import compose
+
+    layers = {i: dict(m.state_dict()) for i, m in enumerate(compose(spec.layers, int(cfg["train"]["seed"])))}
+    for a, b in spec.ties:  # tied: the pipeline's second copy holds the first's value
+        (la, _, na), (lb, _, nb) = a.partition("."), b.partition(".")
+        layers[int(lb)][nb] = layers[int(la)][na]
+    return hf_model_from_layers(cfg["model"], layers)
+
+
+def single_process_generate(cfg: dict, spec: Any, prompts: Sequence[Sequence[int]], eos: Any, pad: int) -> dict:
+    """transformers' `model.generate` on all prompts in one batch, one process, one thread (on
+    `train.device`, like the pipeline)."""
+    import torch
+
+    from engine.generate import left_pad, trim_at_eos
+
+    g = cfg["generate"]
+    device = cfg["train"].get("device", "auto")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    model = _reference_model(cfg, spec).to(device)
+    ids, mask = (t.to(device) for t in left_pad(prompts, pad))
+    kwargs: dict[str, Any] = {"do_sample": bool(g["do_sample"])}
+    if g["do_sample"]:
+        kwargs.update(temperature=float(g["temperature"]), top_k=int(g["top_k"]), top_p=float(g["top_p"]))
+        torch.manual_seed(int(g["seed"]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=int(g["max_new_tokens"]), use_cache=True,
+                                 eos_token_id=eos, pad_token_id=pad, **kwargs)
+        wall = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
+    new = out[:, ids.shape[1]:].cpu()
+    return {"tokens": [trim_at_eos(t, eos) for t in new.tolist()], "wall_s": wall,
+            "new_tokens": int(new.numel()), "tokens_per_s": new.numel() / wall}
+
+
+def _report(run_dir: Path, prompts: list, res: dict, single: dict | None, cfg: dict, ranges: list) -> dict:
+    with open(run_dir / "generations.jsonl", "w") as f:
+        for p, t in zip(prompts, res["tokens"]):
+            f.write(json.dumps({"prompt": p, "tokens": t}) + "\n")
+    report: dict[str, Any] = {
+        "stages": len(ranges), "stage_ranges": [list(r) for r in ranges], "microbatches": res["microbatches"],
+        "prompts": len(prompts), "max_new_tokens": int(cfg["generate"]["max_new_tokens"]),
+        "do_sample": bool(cfg["generate"]["do_sample"]), "threads_per_process": 1,
+        "pipelined_tokens_per_s": res["tokens_per_s"], "pipelined_wall_s": res["wall_s"],
+        "pipelined_new_tokens": res["new_tokens"], "per_rank": res["per_rank"]}
+    if single is not None:
+        report.update(single_tokens_per_s=single["tokens_per_s"], single_wall_s=single["wall_s"],
+                      single_new_tokens=single["new_tokens"],
+                      ratio=res["tokens_per_s"] / single["tokens_per_s"],
+                      tokens_match=single["tokens"] == res["tokens"])
+    (run_dir / "generation.json").write_text(json.dumps(report, indent=1))
+    line = f"pipelined ({len(ranges)} stages, {res['microbatches']} microbatches): {res['tokens_per_s']:,.1f} tokens/s"
+    if single is not None:
+        line += (f"; transformers model.generate, one process: {single['tokens_per_s']:,.1f} tokens/s; "
+                 f"ratio {report['ratio']:.2f}; tokens {'match' if report['tokens_match'] else 'differ'}")
+    print(line, flush=True)
+    print(f"run directory: {run_dir}  (generations.jsonl, generation.json)", flush=True)
+    return report
+
+
+def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
+    """Check, launch the pipelined generation, write the outputs and compare (rank 0 only under
+    torchrun). Returns the report written to generation.json."""
+    import engine
+    from engine.generate import check_prompts
+    from experiments.config import pretrained_facts
+    from experiments.models import build_model
+
+    plain = to_plain_dict(cfg)
+    if plain["model"]["name"] not in HF_MODELS:
+        raise ConfigError(f"model={plain['model']['name']} cannot generate; use model=hf (model.pretrained=DIR)")
+    stages = int(plain["pipeline"]["stages"])
+    layers = count_pipeline_layers(plain["model"])  # also checks model.pretrained
+    if not 1 <= stages <= layers:
+        raise ConfigError(f"pipeline.stages={stages}; generation needs 1 <= stages <= {layers} (the model's "
+                          "pipeline layers)")
+    prompts = read_prompts(_get(cfg, "generate.prompts"))
+    spec = build_model(plain["model"])
+    facts = pretrained_facts(plain["model"])
+    learned = facts["learned_positions"] if facts else (int(plain["model"]["seq_len"])
+                                                        if spec.extra.get("arch") == "gpt2" else None)
+    try:
+        check_prompts(prompts, int(plain["generate"]["max_new_tokens"]), vocab=int(spec.extra["vocab"]),
+                      max_positions=learned)
+        _sampling(plain).check()
+    except ValueError as exc:
+        raise ConfigError(f"generate: {exc}") from None
+    ranges = stage_split(spec, stages)
+    eos, pad = token_ids(cfg, spec)
+    job = GenerateJob(plain, prompts, [list(r) for r in ranges], eos, pad)
+    results = engine.launch(generate_worker, len(ranges), job)
+    mine = [r for r in results if r is not None]
+    if "RANK" in os.environ and int(os.environ["RANK"]) != 0:
+        return None
+    res = dict(mine[-1], per_rank=[r["stats"] for r in results if r is not None])
+    single = single_process_generate(plain, spec, prompts, eos, pad) if plain["generate"]["compare"] else None
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return _report(run_dir, prompts, res, single, plain, ranges)
+
+
+def main() -> None:
+    """The Hydra entry point (`python -m experiments.generate [overrides]`)."""
+    from experiments.app import hydra_entry
+
+    hydra_entry(run)
+
+
+if __name__ == "__main__":
+    main()
