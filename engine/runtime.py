@@ -82,7 +82,7 @@ def check_stage_ranges(stage_ranges: Sequence[Sequence[int]], num_layers: int,
 
 
 def _check_layout(num_layers: int, stage_ranges: Sequence[Sequence[int]], schedule: Any,
-                  microbatches: int, virtual_stages: int) -> Any:
+                  microbatches: int, virtual_stages: int, max_inflight: int | None = None) -> Any:
     """The stage ranges against the model and the schedule; returns the validated schedule."""
     from engine.schedules import Schedule, build_schedule, validate
 
@@ -107,7 +107,7 @@ def _check_layout(num_layers: int, stage_ranges: Sequence[Sequence[int]], schedu
                              f"{sched.microbatches} microbatches, the pipeline has {p} x "
                              f"{microbatches}")
     else:
-        sched = build_schedule(schedule, p, microbatches, v)
+        sched = build_schedule(schedule, p, microbatches, v, max_inflight=max_inflight)
     validate(sched)
     return sched
 
@@ -136,7 +136,9 @@ class Pipeline:
     """One rank's view of a pipeline-parallel (x data-parallel) training job.
 
     See docs/contracts.md for the arguments. Extra keyword ``recv_lookahead`` (default 2): how
-    many upcoming receives are posted ahead of the compute that needs them.
+    many upcoming receives are posted ahead of the compute that needs them; ``max_inflight``:
+    zb-h2's bound on the microbatches a rank holds. Chunks are placed by the schedule
+    (``Schedule.rank_of``: looped, or a V for zbv, whose first and last chunks share rank 0).
     """
 
     def __init__(self, layers: Any, stage_ranges: Sequence[Sequence[int]], *,
@@ -146,7 +148,8 @@ class Pipeline:
                  activation_checkpointing: bool = False, seed: int = 0,
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
-                 recv_lookahead: int = 2, diagnose_every: int = 100):
+                 recv_lookahead: int = 2, diagnose_every: int = 100,
+                 max_inflight: int | None = None):
         from engine.schedules import lower
 
         sched = self.check_arguments(
@@ -154,7 +157,7 @@ class Pipeline:
             virtual_stages=virtual_stages, data_parallel=data_parallel, optimizer=optimizer,
             precision=precision, nonfinite=nonfinite, comm_timeout_s=comm_timeout_s,
             world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized()
-            else None, ties=ties)
+            else None, ties=ties, max_inflight=max_inflight)
         v, p = sched.virtual_stages, sched.num_stages
         self.ranges = check_stage_ranges(stage_ranges, len(layers), p * v)
         n_chunks = p * v
@@ -212,7 +215,8 @@ class Pipeline:
                         precision: str = "fp32", nonfinite: str = "raise",
                         comm_timeout_s: float = 60.0, world_size: int | None = None,
                         global_batch: int | None = None,
-                        ties: Sequence[tuple[str, str]] = ()) -> Any:
+                        ties: Sequence[tuple[str, str]] = (),
+                        max_inflight: int | None = None) -> Any:
         """Check a pipeline's arguments without starting anything; returns the validated
         ``Schedule``. ``Pipeline`` runs the same checks inside each worker; call this in the
         launching process to refuse bad input before any worker starts::
@@ -223,7 +227,8 @@ class Pipeline:
 
         ``world_size``: the number of processes that will run it (must be stages x replicas);
         ``global_batch``: the batch size passed to ``train_step`` (must split into
-        ``data_parallel`` x ``microbatches``). Raises ``ValueError`` saying how to fix it.
+        ``data_parallel`` x ``microbatches``). ``max_inflight``: zb-h2's memory knob (see
+        ``engine.schedules.build_schedule``). Raises ``ValueError`` saying how to fix it.
         """
         check_precision(precision)
         check_nonfinite(nonfinite)
@@ -232,7 +237,8 @@ class Pipeline:
                              f"{comm_timeout_s!r}")
         if int(data_parallel) < 1:
             raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
-        sched = _check_layout(num_layers, stage_ranges, schedule, microbatches, virtual_stages)
+        sched = _check_layout(num_layers, stage_ranges, schedule, microbatches, virtual_stages,
+                              max_inflight)
         p = sched.num_stages
         if world_size is not None and world_size != p * data_parallel:
             raise ValueError(f"{world_size} processes cannot run {p} stages x {data_parallel} "

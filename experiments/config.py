@@ -186,7 +186,7 @@ class PipelineConfig:
     stages: int = 2  # pipeline ranks (p)
     schedule: ScheduleName = ScheduleName["1f1b"]  # one of engine.schedules.SCHEDULES (gpipe, 1f1b, ...)
     microbatches: int = 4  # microbatches per step per replica (m)
-    virtual_stages: int = 1  # model chunks per rank (v); the schedule says which it takes (>= 2: interleaved-1f1b)
+    virtual_stages: int = 1  # model chunks per rank (v); the schedule says which (>= 2: interleaved-1f1b, 2: zbv)
     data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel
     activation_checkpointing: bool = False  # recompute each chunk's forward during backward
     comm_timeout_s: float = 60.0  # a point-to-point transfer waiting longer than this fails the job

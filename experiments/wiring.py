@@ -74,16 +74,14 @@ def torch_dtype(cfg: Any) -> Any:
 
 
 def schedule_chunks(schedule: str) -> int:
-    """Model chunks per rank a schedule runs with when none is asked for: the fewest that
-    `engine.schedules.build_schedule` accepts for it (so a new schedule needs no entry here)."""
-    from engine.schedules import build_schedule
+    """Model chunks per rank a schedule runs with when none is asked for: its fixed number
+    (`engine.schedules.SCHEDULE_INFO`), or 2 where `virtual_stages` chooses (interleaved)."""
+    from engine.schedules import SCHEDULE_INFO, SCHEDULES
 
-    for v in (1, 2):
-        try:
-            return build_schedule(schedule, 2, 4, v).virtual_stages
-        except ValueError as err:
-            last = err
-    raise last
+    info = SCHEDULE_INFO.get(str(schedule))
+    if info is None:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    return info.virtual_stages(2)
 
 
 def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:

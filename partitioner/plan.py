@@ -27,7 +27,8 @@ class PartitionError(ValueError):
 class Plan(JsonMixin):
     """A pipeline split and its predicted cost.
 
-    Per chunk (``num_stages * virtual_stages`` entries, chunk c runs on rank c % num_stages):
+    Per chunk (``num_stages * virtual_stages`` entries; chunk c runs on rank ``chunk_ranks[c]``,
+    the schedule's placement: c % num_stages, or a V for zbv):
     ``stage_ranges`` (half-open layer ranges), ``stage_time_s`` (forward + backward, plus
     recomputation and boundary transfers), ``stage_memory_bytes`` (predicted peak),
     ``stage_activation_bytes`` (saved-for-backward bytes at the peak), ``stage_inflight``,
@@ -37,7 +38,8 @@ class Plan(JsonMixin):
     costs; see ``predicted_by``). ``lower_bound_s``: a lower bound on the step of this schedule for any
     split, using ``bottleneck_lower_bound_s = max(largest layer, total / chunks)`` (gpipe and
     1f1b: ``(m - 1) * that + total``; other schedules: ``max(m * per-rank bound, total)``).
-    ``gap = step_s / lower_bound_s - 1``.
+    ``gap = step_s / lower_bound_s - 1``. ``max_inflight``: zb-h2's memory knob as planned
+    (None: the schedule's default).
     """
 
     stage_ranges: list[tuple[int, int]]
@@ -58,6 +60,7 @@ class Plan(JsonMixin):
     fits: bool = True
     memory_limit_bytes: list[int] | None = None
     link_bytes_per_s: float | None = None
+    max_inflight: int | None = None
     bottleneck_lower_bound_s: float = 0.0
     closed_form_step_s: float = 0.0
     predicted_by: str = "engine.simulate"
@@ -91,19 +94,26 @@ class Plan(JsonMixin):
         return len(self.stage_ranges)
 
     @property
+    def chunk_ranks(self) -> list[int]:
+        """The pipeline rank of each chunk (``engine.schedules.chunk_ranks`` of this schedule)."""
+        from engine.schedules import chunk_ranks
+
+        return chunk_ranks(self.schedule, self.num_stages, self.virtual_stages)
+
+    @property
     def stage_layers(self) -> list[int]:
         """Number of layers per chunk."""
         return [b - a for a, b in self.stage_ranges]
 
     def rank_of(self, chunk: int) -> int:
-        """The pipeline rank that runs model chunk ``chunk`` (the schedule's loop placement)."""
-        return chunk % self.num_stages
+        """The pipeline rank that runs model chunk ``chunk`` (the schedule's placement)."""
+        return self.chunk_ranks[chunk]
 
     def per_rank(self, values: Sequence[float]) -> list[float]:
         """Per-chunk ``values`` summed per pipeline rank (the chunks a rank runs)."""
         out = [0.0] * self.num_stages
-        for c, x in enumerate(values):
-            out[self.rank_of(c)] += x
+        for r, x in zip(self.chunk_ranks, values):
+            out[r] += x
         return out
 
     # -- prediction -------------------------------------------------------------------
@@ -125,7 +135,8 @@ class Plan(JsonMixin):
         f = list(self.stage_forward_s if forward_s is None else forward_s)
         b = list(self.stage_backward_s if backward_s is None else backward_s)
         w = [min(x, y) for x, y in zip(self.stage_weight_s or b, b)]
-        sched = build_schedule(self.schedule, self.num_stages, self.microbatches, self.virtual_stages)
+        sched = build_schedule(self.schedule, self.num_stages, self.microbatches, self.virtual_stages,
+                               max_inflight=self.max_inflight)
         comm = self.boundary_comm_s if len(f) > 1 and self.boundary_comm_s else 0.0
         return simulate(sched, f, b, weight_s=w, comm_s=comm)
 
@@ -147,8 +158,9 @@ class Plan(JsonMixin):
         head = ["stage", "rank", "layers", "#", "time ms", "mem GiB", "act GiB", "in-flight", "limit GiB", "fits"]
         rows = []
         p = self.num_stages
+        ranks = self.chunk_ranks
         for c, (a, b) in enumerate(self.stage_ranges):
-            r = self.rank_of(c)
+            r = ranks[c]
             lim = self.memory_limit_bytes[r] if self.memory_limit_bytes else None
             rows.append([
                 str(c), str(r), f"{a}-{b - 1}" + (" R" if self.stage_recompute and self.stage_recompute[c] else ""),

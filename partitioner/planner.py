@@ -13,10 +13,14 @@ more forward when it recomputes) + twice its outgoing boundary transfer (activat
 gradient back) when ``link_bytes_per_s`` is given, and a stage's memory is its static state
 plus in-flight activations for the schedule plus boundary buffers (see ``memory.py``). The
 plan's ``step_s`` and ``bubble_fraction`` then come from ``engine.simulate`` on the same
-costs. For ``virtual_stages > 1`` the search runs over the ``p * v`` chunks: it is exact for
-the largest chunk time under the per-chunk limit ``rank limit / v``, a sufficient condition
-for the rank to fit (a split that fits only by giving one chunk of a rank more than 1/v of
-its memory is not found); the reported rank memory is the exact sum of its chunks.
+costs (:meth:`Plan.simulate`). For ``virtual_stages > 1`` with loop placement
+(interleaved-1f1b) the search runs over the ``p * v`` chunks: it is exact for the largest chunk
+time under the per-chunk limit ``rank limit / v``, a sufficient condition for the rank to fit (a
+split that fits only by giving one chunk of a rank more than 1/v of its memory is not found); the
+reported rank memory is the exact sum of its chunks. For the V placement (zbv, rank r holds
+chunks r and 2p-1-r) the search is exact for the rank's time and memory, each the sum of its two
+chunks (:func:`partitioner.vsplit.optimal_v_split`). Which rank runs which chunk comes from
+``engine.schedules`` (``chunk_ranks``).
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks
+
 from .costs import Profile
-from .memory import SCHEDULES, inflight_from_schedule, inflight_per_chunk, static_factor
+from .memory import SCHEDULES, inflight_from_schedule, inflight_per_chunk, rank_totals, static_factor
 from .plan import PartitionError, Plan
 from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optimal_split, parameter_split,
                     pipeline_lower_bound, split_costs, uniform_split)
+from .vsplit import min_v_memory_scale, optimal_v_split
 
 __all__ = ["partition", "METHODS"]
 
@@ -56,6 +63,7 @@ class _Problem:
     m: int
     v: int
     schedule: str
+    max_inflight: int | None                  # zb-h2's memory knob (None: its default)
     ckpt: str                                 # "off" | "on" | "auto"
     link: float | None
     f: np.ndarray                             # forward seconds per layer
@@ -75,6 +83,15 @@ class _Problem:
         return len(self.f)
 
     @property
+    def ranks(self) -> list[int]:
+        """The rank of each chunk (the schedule's placement)."""
+        return chunk_ranks(self.schedule, self.p, self.v)
+
+    @property
+    def vee(self) -> bool:
+        return SCHEDULE_INFO[self.schedule].placement == "v"
+
+    @property
     def k(self) -> int:
         return self.p * self.v
 
@@ -84,7 +101,7 @@ class _Problem:
 
     @property
     def chunk_caps(self) -> list[float] | None:
-        return None if self.rank_caps is None else [self.rank_caps[c % self.p] / self.v for c in range(self.k)]
+        return None if self.rank_caps is None else [self.rank_caps[r] / self.v for r in self.ranks]
 
     @property
     def common(self) -> dict[str, Any]:
@@ -95,7 +112,7 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
               virtual_stages: int = 1, data_parallel: int = 1, zero_stage: int = 1, optimizer: str = "adamw",
               memory_limit_bytes: "float | Sequence[float] | None" = None, method: str = "optimal",
               link_bytes_per_s: float | None = None, activation_checkpointing: "bool | str" = False,
-              simulate: bool = True) -> Plan:
+              simulate: bool = True, max_inflight: int | None = None) -> Plan:
     """Split ``profile`` into ``num_stages`` pipeline stages (see the module docstring).
 
     ``memory_limit_bytes``: one number for every rank, or one per rank. ``method``: "optimal"
@@ -103,13 +120,15 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     choosing, and the plan reports whether each rank fits). ``activation_checkpointing``:
     False, True (every stage recomputes) or "auto" (a stage recomputes only where the exact
     search needs it to fit). ``simulate``: predict the step with :meth:`Plan.simulate` (else
-    the closed form). Raises :class:`PartitionError` when no split fits, naming the smallest
+    the closed form). ``max_inflight``: zb-h2's bound on the microbatches a rank holds (its
+    memory knob). Raises :class:`PartitionError` when no split fits, naming the smallest
     limit (or the stage count) that would.
     """
     p, m, v = int(num_stages), int(microbatches), int(virtual_stages)
-    ckpt = _check_arguments(profile, p, m, v, schedule, method, link_bytes_per_s, activation_checkpointing)
+    ckpt = _check_arguments(profile, p, m, v, schedule, method, link_bytes_per_s, activation_checkpointing,
+                            max_inflight)
     notes: list[str] = []
-    prob = _problem(profile, p, m, v, schedule, ckpt, link_bytes_per_s,
+    prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, link_bytes_per_s,
                     static_factor(profile.itemsize, optimizer, zero_stage, data_parallel),
                     _rank_caps(memory_limit_bytes, p), simulate, notes)
     if method == "optimal":
@@ -118,25 +137,23 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
         bounds, recompute = _baseline(method, prob, notes)
     _note_recompute(recompute, ckpt, notes)
     plan = _plan(prob, bounds, recompute, notes, method=method, data_parallel=data_parallel,
-                 zero_stage=zero_stage, optimizer=optimizer)
+                 zero_stage=zero_stage, optimizer=optimizer, max_inflight=max_inflight)
     if simulate:
         _predict(plan, prob)
     return plan
 
 
 def _check_arguments(profile: Profile, p: int, m: int, v: int, schedule: str, method: str,
-                     link: float | None, activation_checkpointing: Any) -> str:
+                     link: float | None, activation_checkpointing: Any, max_inflight: int | None) -> str:
     """Refuse bad arguments (the schedule's own rules come from ``engine.schedules``); returns
     the checkpointing mode ``"off"``, ``"on"`` or ``"auto"``."""
-    from engine.schedules import build_schedule
-
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"num_stages, microbatches and virtual_stages must be >= 1 (got {p}, {m}, {v})")
-    build_schedule(schedule, p, m, v)  # e.g. interleaving needs virtual_stages >= 2
+    build_schedule(schedule, p, m, v, max_inflight=max_inflight)  # e.g. interleaving needs v >= 2
     if link is not None and link <= 0:
         raise ValueError("link_bytes_per_s must be > 0 (or None for free transfers)")
     ckpt = {False: "off", True: "on", "off": "off", "on": "on", "auto": "auto"}.get(activation_checkpointing)
@@ -166,21 +183,20 @@ def _rank_caps(memory_limit_bytes: "float | Sequence[float] | None", p: int) -> 
     return caps
 
 
-def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, ckpt: str, link: float | None,
-             static_per_param_byte: float, rank_caps: list[float] | None, simulate: bool,
+def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflight: int | None, ckpt: str,
+             link: float | None, static_per_param_byte: float, rank_caps: list[float] | None, simulate: bool,
              notes: list[str]) -> _Problem:
     """The profile as arrays, with the schedule's in-flight microbatches per chunk."""
-    from engine.schedules import build_schedule
-
     L = profile.layers
     out = np.array([c.output_bytes for c in L], dtype=np.float64)
     if simulate:  # what the engine will run
-        inflight, source = inflight_from_schedule(build_schedule(schedule, p, m, v)), "engine schedule"
+        sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)
+        inflight, source = inflight_from_schedule(sched), "engine schedule"
     else:
-        inflight, source = inflight_per_chunk(schedule, p, m, v), "closed form"
+        inflight, source = inflight_per_chunk(schedule, p, m, v, max_inflight=max_inflight), "closed form"
     notes.append(f"in-flight microbatches per stage {inflight} (from the {source})")
     return _Problem(
-        p=p, m=m, v=v, schedule=schedule, ckpt=ckpt, link=link,
+        p=p, m=m, v=v, schedule=schedule, max_inflight=max_inflight, ckpt=ckpt, link=link,
         f=np.array([c.forward_s for c in L]), b=np.array([c.backward_s for c in L]),
         w=np.array([c.weight_s for c in L]),
         static=np.array([c.param_bytes for c in L], dtype=np.float64) * static_per_param_byte,
@@ -193,18 +209,25 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, ckpt: str,
 def _optimal(prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], list[bool]]:
     """The exact min-bottleneck split under the memory caps (and where to recompute, for auto)."""
     try:
-        bounds, _, var = optimal_split(prob.f + prob.b, prob.k, caps=prob.chunk_caps, cut_time=prob.cut_time,
-                                       recompute_time=prob.f, checkpointing=prob.ckpt, return_variants=True,
-                                       **prob.common)
+        if prob.vee:  # exact on ranks: each rank's time and memory sum its two chunks
+            bounds, _, var = optimal_v_split(prob.f + prob.b, prob.p, caps=prob.rank_caps, cut_time=prob.cut_time,
+                                             recompute_time=prob.f, checkpointing=prob.ckpt, return_variants=True,
+                                             **prob.common)
+        else:
+            bounds, _, var = optimal_split(prob.f + prob.b, prob.k, caps=prob.chunk_caps, cut_time=prob.cut_time,
+                                           recompute_time=prob.f, checkpointing=prob.ckpt, return_variants=True,
+                                           **prob.common)
     except Infeasible as e:
-        raise PartitionError(_infeasible_message(e, prob.n, prob.p, prob.v, prob.rank_caps, prob.chunk_caps,
-                                                 prob.ckpt, prob.f, prob.schedule, prob.m, prob.common)) from None
+        raise PartitionError(_infeasible_message(e, prob)) from None
     recompute = [bool(x) for x in var] if prob.ckpt == "auto" else [prob.ckpt == "on"] * prob.k
     tie_break = ("; among equal bottlenecks, the smallest sum of stage times" if prob.link or prob.ckpt == "auto"
                  else "; among equal bottlenecks, later stages take as many layers as allowed")
     notes.append("optimal: exact min-bottleneck contiguous split"
                  + (" under the memory limits" if prob.rank_caps else " (no memory limit given)") + tie_break)
-    if prob.v > 1 and prob.rank_caps:
+    if prob.vee:
+        notes.append("zbv: exact over ranks (V placement: rank r holds chunks r and 2p-1-r; the largest rank "
+                     "time under each rank's limit)")
+    elif prob.v > 1 and prob.rank_caps:
         notes.append(f"interleaved: each chunk limited to rank limit / {prob.v} "
                      "(sufficient, not necessary, for the rank to fit)")
     return bounds, recompute
@@ -238,7 +261,7 @@ def _note_recompute(recompute: list[bool], ckpt: str, notes: list[str]) -> None:
 def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], notes: list[str],
           **settings: Any) -> Plan:
     """The plan of a split: per-chunk costs and memory, per-rank fit, the closed-form step."""
-    p, k = prob.p, prob.k
+    p = prob.p
     t_stage, mem_stage = split_costs(bounds, time=prob.f + prob.b, cut_time=prob.cut_time,
                                      recompute_time=prob.f, recompute=recompute, **prob.common)
     sum_of = lambda arr: [float(arr[a:e].sum()) for a, e in bounds]  # noqa: E731
@@ -246,7 +269,7 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
     b_c = [bb + (ff if r else 0.0) for bb, ff, r in zip(b_c, f_c, recompute)]
     act_c = [_held_activation_bytes(prob, a, e, prob.inflight[c], recompute[c]) for c, (a, e) in enumerate(bounds)]
     comm_b = [float(prob.comm_layer[e - 1]) for _, e in bounds[:-1]]
-    rank_mem = [float(sum(mem_stage[c] for c in range(r, k, p))) for r in range(p)]
+    rank_mem = [float(x) for x in rank_totals(list(mem_stage), prob.schedule, p, prob.v)]
     caps = prob.rank_caps
     rank_fits = [True] * p if caps is None else [rank_mem[r] <= caps[r] * (1 + 1e-12) for r in range(p)]
     if caps is not None and not all(rank_fits):
@@ -283,8 +306,9 @@ def _lower_bound(prob: _Problem) -> tuple[float, float]:
     t = prob.f + prob.b
     total = float(t.sum())
     lb_b = max(float(t.max()), total / prob.k)
-    if prob.schedule in ("gpipe", "1f1b", "zb-h1"):
-        lower = pipeline_lower_bound(t, prob.k, prob.m, carried=prob.f if prob.schedule == "zb-h1" else None)
+    info = SCHEDULE_INFO[prob.schedule]
+    if info.chunks_per_rank == 1:
+        lower = pipeline_lower_bound(t, prob.k, prob.m, carried=prob.f if info.splits_backward else None)
     else:
         lower = max(prob.m * max(float(t.max()), total / prob.p), total)
     return lower, lb_b
@@ -294,17 +318,20 @@ def _predict(plan: Plan, prob: _Problem) -> None:
     """Replace the closed-form step with :meth:`Plan.simulate`'s (what the engine will run)."""
     res = plan.simulate()
     plan.step_s, plan.bubble_fraction, plan.predicted_by = res.step_s, res.bubble_fraction, "engine.simulate"
-    held = [sum(prob.inflight[c] for c in range(r, prob.k, prob.p)) for r in range(prob.p)]
+    held = rank_totals(prob.inflight, prob.schedule, prob.p, prob.v)
     if list(res.peak_inflight) != held:  # pragma: no cover - the two models agree by construction
         plan.notes.append(f"warning: simulator's peak in-flight {res.peak_inflight} differs from the memory "
                           f"model {held}")
 
 
-def _infeasible_message(err: Exception, n: int, p: int, v: int, rank_caps, chunk_caps, ckpt: str, f, schedule: str,
-                        m: int, common: dict[str, Any]) -> str:
+def _infeasible_message(err: Exception, prob: _Problem) -> str:
+    n, p, v, rank_caps, chunk_caps = prob.n, prob.p, prob.v, prob.rank_caps, prob.chunk_caps
+    ckpt, f, schedule, m, common = prob.ckpt, prob.f, prob.schedule, prob.m, prob.common
     k = p * v
     if chunk_caps is None:
         return str(err)
+    if prob.vee:
+        return _infeasible_v_message(prob)
     scalar = len(set(rank_caps)) == 1
     if scalar:
         need, _ = min_memory_scale(k, n, recompute_time=f, checkpointing=ckpt, **common)
@@ -314,13 +341,7 @@ def _infeasible_message(err: Exception, n: int, p: int, v: int, rank_caps, chunk
                f"({_gib(need_rank)})")
         if v > 1:
             msg += f" (with each chunk held to the rank limit / {v})"
-        # more stages lower the per-stage memory; find the first count that fits
-        for p2 in range(p + 1, min(n // v, 4 * p) + 1):
-            inf2 = inflight_per_chunk(schedule, p2, m, v)
-            if fits_any(p2 * v, n, static=common["static"], act=common["act"], out=common["out"], inflight=inf2,
-                        shared=common["shared"], caps=rank_caps[0] / v, recompute_time=f, checkpointing=ckpt):
-                msg += f", or use {p2} stages"
-                break
+        msg += _more_stages(prob)
     else:
         scale, _ = min_memory_scale(k, n, caps=chunk_caps, recompute_time=f, checkpointing=ckpt, **common)
         need = [math.ceil(c * scale) for c in rank_caps]
@@ -329,3 +350,31 @@ def _infeasible_message(err: Exception, n: int, p: int, v: int, rank_caps, chunk
     if ckpt == "off" and fits_any(k, n, caps=chunk_caps, recompute_time=f, checkpointing="auto", **common):
         msg += "; activation_checkpointing='auto' would also fit"
     return msg
+
+
+def _more_stages(prob: _Problem) -> str:
+    """", or use N stages" for the first stage count that fits one scalar limit (more stages
+    lower the per-stage memory), or nothing."""
+    n, p, v, cap, c = prob.n, prob.p, prob.v, prob.rank_caps[0], prob.common  # type: ignore[index]
+    for p2 in range(p + 1, min(n // v, 4 * p) + 1):
+        inf2 = inflight_per_chunk(prob.schedule, p2, prob.m, v)
+        if fits_any(p2 * v, n, static=c["static"], act=c["act"], out=c["out"], inflight=inf2,
+                    shared=c["shared"], caps=cap / v, recompute_time=prob.f, checkpointing=prob.ckpt):
+            return f", or use {p2} stages"
+    return ""
+
+
+def _infeasible_v_message(prob: _Problem) -> str:
+    """The smallest limit that fits a V split (each rank: the sum of its two chunks)."""
+    n, p, rank_caps = prob.n, prob.p, prob.rank_caps
+    scalar = len(set(rank_caps)) == 1  # type: ignore[arg-type]
+    scale, _ = min_v_memory_scale(n, p, caps=None if scalar else rank_caps, recompute_time=prob.f,
+                                  checkpointing=prob.ckpt, **prob.common)
+    if scalar:
+        need = math.ceil(scale)
+        return (f"no V split of {n} layers over {p} ranks ({2 * p} chunks) fits {int(rank_caps[0])} bytes "
+                f"({_gib(rank_caps[0])}) per rank with {prob.schedule}, m={prob.m}; the smallest memory_limit_bytes "
+                f"that works is {need} ({_gib(need)})")
+    need = [math.ceil(c * scale) for c in rank_caps]
+    return (f"no V split of {n} layers over {p} ranks fits the per-rank limits {[int(c) for c in rank_caps]}; "
+            f"scaling them by {scale:.4f} works: memory_limit_bytes={need}")

@@ -1,6 +1,6 @@
 """The runtime (``engine.Pipeline``) with DeepSpeed ZeRO over the data-parallel groups.
 
-2 stages x 2 replicas (world 4), every schedule, ZeRO 0, 1 and 2: losses and parameters after 3
+2 stages x 2 replicas (world 4), every schedule, ZeRO 0, 1 and 2 (zbv and zb-h2: ZeRO 1): losses and parameters after 3
 SGD steps (and 3 AdamW steps) equal a single process trained on the whole global batch
 (fp32, rtol 1e-5). SGD is the sharp check: Adam's updates hide a gradient off by a constant
 factor. Then bf16 (autocast, fp32 master weights) over 20 steps: the loss falls and stays close
@@ -25,7 +25,11 @@ SEED, STAGES, REPLICAS, M, BATCH = 3, 2, 2, 4, 16
 SGD = dict(name="sgd", lr=0.1, momentum=0.9)
 ADAMW = dict(name="adamw", lr=0.01, weight_decay=0.01)
 
-CASES = [dict(schedule=s, zero=z, opt=SGD, steps=3) for s in SCHEDULES for z in (0, 1, 2)]
+# Every schedule with ZeRO 1; the four first ones also with ZeRO 0 and 2 (zbv and zb-h2 only
+# with ZeRO 1, to keep the suite's time: issue 12).
+ALL_ZERO = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+CASES = [dict(schedule=s, zero=z, opt=SGD, steps=3) for s in SCHEDULES
+         for z in ((0, 1, 2) if s in ALL_ZERO else (1,))]
 CASES += [dict(schedule=s, zero=z, opt=ADAMW, steps=3) for s in ("1f1b", "zb-h1") for z in (1, 2)]
 BF16 = [dict(schedule="1f1b", zero=1, opt=ADAMW, steps=20, precision=p) for p in ("fp32", "bf16")]
 
