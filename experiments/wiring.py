@@ -29,7 +29,7 @@ from experiments.fields import get_field as _get
 
 __all__ = [
     "microbatch_size", "world_size", "run_name", "resolve_device", "torch_dtype", "schedule_chunks",
-    "profile_kwargs", "partition_kwargs", "pipeline_kwargs", "engine_optimizer_kwargs",
+    "profile_kwargs", "partition_kwargs", "with_fixed_costs", "pipeline_kwargs", "engine_optimizer_kwargs",
     "checkpoint_root", "resume_checkpoint", "check_checkpoint_model", "profile_model", "make_plan",
     "plan_matches",
 ]
@@ -212,9 +212,27 @@ def profile_model(cfg: Any, spec: Any) -> Any:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return partitioner.profile(spec.layers, spec.example_input(microbatch_size(cfg)), **profile_kwargs(cfg))
+        prof = partitioner.profile(spec.layers, spec.example_input(microbatch_size(cfg)), **profile_kwargs(cfg))
     finally:
         torch.set_num_threads(threads)
+    return with_fixed_costs(cfg, prof)
+
+
+def with_fixed_costs(cfg: Any, prof: Any) -> Any:
+    """``prof`` with the runtime's fixed costs on this machine (`engine.overhead`, cached per
+    machine) when `partitioner.fixed_costs` is on and layers are measured here on the CPU (the
+    costs are measured with gloo on the CPU; other devices get none)."""
+    import dataclasses
+
+    from partitioner import FixedCosts
+
+    part = _get(cfg, "partitioner")
+    measured_here = _text(_get(part, "profile")) == "measure" and resolve_device(cfg) == "cpu"
+    if not (measured_here and bool(_get(part, "fixed_costs", True))):
+        return prof
+    from engine.overhead import measure_fixed_costs
+
+    return dataclasses.replace(prof, fixed=FixedCosts.from_dict(measure_fixed_costs()))
 
 
 def make_plan(cfg: Any, spec: Any, prof: Any = None, *, method: str | None = None) -> Any:

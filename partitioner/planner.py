@@ -33,7 +33,7 @@ import numpy as np
 
 from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks
 
-from .costs import Profile
+from .costs import FixedCosts, Profile
 from .memory import SCHEDULES, inflight_from_schedule, inflight_per_chunk, rank_totals, static_factor
 from .plan import PartitionError, Plan
 from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optimal_split, parameter_split,
@@ -77,6 +77,8 @@ class _Problem:
     inflight: list[int]                       # microbatches held per chunk
     rank_caps: list[float] | None
     names: list[str]
+    param: np.ndarray                         # parameter bytes per layer
+    fixed: FixedCosts | None                  # the runtime's fixed costs (None: compute only)
 
     @property
     def n(self) -> int:
@@ -128,6 +130,8 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     ckpt = _check_arguments(profile, p, m, v, schedule, method, link_bytes_per_s, activation_checkpointing,
                             max_inflight)
     notes: list[str] = []
+    if link_bytes_per_s is None and profile.fixed is not None:
+        link_bytes_per_s = profile.fixed.link_bytes_per_s
     prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, link_bytes_per_s,
                     static_factor(profile.itemsize, optimizer, zero_stage, data_parallel),
                     _rank_caps(memory_limit_bytes, p), simulate, notes)
@@ -189,6 +193,8 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
     """The profile as arrays, with the schedule's in-flight microbatches per chunk."""
     L = profile.layers
     out = np.array([c.output_bytes for c in L], dtype=np.float64)
+    latency = profile.fixed.message_latency_s if profile.fixed is not None else 0.0
+    comm_layer = (out / link if link else np.zeros(len(L))) + latency
     if simulate:  # what the engine will run
         sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)
         inflight, source = inflight_from_schedule(sched), "engine schedule"
@@ -202,8 +208,8 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
         static=np.array([c.param_bytes for c in L], dtype=np.float64) * static_per_param_byte,
         act=np.array([c.activation_bytes for c in L], dtype=np.float64), out=out,
         shared=np.array([c.shared_input_bytes for c in L], dtype=np.float64),
-        comm_layer=out / link if link else np.zeros(len(L)), inflight=inflight, rank_caps=rank_caps,
-        names=[c.name for c in L])
+        comm_layer=comm_layer, inflight=inflight, rank_caps=rank_caps, names=[c.name for c in L],
+        param=np.array([c.param_bytes for c in L], dtype=np.float64), fixed=profile.fixed)
 
 
 def _optimal(prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], list[bool]]:
@@ -291,7 +297,20 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
         stage_inflight=list(prob.inflight), stage_recompute=list(recompute), stage_forward_s=f_c,
         stage_backward_s=b_c, stage_weight_s=w_c, boundary_comm_s=comm_b,
         rank_memory_bytes=[int(math.ceil(x)) for x in rank_mem], rank_fits=rank_fits,
-        layer_names=prob.names, notes=notes, **settings)
+        layer_names=prob.names, notes=notes, **_fixed_fields(prob, bounds, settings), **settings)
+
+
+def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[str, Any]) -> dict[str, Any]:
+    """The plan's fixed-cost fields: per action, per step, and each rank's optimizer update
+    (its parameters, sharded over the replicas from ZeRO-1 on)."""
+    fixed = prob.fixed
+    if fixed is None:
+        return {}
+    shard = settings["data_parallel"] if settings["zero_stage"] >= 1 else 1
+    param_c = [float(prob.param[a:e].sum()) / shard for a, e in bounds]
+    per_rank = [float(x) for x in rank_totals(param_c, prob.schedule, prob.p, prob.v)]
+    return {"action_s": fixed.action_s, "step_fixed_s": fixed.step_s,
+            "rank_optimizer_s": [fixed.optimizer_s(settings["optimizer"], x) for x in per_rank]}
 
 
 def _held_activation_bytes(prob: _Problem, a: int, e: int, inflight: int, recompute: bool) -> float:
@@ -317,7 +336,8 @@ def _lower_bound(prob: _Problem) -> tuple[float, float]:
 def _predict(plan: Plan, prob: _Problem) -> None:
     """Replace the closed-form step with :meth:`Plan.simulate`'s (what the engine will run)."""
     res = plan.simulate()
-    plan.step_s, plan.bubble_fraction, plan.predicted_by = res.step_s, res.bubble_fraction, "engine.simulate"
+    plan.step_s, plan.bubble_fraction = plan.predicted_step_s(res.step_s), res.bubble_fraction
+    plan.predicted_by = "engine.simulate" + (" + fixed costs" if prob.fixed is not None else "")
     held = rank_totals(prob.inflight, prob.schedule, prob.p, prob.v)
     if list(res.peak_inflight) != held:  # pragma: no cover - the two models agree by construction
         plan.notes.append(f"warning: simulator's peak in-flight {res.peak_inflight} differs from the memory "

@@ -10,6 +10,12 @@ from typing import Any, Callable
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The runtime's fixed costs (engine.overhead) are measured once per test session, not read from
+# (or written to) the user's ~/.cache/pipeshard.
+if "PIPESHARD_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["PIPESHARD_CACHE_DIR"] = tempfile.mkdtemp(prefix="pipeshard-cache-")
 
 
 @pytest.fixture(scope="session")

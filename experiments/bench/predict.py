@@ -22,21 +22,27 @@ from typing import Any
 __all__ = ["calibrate", "plan_for", "prediction_fields", "relative_error"]
 
 
-def calibrate(profile: Any, single_step_s: float, microbatches: int) -> tuple[Any, float]:
-    """``(profile with every time x k, k)`` with ``k = single_step_s / (m x sum(f + b))``."""
+def calibrate(profile: Any, single_step_s: float, microbatches: int,
+              optimizer: str = "sgd") -> tuple[Any, float]:
+    """``(profile with every time x k, k)`` with ``k = (single_step_s - update) / (m x sum(f +
+    b))``, ``update`` the optimizer's step over every parameter when the profile carries fixed
+    costs (``partitioner.FixedCosts``), else 0."""
     from partitioner import Profile
 
     total = microbatches * sum(c.forward_s + c.backward_s for c in profile.layers)
-    if total <= 0 or single_step_s <= 0:
+    update = 0.0
+    if profile.fixed is not None:
+        update = profile.fixed.optimizer_s(optimizer, sum(c.param_bytes for c in profile.layers))
+    if total <= 0 or single_step_s <= update:
         return profile, 1.0
-    k = single_step_s / total
+    k = (single_step_s - update) / total
     layers = [dataclasses.replace(
         c, forward_s=c.forward_s * k, backward_s=c.backward_s * k,
         weight_grad_s=None if c.weight_grad_s is None else min(c.weight_grad_s * k, c.backward_s * k))
         for c in profile.layers]
     meta = dict(profile.meta, calibrated=True, calibration_factor=k,
                 calibration="layer times x k so that m x sum(f + b) = the measured single-process step")
-    return Profile(layers, dtype=profile.dtype, meta=meta), k
+    return Profile(layers, dtype=profile.dtype, meta=meta, fixed=profile.fixed), k
 
 
 def plan_for(profile: Any, num_stages: int, schedule: str, microbatches: int, *,

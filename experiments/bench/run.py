@@ -98,8 +98,13 @@ def _profile_and_link(c: dict, meta: dict, timeout: float, log: Callable[[str], 
     if log:
         log("[bench] profiling layers (one process, one thread) ...")
     prof = profile_model(c, timeout_s=timeout)
+    if c["partitioner"].get("fixed_costs", True):
+        from experiments.wiring import with_fixed_costs
+
+        prof = with_fixed_costs(dict(c, train=dict(c["train"], device="cpu")), prof)
+        meta["fixed_costs"] = dataclasses.asdict(prof.fixed) if prof.fixed is not None else None
     link = c["partitioner"].get("link_bytes_per_s")
-    if link is None and meta["stages"] > 1:
+    if link is None and meta["stages"] > 1 and prof.fixed is None:  # else the fixed costs' link
         nbytes = max(layer.output_bytes for layer in prof.layers[:-1])
         link = measure_link(nbytes)
         meta["link_measured_bytes"] = nbytes
