@@ -23,7 +23,6 @@ from engine.checkpoint import (CheckpointError, Checkpointer, capture_rng, check
                                split_optimizer_state)
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 N = 6
 
 
