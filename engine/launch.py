@@ -242,7 +242,7 @@ def _external(fn: Callable, args: tuple, env: Any, pg_timeout_s: float) -> list[
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,
            pg_timeout_s: float = _DEFAULT_PG_TIMEOUT_S, backend: str | None = None,
-           start_method: str | None = None, max_restarts: int = 0) -> list[Any]:
+           start_method: str | None = None, max_restarts: int = 0, local: bool = False) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local ranks (or in-process under torchrun, or on the rank
     Slurm / submitit gave this process: see ``engine.cluster``).
 
@@ -267,9 +267,11 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | N
     ``PIPESHARD_RESTART_COUNT`` (``engine.cluster.restart_count()``) and the failure that caused
     it in ``PIPESHARD_LAST_FAILURE``, so they can resume from their newest checkpoint. The
     restart is reported on stderr; the last failure is raised. ``timeout_s`` bounds all attempts.
+    ``local=True`` starts local workers even in a process that is itself a rank of a cluster job
+    (e.g. a measurement on this node by rank 0 while the others wait).
     """
     from engine.cluster import detect
-    env = detect()
+    env = None if local else detect()
     if env is not None:
         return _external(fn, args, env, pg_timeout_s)
     if nprocs < 1:

@@ -54,7 +54,7 @@ def measure_fixed_costs(*, microbatches: Sequence[int] = (16, 32), steps: int = 
     from engine.launch import launch
 
     results = launch(_worker, 2, tuple(microbatches), steps, timeout_s=timeout_s,
-                     backend="gloo")
+                     backend="gloo", local=True)  # also from rank 0 of a torchrun / Slurm job
     lat, rate = _fit_line(results[0]["link"])
     steps_s = {int(m): t for m, t in results[0]["steps"].items()}
     (m1, t1), (m2, t2) = sorted(steps_s.items())[:2]

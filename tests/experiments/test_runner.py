@@ -64,15 +64,15 @@ def test_train_run_leaves_the_signals_to_launch(monkeypatch, tmp_path, compose_c
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     seen = {}
 
-    def fake_launch(fn, nprocs, job, timeout_s=None):
-        seen.update({s: signal.getsignal(s) for s in before}, nprocs=nprocs, job=job)
+    def fake_launch(fn, nprocs, job, timeout_s=None, max_restarts=0):
+        seen.update({s: signal.getsignal(s) for s in before}, nprocs=nprocs, job=job, restarts=max_restarts)
         return [{"rank": 0}, {"rank": 1, "start_step": 0, "end_step": 5, "first_loss": None}]
 
     job = Job(config={}, plan=None, run_dir=str(tmp_path), checkpoint_root=str(tmp_path / "checkpoints"))
     monkeypatch.setattr(engine, "launch", fake_launch)
     monkeypatch.setattr(train, "prepare_job", lambda cfg, run_dir: job)
     summary = train.run(compose_cfg("experiment=smoke"), tmp_path)
-    assert seen["nprocs"] == 2 and seen["job"] is job and summary["rank"] == 1
+    assert seen["nprocs"] == 2 and seen["job"] is job and summary["rank"] == 1 and seen["restarts"] == 0
     assert {s: seen[s] for s in before} == before
     assert {s: signal.getsignal(s) for s in before} == before
 
