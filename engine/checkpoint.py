@@ -174,12 +174,14 @@ class Checkpointer:
 
     def save(self, step: int, *, layers: Mapping[int, Mapping[str, Tensor]],
              optimizer: Mapping[int, Mapping[str, Mapping[str, Tensor]]] | None = None,
-             meta: Mapping[str, Any] | None = None, rng: Mapping[str, Any] | None = None) -> float:
-        """Start (async) or write (sync) checkpoint ``step``; returns the seconds this call took,
-        i.e. the stall of the step loop. ``layers``: this rank's layers by global index
+             meta: Mapping[str, Any] | None = None, rng: Mapping[str, Any] | None = None,
+             started: float | None = None) -> float:
+        """Start (async) or write (sync) checkpoint ``step``; returns the seconds the step loop
+        stalled: since ``started`` (a ``time.perf_counter()`` value, e.g. taken before gathering
+        the state; default: this call's start). ``layers``: this rank's layers by global index
         (``module.state_dict()`` each); ``optimizer``: full per-layer state for them; ``meta``:
         JSON-able run state (rank 0's is kept); ``rng``: default :func:`capture_rng`."""
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if started is None else started
         self.wait_pending()
         state = fmt.build_state_dict(layers, optimizer, dict(rng) if rng is not None else capture_rng(),
                                      self.rank, self.num_layers)

@@ -282,10 +282,11 @@ class Trainer:
         `checkpoint.async_save` the files are written while the next steps run."""
         from engine import checkpoint as ck
 
+        t0 = time.perf_counter()  # the stall counts the state gather too
         sd = self.pipe.state_dict()  # collective with ZeRO (gathers the sharded optimizer state)
         per_layer, scalars = ck.split_optimizer_state(sd["optimizer"])
         # every replica offers its copy: DCP writes each key once, spread over the ranks
-        self.saver.save(step, layers=sd["layers"], optimizer=per_layer,
+        self.saver.save(step, layers=sd["layers"], optimizer=per_layer, started=t0,
                         meta=checkpoint_meta(step, scalars, self.cfg, self.job.stage_ranges))
         self.saved.append(str(Path(self.job.checkpoint_root) / f"step_{step:06d}"))
 
