@@ -38,8 +38,31 @@ def test_checkpoint_stall_benchmark_tiny(tmp_path):
 def test_failure_recovery_soak_tiny(tmp_path):
     out = tmp_path / "soak.json"
     proc = _run("scripts/soak.py", "--kills", "1", "--steps", "24", "--every", "3", "--layouts", "2x1",
-                "--run-dir", str(tmp_path / "run"), "--json", str(out))
+                "--run-dir", str(tmp_path / "run"), "--json", str(out), "--allow-unmeasured")
     report = json.loads(out.read_text())
     assert report["ok"] and report["exit"] == 0 and report["missing_steps"] == [], proc.stdout
     assert len(report["kills"]) == len(report["restarts"]) == 1
     assert "steps with a loss: 24 of 24" in proc.stdout
+
+
+def _soak_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "scripts" / "soak.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_soak_memory_growth_measure():
+    """A worker life's growth: its start-up ramp is excluded, a steady climb after it is not."""
+    soak, mib = _soak_module(), 2**20
+    # (time, RSS, loss records so far): 10 samples of start-up before the life's first step at
+    # record 100, then 60 samples over 120 records
+    startup = [(t, (150 + 13 * t) * mib, 100) for t in range(10)]
+    flat = startup + [(10 + i, 280 * mib + (i % 3) * mib // 4, 100 + 2 * i) for i in range(60)]
+    leak = startup + [(10 + i, 280 * mib + i * mib // 2, 100 + 2 * i) for i in range(60)]
+    assert abs(soak._growth_mib(flat, warm=10)) < 1
+    assert soak._growth_mib(leak, warm=10) > 20       # 0.5 MiB per sample over the steady part
+    assert soak._growth_mib(flat[:25], warm=10) is None   # too few steady samples
+    dead = flat + [(80, 0, 220)]                          # the killed process reads as 0 bytes
+    assert abs(soak._growth_mib(dead, warm=10)) < 1
