@@ -26,10 +26,12 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
-__all__ = ["ClusterEnv", "detect", "export_env", "restart_count", "RESTART_ENV", "FAILURE_ENV"]
+__all__ = ["ClusterEnv", "detect", "export_env", "restart_count", "init_process_group", "RESTART_ENV",
+           "FAILURE_ENV"]
 
 RESTART_ENV = "PIPESHARD_RESTART_COUNT"
 FAILURE_ENV = "PIPESHARD_LAST_FAILURE"
@@ -121,3 +123,26 @@ def export_env(env: ClusterEnv) -> None:
     os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size),
                       LOCAL_RANK=str(env.local_rank), MASTER_ADDR=env.master_addr,
                       MASTER_PORT=str(env.master_port))
+
+
+def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """``torch.distributed.init_process_group`` for a job a cluster launcher started (ranks in
+    the environment, see :func:`export_env`).
+
+    Under torchrun the ranks use the agent's store (``TORCHELASTIC_USE_AGENT_STORE=True``), which
+    outlives a restart (``--max-restarts``): the ranks of a new attempt would find the previous
+    attempt's keys, e.g. the gloo address of a rank that died, and connect to it (connection
+    refused). The keys of each attempt therefore get their own prefix.
+
+    >>> init_process_group("gloo", datetime.timedelta(seconds=300))  # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"pipeshard/attempt_{restart_count()}/", store),
+                            rank=rank, world_size=world, timeout=timeout)

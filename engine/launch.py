@@ -228,13 +228,13 @@ def _external(fn: Callable, args: tuple, env: Any, pg_timeout_s: float) -> list[
     import torch
     import torch.distributed as dist
 
-    from engine.cluster import export_env
+    from engine.cluster import export_env, init_process_group
     export_env(env)
     if not dist.is_initialized():
         backend = _device_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s))
+        init_process_group(backend, datetime.timedelta(seconds=pg_timeout_s))
     out: list[Any] = [None] * dist.get_world_size()
     out[dist.get_rank()] = fn(*args)
     return out

@@ -126,6 +126,7 @@ def _prepare_on_rank0(cfg: Any, run_dir: Path) -> Job:
     import torch
     import torch.distributed as dist
 
+    from engine.cluster import init_process_group
     from engine.launch import _device_backend
 
     world = int(os.environ["WORLD_SIZE"])
@@ -138,7 +139,7 @@ def _prepare_on_rank0(cfg: Any, run_dir: Path) -> Job:
         backend = _device_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+        init_process_group(backend, datetime.timedelta(seconds=300))
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
