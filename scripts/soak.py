@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="failure-recovery soak: kill a random worker this many times (see above)")
     ap.add_argument("--every", type=int, default=5, help="--kills: checkpoint interval (steps)")
     ap.add_argument("--seed", type=int, default=0, help="--kills: where the kills land")
-    ap.add_argument("--sample-s", type=float, default=0.2, help="--kills: RSS sample interval (s)")
+    ap.add_argument("--sample-s", type=float, default=0.1, help="--kills: RSS sample interval (s)")
     ap.add_argument("--run-dir", help="--kills: the run directory (default: a temporary one)")
     ap.add_argument("--allow-unmeasured", action="store_true",
                     help="--kills: pass even when no worker life was long enough to measure (tiny CI runs)")
