@@ -57,13 +57,35 @@ class Job:
     notes: list = field(default_factory=list)
 
 
-def checkpoint_meta(step: int, scalars: dict, cfg: dict, stage_ranges: list) -> dict:
-    """The JSON run state stored with a checkpoint (rank 0's copy is kept in the manifest)."""
-    return {"step": int(step), "data_position": int(step), "optimizer": scalars,
+def checkpoint_meta(step: int, scalars: dict, cfg: dict, stage_ranges: list,
+                    data_state: dict | None = None) -> dict:
+    """The JSON run state stored with a checkpoint (rank 0's copy is kept in the manifest).
+
+    `data_position` is the next step's batch; `data` (data=hf) the readers' position beyond
+    it: the shard count and, when streaming, each shard's place in the files."""
+    meta = {"step": int(step), "data_position": int(step), "optimizer": scalars,
             "stage_ranges": [list(r) for r in stage_ranges],
             "pipeline": {k: cfg["pipeline"][k] for k in ("stages", "schedule", "microbatches",
                                                            "virtual_stages", "data_parallel")},
             "model": cfg["model"], "seed": cfg["train"]["seed"]}
+    if data_state is not None:
+        meta["data"] = data_state
+    return meta
+
+
+def _data_state(data: Any, cfg: dict, world: int) -> dict | None:
+    """data=hf: every replica's reader position, merged (a collective: all ranks call it)."""
+    if cfg["data"].get("name") != "hf":
+        return None
+    import torch.distributed as dist
+
+    from experiments.hfdata import merge_states
+
+    states: list[Any] = [data.state() if data is not None else None]
+    if world > 1:
+        states = [None] * world
+        dist.all_gather_object(states, data.state() if data is not None else None)
+    return merge_states(states)
 
 
 class _StopFlag:
@@ -168,6 +190,7 @@ def run_worker(job: Job) -> dict:
     num_layers = len(spec.layers)
 
     start = 0
+    resumed_meta: dict = {}
     if job.resume_from:
         expected = {int(i): m.state_dict() for i, m in pipe.layer_module.items()}
         c = ck.load_checkpoint(job.resume_from, sorted(expected), expected=expected,
@@ -176,10 +199,13 @@ def run_worker(job: Job) -> dict:
                               "optimizer": ck.merge_optimizer_state(c.optimizer, c.meta["optimizer"])})
         ck.restore_rng(c.rng)
         start = int(c.meta["data_position"])
+        resumed_meta = c.meta
 
     last = pipe.schedule.num_chunks - 1
     needs_data = 0 in pipe.chunks or last in pipe.chunks
-    data = make_dataset(cfg) if needs_data else None
+    data = make_dataset(cfg, replica=pipe.mesh.replica) if needs_data else None
+    if data is not None and hasattr(data, "restore"):
+        data.restore(start, resumed_meta.get("data"))
     batch = int(tcfg["batch_size"])
 
     def batch_of(step: int, evaluation: bool = False) -> tuple[Any, Any]:
@@ -201,7 +227,8 @@ def run_worker(job: Job) -> dict:
         first = pipe.mesh.replica == 0
         path = ck.save_checkpoint(job.checkpoint_root, step, layers=sd["layers"] if first else {},
                                   optimizer=per_layer if first else {}, num_layers=num_layers,
-                                  meta=checkpoint_meta(step, scalars, cfg, job.stage_ranges),
+                                  meta=checkpoint_meta(step, scalars, cfg, job.stage_ranges,
+                                                       _data_state(data, cfg, world)),
                                   rank=rank, world=world, barrier=barrier,
                                   keep_last=int(ccfg.get("keep_last") or 0) or None)
         saved.append(str(path))
@@ -237,13 +264,15 @@ def run_worker(job: Job) -> dict:
     t_start = time.perf_counter()
     try:
         while step < total_steps:
+            t_data = time.perf_counter()
             x, y = batch_of(step)
+            data_time = time.perf_counter() - t_data
             done = step + 1
             log_now = done % log_every == 0 or done == total_steps or done == start + 1
             res = pipe.train_step(x, y, diagnose=log_now)  # diagnostics only on logged steps
             stats = dict(res.stats, step_time_s=res.step_time_s)
             record_extra: dict[str, Any] = {"lr": res.lr, "grad_norm": res.grad_norm,
-                                            "skipped": res.skipped,
+                                            "skipped": res.skipped, "data_time_s": data_time,
                                             "predicted_step_s": plan.get("step_s")}
             if log_now:
                 gathered: list[Any] = [None] * world
@@ -292,6 +321,8 @@ def run_worker(job: Job) -> dict:
     finally:
         bar.close()
         stop.restore()
+        if data is not None and hasattr(data, "close"):
+            data.close()
 
     wall = time.perf_counter() - t_start
     summary: dict[str, Any] = {"rank": rank, "start_step": start, "end_step": step,

@@ -268,6 +268,7 @@ def _prepare(cfg: Any, run_dir: Path) -> dict[str, Any]:
     resume = resume_checkpoint(cfg, run_dir)
     if resume is not None:
         _check_checkpoint_model(resume, spec)
+    data = _prepare_data(cfg, resume)
     plan_path = run_dir / "plan.json"
     plan = None
     if resume is not None and plan_path.is_file():
@@ -283,7 +284,21 @@ def _prepare(cfg: Any, run_dir: Path) -> dict[str, Any]:
     print(plan.summary(), flush=True)
     if resume is not None:
         print(f"resuming from {resume}", flush=True)
-    return {"plan": plan.to_dict(), "resume": str(resume) if resume else None, "run_dir": str(run_dir)}
+    return {"plan": plan.to_dict(), "resume": str(resume) if resume else None, "run_dir": str(run_dir),
+            "data": data}
+
+
+def _prepare_data(cfg: Any, resume: Path | None) -> dict | None:
+    """data=hf: check (and tokenize) the files before launch; the resolved `data` for the workers."""
+    if _text(_get(cfg, "data.name")) != "hf":
+        return None
+    import json
+
+    from engine.checkpoint import MANIFEST
+    from experiments.hfdata import prepare
+
+    resumed = json.loads((resume / MANIFEST).read_text()).get("meta", {}).get("data") if resume else None
+    return prepare(cfg, resumed)
 
 
 def _under_torchrun() -> bool:
@@ -361,7 +376,10 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any] | None:
     prep = _torchrun_prepare(cfg, run_dir) if torchrun else _prepare(cfg, run_dir)
     run_dir = Path(prep["run_dir"])
     plan = prep["plan"]
-    job = Job(config=to_plain_dict(cfg), stage_ranges=[list(r) for r in plan["stage_ranges"]], plan=plan,
+    config = to_plain_dict(cfg)
+    if prep.get("data"):
+        config["data"] = prep["data"]
+    job = Job(config=config, stage_ranges=[list(r) for r in plan["stage_ranges"]], plan=plan,
               run_dir=str(run_dir), checkpoint_root=str(checkpoint_root(cfg, run_dir)),
               resume_from=prep["resume"], run_name=run_name(cfg))
     world = world_size(cfg)

@@ -34,8 +34,8 @@ from experiments.hfdata.files import iter_texts, load_documents, resolve_files
 from experiments.hfdata.layout import DataError, Holdout, ShardLayout
 from experiments.hfdata.packed import PackedShard, TokenTable, assign_documents, blocks_in
 from experiments.hfdata.stream import Prefetcher, ShardStream
-from experiments.hfdata.tokens import (check_vocab, encode, eos_id, load_tokenizer, tokenize_corpus,
-                                       tokenizer_dir)
+from experiments.hfdata.tokens import (check_vocab, encode, eos_id, load_tokenizer, read_tokenized,
+                                       tokenize_corpus, tokenizer_dir)
 
 __all__ = ["HFDataSpec", "HFTextData", "spec_of", "prepare", "merge_states"]
 
@@ -54,6 +54,7 @@ class HFDataSpec:
     shuffle: bool = False
     prefetch: int = 2
     cache_dir: str | None = None
+    tokenized: tuple[str, ...] = ()  # the tokenized cache's Arrow files, as `prepare` found them
     seq_len: int = 128
     batch_size: int = 16
     replicas: int = 1
@@ -83,6 +84,7 @@ def spec_of(cfg: Any, data: Any = None) -> HFDataSpec:
         shuffle=bool(get_field(data, "shuffle", False)),
         prefetch=int(get_field(data, "prefetch", 2)),
         cache_dir=get_field(data, "cache_dir"),
+        tokenized=tuple(get_field(data, "tokenized") or ()),
         seq_len=int(get_field(cfg, "model.seq_len")),
         batch_size=int(get_field(cfg, "train.batch_size")),
         replicas=int(get_field(cfg, "pipeline.data_parallel", 1)),
@@ -114,8 +116,10 @@ class HFTextData:
             return encode(self.tok, texts)
 
     def _pack(self) -> tuple[dict[int, PackedShard], PackedShard]:
-        tokenized, _ = tokenize_corpus(self.spec.documents(streaming=False), self.tok)
-        table = TokenTable(tokenized)
+        cached = read_tokenized(self.spec.tokenized)
+        if cached is None:
+            cached = tokenize_corpus(self.spec.documents(streaming=False), self.tok)[0].data
+        table = TokenTable(cached)
         owner = assign_documents(len(table), self.holdout, self.spec.shards)
         shards = {k: PackedShard(table.stream(np.flatnonzero(owner == k), self.eos), self.spec.seq_len,
                                  shuffle=self.spec.shuffle, seed=self.spec.seed, shard=k, what=f"data shard {k}")
@@ -252,6 +256,11 @@ def prepare(cfg: Any, resumed: dict | None = None, *, echo: Callable[[str], None
     if plain.get("shards") is None:
         saved = int(resumed["shards"]) if resumed and resumed.get("shards") else None
         plain["shards"] = saved if saved and saved % d == 0 else d
+    if resumed and resumed.get("shards") and int(resumed["shards"]) != int(plain["shards"]):
+        raise DataError(f"the checkpoint being resumed read its data in data.shards={resumed['shards']} shards, "
+                        f"this run in {plain['shards']}: the batches would differ; set data.shards="
+                        f"{resumed['shards']} (pipeline.data_parallel must divide it) to continue its data "
+                        "order exactly, or checkpoint.resume=false to start over")
     spec = spec_of(cfg, plain)
     ShardLayout(spec.shards, spec.batch_size, spec.replicas)
     Holdout(spec.eval_fraction)
@@ -259,7 +268,10 @@ def prepare(cfg: Any, resumed: dict | None = None, *, echo: Callable[[str], None
     eos_id(tok, spec.tokenizer)
     vocab, fix = _model_vocab(cfg)
     check_vocab(tok, vocab, spec.tokenizer, fix)
-    summary = _check_streamed(spec, tok) if spec.streaming else _check_packed(spec, tok)
+    if spec.streaming:
+        summary = _check_streamed(spec, tok)
+    else:
+        summary, plain["tokenized"] = _check_packed(spec, tok)
     echo(f"data: {len(spec.files)} file(s), {summary}; tokenizer {spec.tokenizer} ({len(tok)} tokens)")
     return plain
 
@@ -270,17 +282,19 @@ def _no_text(spec: HFDataSpec) -> DataError:
                      "and data.text_field")
 
 
-def _check_packed(spec: HFDataSpec, tok: Any) -> str:
+def _check_packed(spec: HFDataSpec, tok: Any) -> tuple[str, list[str]]:
+    """Tokenize (or find in the cache) and check every shard; a summary and the cache's files."""
     tokenized, cached = tokenize_corpus(spec.documents(streaming=False), tok)
-    table = TokenTable(tokenized)
+    table = TokenTable(tokenized.data)
     if not len(table):
         raise _no_text(spec)
     owner = assign_documents(len(table), Holdout(spec.eval_fraction), spec.shards)
     _check_counts(spec, len(table), [table.stream_length(np.flatnonzero(owner == k)) for k in range(spec.shards)],
                   table.stream_length(np.flatnonzero(owner == -1)))
     tokens = table.stream_length(np.arange(len(table)))
-    return (f"{len(table):,} documents, {tokens:,} tokens "
+    text = (f"{len(table):,} documents, {tokens:,} tokens "
             f"({'from the tokenized cache' if cached else 'tokenized now, cached for the next run'})")
+    return text, [f["filename"] for f in tokenized.cache_files]
 
 
 def _check_counts(spec: HFDataSpec, docs: int, shard_tokens: list[int], held_tokens: int) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -44,6 +45,12 @@ def offline_datasets() -> Any:
     """`import datasets` with the Hub switched off (only local files are read), quietly."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import tqdm
+
+    if getattr(tqdm.tqdm, "_lock", None) is None:
+        # tqdm's default lock holds a multiprocessing semaphore that a worker leaving by
+        # os._exit leaks (a resource_tracker warning); progress bars here need no process lock.
+        tqdm.tqdm.set_lock(threading.RLock())
     import datasets
 
     datasets.disable_progress_bars()

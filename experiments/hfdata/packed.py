@@ -41,19 +41,19 @@ def assign_documents(n: int, holdout: Holdout, shards: int) -> np.ndarray:
 
 
 class TokenTable:
-    """Every non-empty document's token ids, in order, read from the tokenized `datasets` table
-    (its Arrow files are memory-mapped; only what a shard gathers is copied)."""
+    """Every non-empty document's token ids, in order, from the tokenized table (a pyarrow
+    Table or a `datasets` Dataset's `.data`; memory-mapped, only what a shard gathers is copied)."""
 
     def __init__(self, tokenized: Any) -> None:
         self._values: list[np.ndarray] = []
         chunk_of, starts, lengths = [], [], []
-        for c, chunk in enumerate(tokenized.data.column("input_ids").chunks):
+        for c, chunk in enumerate(tokenized.column("input_ids").chunks):
             lens = chunk.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
             self._values.append(chunk.flatten().to_numpy(zero_copy_only=False))
             chunk_of.append(np.full(len(lens), c, dtype=np.int64))
             starts.append(np.cumsum(lens) - lens)
             lengths.append(lens)
-        keep = tokenized.data.column("keep").to_numpy(zero_copy_only=False).astype(bool)
+        keep = tokenized.column("keep").to_numpy(zero_copy_only=False).astype(bool)
         cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
         self.chunk, self.start, self.length = cat(chunk_of)[keep], cat(starts)[keep], cat(lengths)[keep]
 

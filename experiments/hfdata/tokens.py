@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from experiments.hfdata.layout import DataError
 
 __all__ = ["tokenizer_dir", "load_tokenizer", "eos_id", "tokenizer_fingerprint", "encode",
-           "tokenize_corpus", "check_vocab", "TOKENIZE_BATCH"]
+           "tokenize_corpus", "read_tokenized", "check_vocab", "TOKENIZE_BATCH"]
 
 TOKENIZE_BATCH = 256
 """Documents per tokenizer call (fast tokenizers encode a batch in parallel, in Rust)."""
@@ -101,6 +101,17 @@ def tokenize_corpus(docs: Any, tok: Any) -> tuple[Any, bool]:
                    remove_columns=docs.column_names, new_fingerprint=fingerprint,
                    desc="tokenizing (cached for the next run)")
     return out, cached
+
+
+def read_tokenized(paths: Sequence[str]) -> Any:
+    """The Arrow table of `tokenize_corpus`'s cache files, memory-mapped with pyarrow alone (a
+    worker need not import `datasets`); None when a file is missing (then tokenize again)."""
+    import pyarrow as pa
+
+    if not paths or not all(os.path.isfile(p) for p in paths):
+        return None
+    tables = [pa.ipc.open_stream(pa.memory_map(str(p))).read_all() for p in paths]
+    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
 def check_vocab(tok: Any, model_vocab: int | None, where: str, fix: str) -> None:
