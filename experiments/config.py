@@ -655,18 +655,21 @@ def validate_config(cfg: Any) -> None:
 
 def _check_hf_data(cfg: Any) -> None:
     """`data=hf` settings that need no file access (the files are checked by `hfdata.prepare`)."""
-    from experiments.hfdata.layout import Holdout, ShardLayout
+    from experiments.hfdata.layout import DataError, Holdout, ShardLayout
     from experiments.hfdata.tokens import tokenizer_dir
 
     data = _get(cfg, "data")
     if _get(data, "files") in (None, "", []):
         raise ConfigError("data=hf needs data.files: a file, directory or glob of your text, e.g. "
                           "data.files='corpus/*.jsonl' (or a list: data.files=[a.txt,b.jsonl])")
-    tokenizer_dir(data, _get(cfg, "model"))
-    Holdout(float(_get(data, "eval_fraction", 0.05)))
     dp = int(_get(cfg, "pipeline.data_parallel", 1))
     shards = _get(data, "shards")
-    ShardLayout(int(shards) if shards is not None else dp, int(_get(cfg, "train.batch_size")), dp)
+    try:
+        tokenizer_dir(_get(data, "tokenizer"), _get(cfg, "model.pretrained"))
+        Holdout(float(_get(data, "eval_fraction", 0.05)))
+        ShardLayout(int(shards) if shards is not None else dp, int(_get(cfg, "train.batch_size")), dp)
+    except DataError as err:
+        raise ConfigError(str(err)) from None
     if bool(_get(data, "streaming", False)) and bool(_get(data, "shuffle", False)):
         raise ConfigError("data.shuffle=true cannot be used with data.streaming=true (streaming reads the "
                           "files in order); shuffle the files beforehand, or set data.streaming=false")

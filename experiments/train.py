@@ -295,10 +295,13 @@ def _prepare_data(cfg: Any, resume: Path | None) -> dict | None:
     import json
 
     from engine.checkpoint import MANIFEST
-    from experiments.hfdata import prepare
+    from experiments.hfdata import DataError, prepare
 
     resumed = json.loads((resume / MANIFEST).read_text()).get("meta", {}).get("data") if resume else None
-    return prepare(cfg, resumed)
+    try:
+        return prepare(cfg, resumed)
+    except DataError as err:  # reported like any bad config: error: ..., exit 2, nothing launched
+        raise ConfigError(str(err)) from None
 
 
 def _under_torchrun() -> bool:

@@ -75,7 +75,7 @@ def spec_of(cfg: Any, data: Any = None) -> HFDataSpec:
     files = get_field(data, "files")
     return HFDataSpec(
         files=tuple([files] if isinstance(files, str) else list(files or ())),
-        tokenizer=tokenizer_dir(data, get_field(cfg, "model")),
+        tokenizer=tokenizer_dir(get_field(data, "tokenizer"), get_field(cfg, "model.pretrained")),
         text_field=str(get_field(data, "text_field", "text")),
         sample_by=choice_text(get_field(data, "sample_by", "line")),
         eval_fraction=float(get_field(data, "eval_fraction", 0.05)),
@@ -251,7 +251,7 @@ def prepare(cfg: Any, resumed: dict | None = None, *, echo: Callable[[str], None
     data = get_field(cfg, "data")
     plain = dict(to_plain_dict(data)) if not isinstance(data, dict) else dict(data)
     plain["files"] = resolve_files(get_field(data, "files"))
-    plain["tokenizer"] = tokenizer_dir(data, get_field(cfg, "model"))
+    plain["tokenizer"] = tokenizer_dir(get_field(data, "tokenizer"), get_field(cfg, "model.pretrained"))
     d = int(get_field(cfg, "pipeline.data_parallel", 1))
     if plain.get("shards") is None:
         saved = int(resumed["shards"]) if resumed and resumed.get("shards") else None

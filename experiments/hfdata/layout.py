@@ -27,13 +27,12 @@ from fractions import Fraction
 
 import numpy as np
 
-from experiments.config import ConfigError
-
 __all__ = ["DataError", "Holdout", "ShardLayout"]
 
 
-class DataError(ConfigError):
-    """Data that cannot be trained on; the message names the fix."""
+class DataError(ValueError):
+    """Data (or `data.*` settings) that cannot be trained on; the message names the fix. The
+    entry points report it like a `ConfigError` (`error: ...`, exit status 2, before launch)."""
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,9 @@ TOKENIZE_BATCH = 256
 """Documents per tokenizer call (fast tokenizers encode a batch in parallel, in Rust)."""
 
 
-def tokenizer_dir(data: Any, model: Any) -> str:
-    """`data.tokenizer`, else `model.pretrained` (the model's own tokenizer); a DataError if neither."""
-    from experiments.config import get_field
-
-    path = get_field(data, "tokenizer") or get_field(model, "pretrained")
+def tokenizer_dir(tokenizer: str | None, pretrained: str | None) -> str:
+    """`data.tokenizer`, else the model's `model.pretrained` directory; a DataError if neither."""
+    path = tokenizer or pretrained
     if not path:
         raise DataError("data=hf needs a tokenizer: set data.tokenizer=<directory written by "
                         "tokenizer.save_pretrained>, or use model=hf model.pretrained=<model directory> "

@@ -18,7 +18,7 @@ from experiments.hfdata import DataError, HFDataSpec, HFTextData, Holdout, prepa
 from experiments.hfdata import tokens as tokens_mod
 from experiments.hfdata.layout import ShardLayout
 
-from _hf_data import save_tokenizer, sentences, write_corpus
+from hf_data import save_tokenizer, sentences, write_corpus
 
 SEQ = 16
 

@@ -17,7 +17,7 @@ import torch
 from experiments.hfdata import HFTextData, spec_of
 from experiments.tracking import read_metrics
 
-from _hf_data import save_tokenizer, write_corpus
+from hf_data import save_tokenizer, write_corpus
 from _hf_tiny import save_tiny
 from test_resume import ROOT, _env
 
