@@ -1,0 +1,35 @@
+"""The fixed-cost fit: pure functions on numbers, and one short measurement on two ranks."""
+from __future__ import annotations
+
+import pytest
+
+from engine.overhead import _fit_line, fit_action_cost, measure_fixed_costs
+from engine.schedules import build_schedule
+from engine.simulate import simulate
+
+
+def test_fit_line_recovers_latency_and_rate():
+    lat, rate = 50e-6, 2e9
+    pts = [(n, lat + n / rate) for n in (256, 65536, 1 << 20)]
+    got_lat, got_rate = _fit_line(pts)
+    assert got_lat == pytest.approx(lat, rel=1e-6)
+    assert got_rate == pytest.approx(rate, rel=1e-6)
+
+
+@pytest.mark.parametrize("a", [1e-5, 3e-4, 2e-3])
+def test_fit_action_cost_inverts_the_simulator(a):
+    lat = 8e-5
+    t = {m: simulate(build_schedule("1f1b", 2, m), forward_s=a, backward_s=a, comm_s=lat).step_s
+         + 0.004 for m in (16, 32)}                       # + a per-step constant
+    assert fit_action_cost(16, t[16], 32, t[32], latency_s=lat) == pytest.approx(a, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_measure_fixed_costs_runs_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPESHARD_CACHE_DIR", str(tmp_path))
+    costs = measure_fixed_costs(microbatches=(4, 8), steps=3)
+    assert costs["action_s"] > 0 and costs["link_bytes_per_s"] > 0
+    assert set(costs["optimizer_s_per_byte"]) == {"sgd", "adam", "adamw"}
+    assert all(v > 0 for v in costs["optimizer_s_per_byte"].values())
+    assert list(tmp_path.iterdir())                      # cached ...
+    assert measure_fixed_costs(microbatches=(4, 8), steps=3) == costs   # ... and read back
