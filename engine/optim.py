@@ -2,13 +2,15 @@
 
 A backend owns everything between "gradients were produced on this rank" and "parameters were
 updated": loss scaling, the data-parallel gradient average, global gradient-norm clipping, the
-non-finite check and the update. The runtime only calls the protocol, so the DeepSpeed backend
-(``engine.zero``, imported lazily) plugs in through :func:`make_optimizer`.
+non-finite check and the update. The runtime only calls the protocol; ``engine.backend.make_optimizer``
+picks this module's torch backend or the DeepSpeed one (``engine.zero``). What both backends
+share lives here: the config, the lr schedule, the fp16 loss scaler and the torch optimizer.
 
 Example::
 
     cfg = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, grad_clip=1.0)
-    opt = make_optimizer(cfg, nn.ModuleDict({"0": layer0}), mesh, microbatches=4)
+    opt = TorchStageOptimizer(cfg, dict(nn.ModuleDict({"0": layer0}).named_parameters()), mesh,
+                              microbatches=4)
     opt.backward([opt.scale_loss(loss)], None)
     skipped, grad_norm = opt.step()
 """
@@ -22,10 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["OptimizerConfig", "StageOptimizer", "TorchStageOptimizer", "NonFiniteError",
-           "lr_at", "make_optimizer", "resolve_backend", "PRECISIONS"]
+from engine import choices
+from engine.choices import PRECISIONS
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+__all__ = ["OptimizerConfig", "StageOptimizer", "TorchStageOptimizer", "NonFiniteError",
+           "LossScaler", "lr_at", "make_torch_optimizer", "resolve_backend",
+           "check_optimizer_config", "PRECISIONS"]
+
 _BUCKET_BYTES = 32 * 2**20
 
 
@@ -65,9 +70,80 @@ def lr_at(config: OptimizerConfig, step: int) -> float:
     return config.lr * (lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
+class LossScaler:
+    """The fp16 dynamic loss scale both backends use (torch.amp.GradScaler's defaults).
+
+    Starts at ``init_scale``; an overflow halves it, never below ``min_scale`` (1.0, as
+    DeepSpeed's scaler); ``growth_interval`` clean steps in a row double it. Disabled (fp32,
+    bf16) it stays 1.0.
+
+    >>> s = LossScaler(enabled=True, init_scale=4.0)
+    >>> s.update(overflow=True); s.update(overflow=True); s.update(overflow=True); s.scale
+    1.0
+    """
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000,
+                 min_scale: float = 1.0):
+        self.enabled = enabled
+        self.scale = float(init_scale) if enabled else 1.0
+        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self.good_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        """After a step: halve on overflow (to the floor), double after a clean interval."""
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= 2.0
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"loss_scale": float(self.scale), "good_steps": self.good_steps}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.scale = float(sd.get("loss_scale", self.scale))
+        self.good_steps = int(sd.get("good_steps", 0))
+
+
+def check_optimizer_config(config: OptimizerConfig) -> str:
+    """Check the name, ZeRO stage and backend of ``config``; returns the resolved backend."""
+    choices.check_optimizer_name(config.name)
+    choices.check_zero_stage(config.zero_stage)
+    return resolve_backend(config)
+
+
+def make_torch_optimizer(config: OptimizerConfig, params: Sequence[Tensor], *,
+                         foreach: bool | None = None) -> torch.optim.Optimizer:
+    """The torch optimizer ``config`` names over ``params``, at the schedule's first lr.
+
+    >>> opt = make_torch_optimizer(OptimizerConfig(name="sgd", lr=0.1), [torch.zeros(2, requires_grad=True)])
+    """
+    c, name = config, choices.check_optimizer_name(config.name)
+    lr = lr_at(c, 0)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=c.momentum, weight_decay=c.weight_decay,
+                               foreach=foreach)
+    cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+    return cls(params, lr=lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay,
+               foreach=foreach)
+
+
 @runtime_checkable
 class StageOptimizer(Protocol):
-    """What the runtime needs from an optimizer backend (torch or DeepSpeed)."""
+    """What the runtime needs from an optimizer backend (torch or DeepSpeed).
+
+    ``backend`` names it; ``accepts_gradient_edges`` says whether ``backward`` takes autograd
+    ``GradientEdge`` roots (the graph-node I/W split of zero-bubble schedules); otherwise the
+    runtime splits backward by per-layer graph cuts.
+    """
+
+    backend: str
+    accepts_gradient_edges: bool
 
     def scale_loss(self, loss: Tensor) -> Tensor: ...            # loss / m * loss_scale
     def backward(self, tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor] | None,
@@ -83,36 +159,7 @@ class StageOptimizer(Protocol):
 
 def resolve_backend(config: OptimizerConfig) -> str:
     """``"torch"`` or ``"deepspeed"`` for a config (auto: deepspeed iff zero_stage > 0)."""
-    if config.backend not in ("auto", "torch", "deepspeed"):
-        raise ValueError(f"optimizer.backend must be auto, torch or deepspeed, got "
-                         f"{config.backend!r}")
-    if config.backend == "auto":
-        return "deepspeed" if config.zero_stage > 0 else "torch"
-    if config.backend == "torch" and config.zero_stage > 0:
-        raise ValueError(f"zero_stage={config.zero_stage} needs backend='deepspeed' (or 'auto'); "
-                         "the torch backend does not shard optimizer state")
-    return config.backend
-
-
-def make_optimizer(config: OptimizerConfig, module: torch.nn.Module, mesh: Any, *,
-                   microbatches: int, precision: str = "fp32", nonfinite: str = "raise",
-                   norm_skip: Iterable[str] = ()) -> StageOptimizer:
-    """Build this rank's optimizer backend.
-
-    ``module``: this rank's layers, e.g. ``nn.ModuleDict({"3": layer3, "4": layer4})``, so that
-    parameter names are ``"<global layer>.<param name>"`` (checkpoints re-split by these names);
-    ``norm_skip``: names counted elsewhere in the global norm (the second copy of a tied
-    parameter). The DeepSpeed backend is imported only when selected.
-    """
-    if resolve_backend(config) == "deepspeed":
-        from engine.zero import DeepSpeedStageOptimizer  # lazy: DeepSpeed is heavy
-        return DeepSpeedStageOptimizer(config, module, dp_group=mesh.dp_group,
-                                       pipeline_group=mesh.pipeline_group,
-                                       microbatches=microbatches, precision=precision,
-                                       nonfinite=nonfinite, norm_skip=norm_skip)
-    return TorchStageOptimizer(config, dict(module.named_parameters()), mesh,
-                               microbatches=microbatches, precision=precision,
-                               nonfinite=nonfinite, norm_skip=norm_skip)
+    return choices.resolve_backend(config.backend, int(config.zero_stage))
 
 
 class TorchStageOptimizer:
@@ -121,14 +168,14 @@ class TorchStageOptimizer:
     loss scaling and the non-finite policy. Gradients stay in ``.grad`` after :meth:`step` (as
     used by the update, for inspection) and are cleared by :meth:`zero_grad`."""
 
+    backend = "torch"
+    accepts_gradient_edges = True
+
     def __init__(self, config: OptimizerConfig, named_params: Mapping[str, Tensor], mesh: Any, *,
                  microbatches: int, precision: str = "fp32", nonfinite: str = "raise",
-                 norm_skip: Iterable[str] = (), init_loss_scale: float = 2.0**16,
-                 scale_growth_interval: int = 2000):
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+                 norm_skip: Iterable[str] = ()):
+        choices.check_precision(precision)
+        choices.check_nonfinite(nonfinite)
         self.config, self.mesh, self.m = config, mesh, microbatches
         self.precision, self.nonfinite = precision, nonfinite
         self.named = {n: p for n, p in named_params.items() if p.requires_grad}
@@ -136,22 +183,13 @@ class TorchStageOptimizer:
         self.params = list(self.named.values())
         self.steps = 0               # optimizer steps taken (skips excluded)
         self.attempts = 0            # step() calls
-        self.loss_scale = init_loss_scale if precision == "fp16" else 1.0
-        self.growth_interval, self._good_steps = scale_growth_interval, 0
-        self.opt = self._make_torch_optimizer()
+        self.scaler = LossScaler(precision == "fp16")
+        self.opt = make_torch_optimizer(config, self.params or [torch.nn.Parameter(torch.zeros(0))])
 
-    def _make_torch_optimizer(self) -> torch.optim.Optimizer:
-        c, params = self.config, self.params or [torch.nn.Parameter(torch.zeros(0))]
-        lr = lr_at(c, 0)
-        if c.name == "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=c.momentum, weight_decay=c.weight_decay)
-        if c.name == "adam":
-            return torch.optim.Adam(params, lr=lr, betas=tuple(c.betas), eps=c.eps,
-                                    weight_decay=c.weight_decay)
-        if c.name == "adamw":
-            return torch.optim.AdamW(params, lr=lr, betas=tuple(c.betas), eps=c.eps,
-                                     weight_decay=c.weight_decay)
-        raise ValueError(f"optimizer name must be sgd, adam or adamw, got {c.name!r}")
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 in fp32 / bf16)."""
+        return self.scaler.scale
 
     # ---- protocol ----------------------------------------------------------------------------
     def scale_loss(self, loss: Tensor) -> Tensor:
@@ -193,8 +231,7 @@ class TorchStageOptimizer:
             norm, bad_stages = None, self._local_nonfinite()
         if bad_stages:
             if self.precision == "fp16":
-                self.loss_scale /= 2.0
-                self._good_steps = 0
+                self.scaler.update(overflow=True)
                 return True, None
             if self.nonfinite == "raise":
                 raise NonFiniteError(
@@ -211,10 +248,7 @@ class TorchStageOptimizer:
             group["lr"] = lr_at(self.config, self.steps)
         self.opt.step()
         self.steps += 1
-        if self.precision == "fp16":
-            self._good_steps += 1
-            if self._good_steps % self.growth_interval == 0:
-                self.loss_scale *= 2.0
+        self.scaler.update(overflow=False)
         return False, norm
 
     def _grad(self, p: Tensor) -> Tensor:
@@ -285,7 +319,7 @@ class TorchStageOptimizer:
                 state[name] = {k: (v.detach().clone() if isinstance(v, Tensor) else v)
                                for k, v in st.items()}
         return {"state": state, "steps": self.steps, "attempts": self.attempts,
-                "loss_scale": self.loss_scale, "good_steps": self._good_steps}
+                **self.scaler.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Load the entries of ``sd["state"]`` for this rank's parameter names (others ignored)."""
@@ -295,8 +329,7 @@ class TorchStageOptimizer:
                                      for k, v in sd["state"][name].items()}
         self.steps = int(sd.get("steps", 0))
         self.attempts = int(sd.get("attempts", self.steps))
-        self.loss_scale = float(sd.get("loss_scale", self.loss_scale))
-        self._good_steps = int(sd.get("good_steps", 0))
+        self.scaler.load_state_dict(sd)
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.config, self.steps)
 

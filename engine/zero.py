@@ -36,10 +36,11 @@ Precision
 Parameters stay fp32 in every precision (fp32 master weights; the runtime runs forward under
 ``torch.autocast`` for bf16/fp16). DeepSpeed's own bf16/fp16 modes are not used: they cast the
 module to 16-bit, which would drop the fp32 master copy the runtime's autocast relies on, and
-DeepSpeed's fused fp16 path expects an accelerator. fp16 uses this module's dynamic loss scaler:
-``scale_loss`` multiplies by the current scale, DeepSpeed is told the scale
-(``override_loss_scale``) so it unscales before clipping, and the scale halves after a skipped
-step and doubles after ``growth_interval`` clean ones. For ZeRO-0 (DeepSpeed's plain optimizer
+DeepSpeed's fused fp16 path expects an accelerator. fp16 uses the engine's one dynamic loss
+scaler (``engine.optim.LossScaler``, shared with the torch backend): ``scale_loss`` multiplies by
+the current scale, DeepSpeed is told the scale (``override_loss_scale``) so it unscales before
+clipping, and the scale halves after a skipped step (never below 1.0) and doubles after
+``growth_interval`` clean ones. For ZeRO-0 (DeepSpeed's plain optimizer
 path) this module checks finiteness, unscales and clips itself, with the same global reductions.
 
 Restrictions
@@ -74,10 +75,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from engine.choices import check_nonfinite, check_precision
+from engine.optim import LossScaler, NonFiniteError, check_optimizer_config, lr_at, make_torch_optimizer
+
 __all__ = ["DeepSpeedStageOptimizer", "ZeroMpu"]
 
-_PRECISIONS = ("fp32", "bf16", "fp16")
-_OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 class ZeroMpu:
@@ -118,13 +120,6 @@ class ZeroMpu:
         return dist.get_process_group_ranks(self._pp)[0]
 
 
-def _lr_at(config: Any, step: int) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): the runtime's one schedule."""
-    from engine.optim import lr_at  # light; imported here so engine.optim may import us lazily
-
-    return float(lr_at(config, step))
-
-
 def _ensure_deepspeed_env() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -138,6 +133,28 @@ def _as_list(x: Any) -> list:
     return list(x)
 
 
+def _check_layout(module: nn.Module, stage: int, microbatches: int, norm_skip: set[str],
+                  dp_group: Any, pipeline_group: Any) -> None:
+    """Refuse what this backend cannot run, before DeepSpeed is imported."""
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    if norm_skip and stage == 2:
+        raise ValueError(
+            "zero_stage=2 cannot be used with parameters tied across pipeline stages "
+            f"({sorted(norm_skip)}): their gradients must be summed between the stages "
+            "before the step, but ZeRO-2 reduce-scatters every gradient over the "
+            "data-parallel group as soon as backward produces it. Use zero_stage=1, or untie.")
+    if dp_group is None or pipeline_group is None:
+        raise ValueError("DeepSpeedStageOptimizer needs torch.distributed initialised and the "
+                         "mesh's dp_group and pipeline_group; for one process use the torch "
+                         "backend (optimizer.backend='torch', zero_stage=0)")
+    for p in module.parameters():
+        if p.dtype != torch.float32:
+            raise ValueError("DeepSpeedStageOptimizer keeps fp32 master weights in the module: "
+                             f"found a {p.dtype} parameter; build the layers in fp32 and use "
+                             "precision='bf16'/'fp16' (autocast) instead")
+
+
 class DeepSpeedStageOptimizer:
     """StageOptimizer over DeepSpeed ZeRO 0/1/2 for this rank's module (all of its chunks).
 
@@ -147,51 +164,21 @@ class DeepSpeedStageOptimizer:
                                       pipeline_group=pp, microbatches=4, precision="bf16")
     """
 
-    def __init__(self, config: Any, module: nn.Module, *, dp_group: Any, pipeline_group: Any,
-                 microbatches: int, precision: str, total_steps: int | None = None,
-                 nonfinite: str = "raise", norm_skip: Iterable[str] = ()) -> None:
-        if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
-        if precision not in _PRECISIONS:
-            raise ValueError(f"precision {precision!r} is not supported; use one of {_PRECISIONS}")
-        name = str(config.name).lower()
-        if name not in _OPTIMIZERS:
-            raise ValueError(f"optimizer {config.name!r} is not supported; use one of {_OPTIMIZERS}")
-        stage = int(config.zero_stage)
-        if stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage={stage} is not supported; use 0, 1 or 2 "
-                             "(ZeRO-3 partitions parameters, which a pipeline stage needs whole)")
-        if microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-        norm_skip = set(norm_skip)
-        if norm_skip and stage == 2:
-            raise ValueError(
-                "zero_stage=2 cannot be used with parameters tied across pipeline stages "
-                f"({sorted(norm_skip)}): their gradients must be summed between the stages "
-                "before the step, but ZeRO-2 reduce-scatters every gradient over the "
-                "data-parallel group as soon as backward produces it. Use zero_stage=1, or untie.")
-        if dp_group is None or pipeline_group is None:
-            raise ValueError("DeepSpeedStageOptimizer needs torch.distributed initialised and the "
-                             "mesh's dp_group and pipeline_group; for one process use the torch "
-                             "backend (optimizer.backend='torch', zero_stage=0)")
-        for p in module.parameters():
-            if p.dtype != torch.float32:
-                raise ValueError("DeepSpeedStageOptimizer keeps fp32 master weights in the module: "
-                                 f"found a {p.dtype} parameter; build the layers in fp32 and use "
-                                 "precision='bf16'/'fp16' (autocast) instead")
-        _ensure_deepspeed_env()
-        import deepspeed  # lazy: heavy, and only this module may import it
+    backend = "deepspeed"
+    accepts_gradient_edges = False  # DeepSpeed's hooks filter backward roots by requires_grad
 
-        self.config = config
-        self.module = module
-        self.name = name
-        self.zero_stage = stage
-        self.microbatches = int(microbatches)
-        self.precision = precision
-        self.total_steps = total_steps
-        self.dp_group = dp_group
-        self.pipeline_group = pipeline_group
-        self.nonfinite = nonfinite
+    def __init__(self, config: Any, module: nn.Module, *, dp_group: Any, pipeline_group: Any,
+                 microbatches: int, precision: str, nonfinite: str = "raise",
+                 norm_skip: Iterable[str] = ()) -> None:
+        check_nonfinite(nonfinite)
+        check_precision(precision)
+        check_optimizer_config(config)
+        norm_skip = set(norm_skip)
+        _check_layout(module, int(config.zero_stage), microbatches, norm_skip, dp_group, pipeline_group)
+        self.config, self.module, self.name = config, module, str(config.name).lower()
+        self.zero_stage, self.microbatches = int(config.zero_stage), int(microbatches)
+        self.precision, self.nonfinite = precision, nonfinite
+        self.dp_group, self.pipeline_group = dp_group, pipeline_group
         self.grad_clip = float(config.grad_clip) if config.grad_clip else 0.0
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
@@ -205,16 +192,28 @@ class DeepSpeedStageOptimizer:
             # The second copy of a parameter tied across stages: DeepSpeed leaves it out of the
             # norm (its own pipeline engine's mechanism for tied weights).
             p.ds_pipe_replicated = id(p) in self._norm_skip
-
-        # fp16 dynamic loss scale (torch.amp.GradScaler's defaults).
-        self.loss_scale = 2.0 ** 16 if precision == "fp16" else 1.0
-        self.growth_interval = 2000
-        self._good_steps = 0
+        self.scaler = LossScaler(precision == "fp16")
         self._applied_steps = 0
-
-        base = self._make_torch_optimizer()
         self._last_norm: float | None = None
         self._last_overflow = False
+        self._initialize_deepspeed()
+        if self.zero_stage > 0 and precision == "fp16":
+            self._ds_opt.override_loss_scale(self.loss_scale)
+        self._set_lr(lr_at(config, 0))
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 in fp32 / bf16)."""
+        return self.scaler.scale
+
+    # ------------------------------------------------------------------ construction helpers
+    def _initialize_deepspeed(self) -> None:
+        """Wrap a torch optimizer over this rank's parameters in DeepSpeed's engine."""
+        _ensure_deepspeed_env()
+        import deepspeed  # lazy: heavy, and only this module may import it
+
+        stage = self.zero_stage
+        base = make_torch_optimizer(self.config, self._params, foreach=False)
         if stage == 0:
             base.step = self._wrap_plain_step(base.step)  # type: ignore[method-assign]
         ds_config = {
@@ -235,24 +234,11 @@ class DeepSpeedStageOptimizer:
         gc.disable()
         try:
             self.engine, self._ds_opt, _, _ = deepspeed.initialize(
-                model=module, optimizer=base, config=ds_config,
-                mpu=ZeroMpu(dp_group, pipeline_group), dist_init_required=False)
+                model=self.module, optimizer=base, config=ds_config,
+                mpu=ZeroMpu(self.dp_group, self.pipeline_group), dist_init_required=False)
         finally:
             gc.enable()
         self._base = base
-        if stage > 0 and precision == "fp16":
-            self._ds_opt.override_loss_scale(self.loss_scale)
-        self._set_lr(_lr_at(config, 0))
-
-    # ------------------------------------------------------------------ construction helpers
-    def _make_torch_optimizer(self) -> torch.optim.Optimizer:
-        c = self.config
-        if self.name == "sgd":
-            return torch.optim.SGD(self._params, lr=c.lr, momentum=c.momentum,
-                                   weight_decay=c.weight_decay, foreach=False)
-        cls = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
-        return cls(self._params, lr=c.lr, betas=tuple(c.betas), eps=c.eps,
-                   weight_decay=c.weight_decay, foreach=False)
 
     def _wrap_plain_step(self, inner_step):
         """ZeRO-0: DeepSpeed all-reduced the full grads; add overflow skip, unscale and clipping."""
@@ -302,7 +288,11 @@ class DeepSpeedStageOptimizer:
         ins = list(inputs) if inputs is not None else None
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=ins,
                                 retain_graph=retain_graph)
-        if ins is None or any(id(x) in self._names for x in ins):
+        # ZeRO-2's epilogue flushes what its gradient hooks bucketed since the last step; a
+        # backward that reached no parameter yet (a chunk without any) has nothing to flush, and
+        # DeepSpeed has not even allocated the bucket then (`ready_for_gradients` is False).
+        touched = self.zero_stage < 2 or getattr(self._ds_opt, "ready_for_gradients", True)
+        if touched and (ins is None or any(id(x) in self._names for x in ins)):
             self.engine.allreduce_gradients()
 
     def zero_grad(self) -> None:
@@ -322,7 +312,7 @@ class DeepSpeedStageOptimizer:
         self._attempts += 1
         self._last_norm, self._last_overflow = None, False
         previous_lr = self.lr()
-        self._set_lr(_lr_at(self.config, self._applied_steps))
+        self._set_lr(lr_at(self.config, self._applied_steps))
         self.engine.step()
         if self.zero_stage > 0:
             overflow = bool(getattr(self._ds_opt, "overflow", False))
@@ -336,7 +326,6 @@ class DeepSpeedStageOptimizer:
                 p.grad = None
         self._update_loss_scale(overflow)
         if overflow and self.precision != "fp16" and self.nonfinite == "raise":
-            from engine.optim import NonFiniteError
             raise NonFiniteError(
                 f"non-finite gradient at optimizer step {self._attempts - 1} (found by the global "
                 "check over all stages and replicas; rank "
@@ -391,8 +380,7 @@ class DeepSpeedStageOptimizer:
             if entry:
                 per_param[self._names[id(p)]] = entry
         return {"optimizer": self.name, "state": per_param, "steps": self._applied_steps,
-                "attempts": self._attempts, "loss_scale": float(self.loss_scale),
-                "good_steps": self._good_steps}
+                "attempts": self._attempts, **self.scaler.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Load state from either backend's ``state_dict()`` (any split or replica count).
@@ -421,11 +409,10 @@ class DeepSpeedStageOptimizer:
         self._applied_steps = steps
         self._attempts = int(sd.get("attempts", steps))
         self._set_step_counters(steps)
-        self.loss_scale = float(sd.get("loss_scale", self.loss_scale))
-        self._good_steps = int(sd.get("good_steps", 0))
+        self.scaler.load_state_dict(sd)
         if self.zero_stage > 0 and self.precision == "fp16":
             self._ds_opt.override_loss_scale(self.loss_scale)
-        self._set_lr(_lr_at(self.config, self._applied_steps))
+        self._set_lr(lr_at(self.config, self._applied_steps))
 
     # ------------------------------------------------------------------ internals
     def _set_lr(self, lr: float) -> None:
@@ -434,17 +421,8 @@ class DeepSpeedStageOptimizer:
             g["lr"] = lr
 
     def _update_loss_scale(self, overflow: bool) -> None:
-        if self.precision != "fp16":
-            return
-        if overflow:
-            self.loss_scale = max(self.loss_scale / 2.0, 1.0)
-            self._good_steps = 0
-        else:
-            self._good_steps += 1
-            if self._good_steps >= self.growth_interval:
-                self.loss_scale *= 2.0
-                self._good_steps = 0
-        if self.zero_stage > 0:
+        self.scaler.update(overflow)
+        if self.zero_stage > 0 and self.precision == "fp16":
             self._ds_opt.override_loss_scale(self.loss_scale)
 
     def _state_keys(self) -> list[str]:
@@ -491,13 +469,13 @@ class DeepSpeedStageOptimizer:
         groups = self._base.param_groups if self.zero_stage == 0 else self._ds_opt.param_groups
         for g in groups:
             g["lr"] = 0.0
-        scale, self.loss_scale = self.loss_scale, 1.0
+        scale, self.scaler.scale = self.scaler.scale, 1.0
         if self.zero_stage > 0 and self.precision == "fp16":
             self._ds_opt.override_loss_scale(1.0)
         zero = sum((p * 0.0).sum() for p in self._params)
         self.backward([zero])
         self.engine.step()
-        self.loss_scale = scale
+        self.scaler.scale = scale
         with torch.no_grad():
             for p, s in zip(self._params, saved):
                 p.copy_(s)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from experiments.config import get_field
+from experiments.fields import choice_text, get_field
 from experiments.hfdata.files import iter_texts, load_documents, resolve_files
 from experiments.hfdata.layout import DataError, Holdout, ShardLayout
 from experiments.hfdata.packed import PackedShard, TokenTable, assign_documents, blocks_in
@@ -68,8 +68,6 @@ class HFDataSpec:
 
 def spec_of(cfg: Any, data: Any = None) -> HFDataSpec:
     """The spec of a whole experiment config; `data` (default `cfg.data`) as `prepare` returned it."""
-    from experiments.config import choice_text
-
     data = get_field(cfg, "data") if data is None else data
     shards = get_field(data, "shards")
     files = get_field(data, "files")

@@ -207,7 +207,6 @@ def test_keep_last_and_resave(tmp_path):
 
 WRITER = textwrap.dedent("""
     import os, sys, time
-    sys.path.insert(0, {root!r})
     import torch
     import engine.checkpoint as ck
     root, kill_at = sys.argv[1], int(sys.argv[2])
@@ -230,8 +229,9 @@ WRITER = textwrap.dedent("""
 def test_writer_killed_mid_checkpoint_leaves_previous_loadable(tmp_path, kill_at, after):
     root = tmp_path / "ckpt"
     script = tmp_path / "writer.py"
-    script.write_text(WRITER.format(root=str(ROOT)))
-    proc = subprocess.Popen([sys.executable, str(script), str(root), str(kill_at)])
+    script.write_text(WRITER.format())  # (the template escapes its braces)
+    proc = subprocess.Popen([sys.executable, str(script), str(root), str(kill_at)],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
     signal_file = tmp_path / "signal"
     deadline = time.time() + 120
     while not signal_file.exists():
@@ -262,9 +262,8 @@ def test_writer_killed_mid_checkpoint_leaves_previous_loadable(tmp_path, kill_at
 def test_zero_run_resumes_resplit_and_equals_uninterrupted(tmp_path, zero_before, zero_after):
     """2 stages x 2 replicas with ZeRO, checkpoint after 2 steps, resume as 3 stages x 1 replica
     (and with another backend): the third step equals the uninterrupted run's."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from dist_helpers import run_workers
     from _zero_harness import runtime_resume_job
+    from dist_helpers import run_workers
 
     full = run_workers(runtime_resume_job, 4, 2, 2, zero_before, 3, None, None, timeout_s=300)
     run_workers(runtime_resume_job, 4, 2, 2, zero_before, 2, str(tmp_path), None, timeout_s=300)
