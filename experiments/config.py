@@ -322,6 +322,7 @@ class BenchConfig:
     methods: List[str] = field(default_factory=lambda: ["optimal", "uniform", "parameters"])  # splits compared
     timeout_s: float = 600.0  # per-system limit
     rounds: int = 1  # repeat every system this many times in alternating order (pools timings)
+    overhead: bool = False  # true: the overhead benchmark instead (near-free layers, m=32, p=2 and 4: cost per action)
 
 
 @dataclass
