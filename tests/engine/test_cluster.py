@@ -14,9 +14,9 @@ _KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLUR
 @pytest.fixture
 def env(monkeypatch):
     import os
-    for k in list(os.environ):
-        if k in _KEYS or k.startswith("SUBMITIT_"):
-            monkeypatch.delenv(k)
+    for k in {*_KEYS, *(k for k in os.environ if k.startswith("SUBMITIT_"))}:
+        monkeypatch.setenv(k, "")  # recorded, so that what export_env sets is undone too
+        monkeypatch.delenv(k)
     return monkeypatch
 
 
