@@ -221,6 +221,7 @@ def test_fine_tune_export_round_trip(dirs, tmp_path):
     from experiments.data import make_dataset
     from experiments.models import build_model, compose
     from experiments.models.gpt import lm_loss
+    from experiments.tracking import read_metrics
     from experiments.train import run
 
     run_dir = tmp_path / "run"
@@ -229,7 +230,7 @@ def test_fine_tune_export_round_trip(dirs, tmp_path):
                          "train.steps=3", "checkpoint.every_steps=3", "train.eval_batches=2", "logger.progress=false",
                          "logger.timeline=false")
     run(cfg, run_dir)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)  # the step records (checkpoint events are written too)
     eval_loss = records[-1]["eval_loss"]
     out = tmp_path / "exported"
     _module("experiments.export_hf", f"checkpoint={run_dir}", f"out={out}", "max_shard_size=60KB")
