@@ -62,10 +62,11 @@ def test_pipeline_kwargs_validates_first(compose_cfg):
 
 
 def _fake_checkpoint(root, step: int) -> None:
-    d = root / f"step_{step:06d}"
-    d.mkdir(parents=True)
-    (d / "manifest.json").write_text("{}")
-    (root / "latest").write_text(d.name)
+    """A real (one-tensor) checkpoint: resuming skips directories that are not complete ones."""
+    import torch
+
+    from engine.checkpoint import save_checkpoint
+    save_checkpoint(root, step, layers={0: {"w": torch.zeros(1)}}, num_layers=1)
 
 
 def test_checkpoint_root_and_resume_modes(compose_cfg, tmp_path):
