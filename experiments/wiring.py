@@ -174,11 +174,13 @@ def resume_checkpoint(cfg: Any, run_dir: str | os.PathLike) -> Path | None:
         return None
     if text.lower() in _YES:
         from engine.checkpoint import find_resumable
+        from engine.cluster import restart_count
         from experiments.recovery import skipped_messages
 
         found, skipped = find_resumable(checkpoint_root(cfg, run_dir))
-        for line in skipped_messages(skipped):
-            print(line, flush=True)
+        if restart_count() == 0:  # on a restart (torchrun's) the restart announcement names them
+            for line in skipped_messages(skipped):
+                print(line, flush=True)
         return found
     path = Path(text)
     if (path / MANIFEST).is_file():

@@ -102,4 +102,5 @@ def test_torchrun_max_restarts_resumes_and_equals_uninterrupted(tmp_path, full):
     restarts = [r for r in read_metrics(killed, events=True) if r.get("event") == "restart"]
     assert [r["attempt"] for r in restarts] == [1] and restarts[0]["resumed_from_step"] in (2, 4), out[-4000:]
     assert f"restart 1: resumed from step_{restarts[0]['resumed_from_step']:06d}" in out
+    assert out.count("skipping checkpoint") == len(restarts[0]["skipped"])  # named once
     _assert_equal_runs(full, killed)
