@@ -352,6 +352,7 @@ class Pipeline:
         self.optimizer.zero_grad()
         stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose)
         t1 = time.perf_counter()
+        self.optimizer.sync_gradients()   # replicas first: it waits for the overlapped buckets
         for group, prm in self._tie_groups:
             if prm.grad is None:
                 prm.grad = torch.zeros_like(prm)

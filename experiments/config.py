@@ -226,6 +226,10 @@ class OptimConfig:
     grad_clip: Optional[float] = None  # clip the global gradient norm (whole pipeline); null = off
     zero_stage: int = 0  # DeepSpeed ZeRO stage over the data-parallel group: 0, 1 or 2
     backend: OptimizerBackend = OptimizerBackend["auto"]  # auto | torch | deepspeed (auto: deepspeed iff zero_stage > 0)
+    # torch backend with data_parallel > 1: all-reduce gradient buckets over the replicas during the
+    # last backward, as soon as each is final (DDP's overlap); false: one reduction after the schedule
+    overlap_grad_reduce: bool = True
+    grad_bucket_mb: float = 25.0  # size of a data-parallel all-reduce bucket (DDP's bucket_cap_mb)
 
 
 @dataclass

@@ -78,7 +78,9 @@ def _worker(cases):
                         loss_fn=nn.functional.mse_loss, schedule=case["schedule"],
                         microbatches=case["m"], virtual_stages=v,
                         data_parallel=case.get("d", 1), seed=SEED,
-                        optimizer=OptimizerConfig(name="sgd", lr=LR, momentum=MOMENTUM),
+                        optimizer=OptimizerConfig(name="sgd", lr=LR, momentum=MOMENTUM,
+                                                  overlap_grad_reduce=case.get("overlap", True),
+                                                  grad_bucket_mb=case.get("bucket_mb", 25.0)),
                         activation_checkpointing=case.get("ckpt", False), comm_timeout_s=30,
                         ties=TIES if case.get("tie") else (), max_inflight=case.get("cap"))
         losses, grads, stats = [], [], []
@@ -87,7 +89,8 @@ def _worker(cases):
             r = pipe.train_step(x, y)
             losses.append(r.loss)
             grads.append(pipe.optimizer.full_grads())
-            stats.append(r.stats)
+            stats.append(dict(r.stats, early_buckets=getattr(getattr(pipe.optimizer, "reducer", None),
+                                                             "launched_early", None)))
         params = {f"{i}.{n}": t.detach().clone()
                   for i, ps in pipe.named_layer_parameters().items() for n, t in ps.items()}
         out.append({"losses": losses, "grads": grads, "params": params, "stats": stats,
@@ -120,6 +123,10 @@ def _check(case, per_rank):
     for res in per_rank:
         assert res["losses"] == pytest.approx(ref["losses"], rel=RTOL, abs=ATOL), name
         assert res["eval"] == pytest.approx(ref["eval"], rel=RTOL, abs=ATOL), name
+    if isinstance(case, dict) and case.get("bucket_mb", 25.0) < 1e-3:   # buckets started in backward
+        assert all(s["early_buckets"] > 0 for res in per_rank for s in res["stats"]), name
+    if isinstance(case, dict) and not case.get("overlap", True):
+        assert all(s["early_buckets"] is None for res in per_rank for s in res["stats"]), name
     seen_params = set()
     for res in per_rank:
         for step, g in enumerate(res["grads"]):
@@ -173,12 +180,12 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
 def test_parity_four_stages_every_schedule():
     cases = [dict(schedule=s, p=4, m=4) for s in SCHEDS]
     cases += [dict(schedule="interleaved-1f1b", p=4, v=2, m=4),
-              dict(schedule="1f1b", p=2, d=2, m=2),
-              dict(schedule="zb-h1", p=2, d=2, m=4),
+              dict(schedule="1f1b", p=2, d=2, m=2, bucket_mb=1e-4),   # a bucket per tensor: early
+              dict(schedule="zb-h1", p=2, d=2, m=4, overlap=False),
               dict(schedule="interleaved-1f1b", p=4, v=2, m=4, tie=True),   # across ranks
-              dict(schedule="zb-h1", p=2, d=2, m=4, tie=True),              # same rank
+              dict(schedule="zb-h1", p=2, d=2, m=4, tie=True, bucket_mb=1e-4),   # same rank
               dict(schedule="zbv", p=4, v=2, m=8), dict(schedule="zb-h2", p=4, m=6, cap=6),
-              dict(schedule="zbv", p=2, v=2, d=2, m=4, tie=True),
+              dict(schedule="zbv", p=2, v=2, d=2, m=4, tie=True, bucket_mb=1e-4),
               dict(schedule="zb-h2", p=2, d=2, m=4, cap=2)]
     _run_and_check(4, cases)
 
