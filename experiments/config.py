@@ -327,6 +327,7 @@ class BenchConfig:
     timeout_s: float = 600.0  # per-system limit
     rounds: int = 1  # repeat every system this many times in alternating order (pools timings)
     overhead: bool = False  # true: the overhead benchmark instead (near-free layers, m=32, p=2 and 4: cost per action)
+    trace: bool = False  # true: every rank writes a torch.profiler trace of its timed steps (outputs/traces/) and a time-per-category table
 
 
 @dataclass

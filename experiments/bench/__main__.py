@@ -66,7 +66,8 @@ def run(cfg: Any, run_dir: str) -> dict:
     validate_config(cfg)
     if bool(cfg.bench.get("overhead", False)):
         return _run_overhead(cfg, run_dir)
-    result = run_bench(cfg)
+    trace = bool(cfg.bench.get("trace", False))
+    result = run_bench(cfg, trace_dir=str(Path(run_dir) / "traces") if trace else None)
     result["meta"]["command"] = " ".join(["python -m experiments.bench", *sys.argv[1:]])
     paths = write_outputs(result, Path(run_dir))
     rows, m = result["rows"], result["meta"]
@@ -75,6 +76,10 @@ def run(cfg: Any, run_dir: str) -> dict:
     print(format_table([r for r in rows if r.get("section") == "systems"], title=title))
     print(format_prediction_table(rows))
     print("ratios:", json.dumps(result["ratios"], indent=1))
+    if trace:
+        from experiments.bench.trace import format_trace
+        print("ms per microbatch, main thread, from torch.profiler (traces in", Path(run_dir) / "traces", ")")
+        print(format_trace([r for r in rows if r.get("trace")]))
     print(f"load average start {m['load_avg_start']} end {m['load_avg_end']}")
     print("wrote", *map(str, paths))
     return result

@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
+from experiments.bench.trace import traced
 from experiments.bench.measure import launch_fresh, make_row, timed_loop
 from experiments.bench.spec import BenchSpec
 from experiments.wiring import schedule_chunks
@@ -80,6 +81,7 @@ def run_pipeshard(spec: BenchSpec, schedule: str = "1f1b", *, return_params: boo
     """
     v = schedule_chunks(schedule)  # an unknown schedule fails here, naming the ones there are
     p = spec.num_stages
+    spec = traced(spec, f"pipeshard_{schedule}")
     results = launch_fresh(_worker, p, spec, schedule, return_params, options, timeout_s=timeout_s)
     row = make_row("pipeshard", schedule, spec, results, stages=p, microbatches=spec.microbatches,
                    virtual_stages=v)

@@ -53,7 +53,8 @@ def run_peers(spec: BenchSpec, *, systems: Sequence[str] = SYSTEMS, single_modes
     return add_ideal(list(run_jobs(jobs, spec, log=log).values()))
 
 
-def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
+def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None] | None = print,
+              trace_dir: str | None = None) -> dict[str, Any]:
     """The whole ``python -m experiments.bench`` run (see the module docstring); returns
     ``{"rows", "ratios", "prediction", "meta", "plans", "profile"}``."""
     from experiments.bench.problem import bench_spec, plain_config
@@ -71,6 +72,8 @@ def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None]
     meta["model_name"] = spec0.name
     raw_plans = _plans(prof, meta, schedules, methods, link)
     spec = _spec_for_peers(spec0, raw_plans, prof, meta, link)
+    if trace_dir:   # every job profiles its timed steps (experiments/bench/trace.py)
+        spec = dataclasses.replace(spec, trace_dir=trace_dir)
     pipeshard, entries = _entries(systems, schedules, methods, spec, raw_plans)
     jobs = job_table(spec, single_modes=SINGLE_MODES if "single" in systems else (), pipeshard=pipeshard,
                      torch_schedules=_torch_names(schedules) if "torch-pipelining" in systems else (),
