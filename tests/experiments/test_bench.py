@@ -281,3 +281,21 @@ def test_sweep_comparison_and_its_line() -> None:
     table = format_sweep(rows)
     assert table.index("zbv m=8") < table.index("1f1b m=4") < table.index("gpipe m=4") and "boom" in table
     assert "did not run" in comparison_line(sweep_comparison([row("auto", "zbv m=8", 1.0, None, error="x")]))
+
+
+@pytest.mark.slow
+def test_overhead_bench_gives_a_cost_per_action_for_each_engine() -> None:
+    from experiments.bench.overhead import format_overhead, overhead_spec, run_overhead
+
+    spec = overhead_spec(2, 4)
+    assert len(spec.layers) == 4 and spec.microbatches == 4 and tuple(spec.stage_ranges) == ((0, 2), (2, 4))
+    rows = run_overhead(stages=(2,), microbatches=4, rounds=1, steps=2, warmup=1,
+                        systems=("pipeshard", "torch-pipelining"), timeout_s=300, log=None)
+    by = {r["system"]: r for r in rows}
+    assert set(by) == {"pipeshard", "torch-pipelining"}
+    for r in rows:
+        assert r["section"] == "overhead" and r["stages"] == 2
+        assert r["per_action_us"] == pytest.approx(r["step_s"] / 8 * 1e6)
+    assert by["pipeshard"]["fitted_action_us"] > 0 and "fitted_action_us" not in by["torch-pipelining"]
+    table = format_overhead(rows)
+    assert "| 2 | pipeshard |" in table and "| 2 | torch-pipelining |" in table and "1.00 |" in table
