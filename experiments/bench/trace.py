@@ -56,7 +56,9 @@ def traced(spec: Any, tag: str) -> Any:
     """``spec`` with its traces going to ``<trace_dir>/<tag>_<split>`` (unchanged if not tracing)."""
     if not spec.trace_dir:
         return spec
-    split = "-".join(f"{a}_{b}" for a, b in (spec.chunk_ranges or spec.stage_ranges))
+    split = "-".join(f"{a}_{b}" for a, b in spec.stage_ranges)
+    if spec.chunk_ranges:
+        split += "_chunks_" + "-".join(f"{a}_{b}" for a, b in spec.chunk_ranges)
     return dataclasses.replace(spec, trace_dir=os.path.join(spec.trace_dir, f"{tag}_{split}"))
 
 

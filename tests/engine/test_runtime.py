@@ -159,6 +159,9 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     # zbv: a V of 4 chunks (rank 0 holds chunks 0 and 3, so the loss); the tie crosses ranks
     cases += [dict(schedule="zbv", p=2, v=2, m=4), dict(schedule="zb-h2", p=2, m=4),
               dict(schedule="zbv", p=2, v=2, m=3, tie=True, ranges=[(0, 4), (4, 5), (5, 7), (7, 9)])]
+    # per-chunk recomputation (a plan's stage_recompute): chunk 0 only; zbv: rank 0's chunks
+    cases += [dict(schedule="1f1b", p=2, m=4, ckpt=[True, False]),
+              dict(schedule="zbv", p=2, v=2, m=4, ckpt=[True, False, False, True])]
     results = _run_and_check(2, cases)
     stats = results[0][0]["stats"][0]  # rank 0, gpipe, step 0
     for key in ("forward_s", "backward_s", "comm_wait_s", "idle_s", "peak_activation_bytes",
@@ -175,6 +178,10 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     plain = results[0][1]["stats"][0]["peak_activation_bytes"]
     ckpt = results[0][4]["stats"][0]["peak_activation_bytes"]
     assert 0 < ckpt < plain
+    # per chunk: the recomputing rank keeps what checkpointing keeps, the other what plain keeps
+    peak = lambda r, k: results[r][k]["stats"][0]["peak_activation_bytes"]  # noqa: E731
+    assert (peak(0, 9), peak(1, 9)) == (peak(0, 4), peak(1, 1)) and peak(1, 4) < peak(1, 1)
+    assert peak(0, 10) <= peak(0, 6) and peak(1, 10) == peak(1, 6)  # zbv: rank 1 does not recompute
 
 
 def test_parity_four_stages_every_schedule():

@@ -36,7 +36,9 @@ def test_a_traced_run_writes_traces_and_accounts_for_its_wall_time(tmp_path) -> 
     row = run_pipeshard(spec, "1f1b", timeout_s=300)
     assert len(row["trace"]) == 2
     for rank, t in enumerate(row["trace"]):
-        trace = json.loads((tmp_path / "pipeshard_1f1b_0_4-4_8" / f"r{rank}.json").read_text())
+        (run_dir,) = tmp_path.iterdir()
+        assert run_dir.name == "pipeshard_1f1b_v1_m4_capNone_0_4-4_8"
+        trace = json.loads((run_dir / f"r{rank}.json").read_text())
         assert any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
         assert t["compute"] > 0 and t["communication"] > 0
         parts = sum(v for k, v in t.items() if k != "wall")
