@@ -26,12 +26,12 @@ from torch import Tensor
 
 from engine import choices
 from engine.choices import PRECISIONS
+from engine.overlap import GradBucketReducer
 
 __all__ = ["OptimizerConfig", "StageOptimizer", "TorchStageOptimizer", "NonFiniteError",
            "LossScaler", "lr_at", "make_torch_optimizer", "resolve_backend",
            "check_optimizer_config", "PRECISIONS"]
 
-_BUCKET_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -49,6 +49,8 @@ class OptimizerConfig:
     grad_clip: float | None = None       # global norm across the whole pipeline (and replicas)
     zero_stage: int = 0                  # 0, 1, 2 (DeepSpeed)
     backend: str = "auto"                # auto | torch | deepspeed
+    overlap_grad_reduce: bool = True     # torch backend, data_parallel > 1: all-reduce buckets during the last backward
+    grad_bucket_mb: float = 25.0         # data-parallel all-reduce bucket size (DDP's bucket_cap_mb)
 
 
 class NonFiniteError(FloatingPointError):
@@ -155,6 +157,7 @@ class StageOptimizer(Protocol):
     def state_dict(self) -> dict: ...
     def load_state_dict(self, sd: dict) -> None: ...
     def full_grads(self) -> dict[str, Tensor]: ...
+    def sync_gradients(self) -> None: ...     # sum over replicas now (before tied copies are summed)
 
 
 def resolve_backend(config: OptimizerConfig) -> str:
@@ -185,6 +188,10 @@ class TorchStageOptimizer:
         self.attempts = 0            # step() calls
         self.scaler = LossScaler(precision == "fp16")
         self.opt = make_torch_optimizer(config, self.params or [torch.nn.Parameter(torch.zeros(0))])
+        self.bucket_bytes = int(getattr(config, "grad_bucket_mb", 25.0) * 2**20)
+        self.reducer = (GradBucketReducer(self.params, mesh.dp_group, microbatches, bucket_bytes=self.bucket_bytes)
+                        if mesh.data_parallel > 1 and getattr(config, "overlap_grad_reduce", True) else None)
+        self._synced = False
 
     @property
     def loss_scale(self) -> float:
@@ -204,6 +211,22 @@ class TorchStageOptimizer:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        if self.reducer is not None:
+            self.reducer.reset()
+        self._synced = False
+
+    def sync_gradients(self) -> None:
+        """Sum this step's gradients over the replicas (once; ``step`` calls it if nobody did).
+        With ``overlap_grad_reduce`` most buckets were already reduced during the last backward."""
+        if self._synced:
+            return
+        self._synced = True
+        if self.mesh.data_parallel == 1:
+            return
+        if self.reducer is not None:
+            self.reducer.finish()
+        else:
+            self._all_reduce_buckets([self._grad(p) for p in self.params], self.mesh.dp_group)
 
     def lr(self) -> float:
         return float(self.opt.param_groups[0]["lr"])
@@ -216,11 +239,9 @@ class TorchStageOptimizer:
         the same decision). Otherwise each rank checks its own gradients for NaN/inf (same
         reading, no collective) and the norm is reported as None."""
         self.attempts += 1
+        self.sync_gradients()
         grads = [self._grad(p) for p in self.params]
-        d = self.mesh.data_parallel
-        if d > 1:
-            self._all_reduce_buckets(grads, self.mesh.dp_group)
-        div = d * self.loss_scale
+        div = self.mesh.data_parallel * self.loss_scale
         if div != 1.0:
             for g in grads:
                 g.div_(div)
@@ -261,7 +282,7 @@ class TorchStageOptimizer:
         size = 0
         for g in grads + [None]:
             if g is not None and (not bucket or (g.dtype == bucket[0].dtype
-                                                 and size < _BUCKET_BYTES)):
+                                                 and size < self.bucket_bytes)):
                 bucket.append(g)
                 size += g.numel() * g.element_size()
                 continue

@@ -132,6 +132,17 @@ def _check_zero2_ties(ties: Sequence[tuple[str, str]], num_layers: int,
                 "during backward; use zero_stage=1, or untie")
 
 
+def _per_chunk(activation_checkpointing: bool | Sequence[bool], n_chunks: int) -> list[bool]:
+    """``activation_checkpointing`` as one bool per chunk (a single bool applies to all)."""
+    if isinstance(activation_checkpointing, (bool, int)):
+        return [bool(activation_checkpointing)] * n_chunks
+    flags = [bool(x) for x in activation_checkpointing]
+    if len(flags) != n_chunks:
+        raise ValueError(f"activation_checkpointing has {len(flags)} entries for {n_chunks} chunks; "
+                         "give one bool, or one per chunk (num_stages x virtual_stages)")
+    return flags
+
+
 class Pipeline:
     """One rank's view of a pipeline-parallel (x data-parallel) training job.
 
@@ -139,13 +150,15 @@ class Pipeline:
     many upcoming receives are posted ahead of the compute that needs them; ``max_inflight``:
     zb-h2's bound on the microbatches a rank holds. Chunks are placed by the schedule
     (``Schedule.rank_of``: looped, or a V for zbv, whose first and last chunks share rank 0).
+    ``activation_checkpointing``: one bool for every chunk, or one per chunk (global chunk
+    order, e.g. ``Plan.stage_recompute``: recompute only where memory needs it).
     """
 
     def __init__(self, layers: Any, stage_ranges: Sequence[Sequence[int]], *,
                  loss_fn: Callable[[Any, Any], Tensor], schedule: Any = "1f1b",
                  microbatches: int, virtual_stages: int = 1, data_parallel: int = 1,
                  optimizer: OptimizerConfig | None = None, precision: str = "fp32",
-                 activation_checkpointing: bool = False, seed: int = 0,
+                 activation_checkpointing: bool | Sequence[bool] = False, seed: int = 0,
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
                  recv_lookahead: int = 2, diagnose_every: int = 100,
@@ -161,6 +174,7 @@ class Pipeline:
         v, p = sched.virtual_stages, sched.num_stages
         self.ranges = check_stage_ranges(stage_ranges, len(layers), p * v)
         n_chunks = p * v
+        recompute = _per_chunk(activation_checkpointing, n_chunks)
         self.schedule, self.num_stages, self.virtual_stages = sched, p, v
         self.microbatches, self.data_parallel = microbatches, data_parallel
         self.mesh = Mesh(p, data_parallel)
@@ -184,7 +198,7 @@ class Pipeline:
             self.chunks[s] = Chunk(
                 s, start, build_layers(layers, start, stop, seed, self.device),
                 loss_fn=loss_fn if s == n_chunks - 1 else None,
-                activation_checkpointing=activation_checkpointing, autocast=autocast,
+                activation_checkpointing=recompute[s], autocast=autocast,
                 measure_activations=False)
         self._tie_groups: list[tuple[Any, str]] = []
         norm_skip = self._setup_ties(ties)
@@ -352,6 +366,7 @@ class Pipeline:
         self.optimizer.zero_grad()
         stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose)
         t1 = time.perf_counter()
+        self.optimizer.sync_gradients()   # replicas first: it waits for the overlapped buckets
         for group, prm in self._tie_groups:
             if prm.grad is None:
                 prm.grad = torch.zeros_like(prm)

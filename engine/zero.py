@@ -295,6 +295,9 @@ class DeepSpeedStageOptimizer:
         if touched and (ins is None or any(id(x) in self._names for x in ins)):
             self.engine.allreduce_gradients()
 
+    def sync_gradients(self) -> None:
+        """DeepSpeed reduces over the replicas inside its own epilogue and step: nothing here."""
+
     def zero_grad(self) -> None:
         """Drop parameter gradients (``step`` already leaves none behind)."""
         for p in self._params:

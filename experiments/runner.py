@@ -141,7 +141,7 @@ class Trainer:
         self.pipe = Pipeline(self.spec.layers, loss_fn=self.spec.loss_fn,
                              optimizer=OptimizerConfig(**engine_optimizer_kwargs(self.cfg)),
                              **pipeline_kwargs(self.cfg, self.job.stage_ranges, ties=self.spec.ties,
-                                               device=device))
+                                               device=device, recompute=self.plan.stage_recompute))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.p = self.pipe.num_stages
@@ -173,7 +173,7 @@ class Trainer:
         run_dir = Path(self.job.run_dir)
         self.tracker = Tracker(
             run_dir, config={**self.cfg, "plan": {k: getattr(plan, k) for k in (
-                "stage_ranges", "step_s", "bubble_fraction", "method", "predicted_by")}},
+                "stage_ranges", "step_s", "bubble_fraction", "method", "predicted_by", "stage_recompute")}},
             mode=lcfg["mode"], project=lcfg["project"], name=self.job.run_name, entity=lcfg.get("entity"),
             group=lcfg.get("group"), tags=lcfg.get("tags") or (), enabled=self.owner)
         self.show_bar = self.owner and bool(lcfg.get("progress", True))

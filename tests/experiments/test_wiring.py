@@ -98,3 +98,54 @@ def test_make_plan_and_plan_matches(compose_cfg):
     assert not plan_matches(plan, compose_cfg("experiment=smoke", "partitioner.method=uniform", "pipeline.stages=3"), 4)
     assert not plan_matches(plan, compose_cfg("experiment=smoke", "partitioner.method=optimal"), 4)
     assert make_plan(cfg, spec, method="greedy").method == "greedy"
+
+
+def test_search_kwargs_follow_the_config(compose_cfg):
+    from experiments.wiring import search_kwargs
+
+    kw = search_kwargs(compose_cfg("pipeline.schedule=auto", "pipeline.microbatches=auto", "train.batch_size=32",
+                                   "pipeline.data_parallel=2", "partitioner.memory_limit=1GiB"))
+    assert kw["schedules"] is None and kw["microbatches"] is None and kw["batch_per_replica"] == 16
+    assert kw["memory_limit_bytes"] == 2**30 and kw["activation_checkpointing"] == "auto"
+    assert kw["max_inflight"] is None and kw["virtual_stages"] is None and kw["data_parallel"] == 2
+    fixed = search_kwargs(compose_cfg("pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=3",
+                                      "pipeline.microbatches=auto", "pipeline.activation_checkpointing=true"))
+    assert fixed["schedules"] == ["interleaved-1f1b"] and fixed["virtual_stages"] == [3]
+    assert fixed["activation_checkpointing"] is True
+    some = search_kwargs(compose_cfg("pipeline.schedule=auto", "partitioner.search.schedules=[zb-h2,zbv]",
+                                     "pipeline.max_inflight=3", "pipeline.microbatches=8", "train.batch_size=16"))
+    assert some["schedules"] == ["zb-h2", "zbv"] and some["max_inflight"] == [3] and some["microbatches"] == 8
+    params = inspect.signature(partitioner.search).parameters
+    assert set(kw) - {"num_stages", "batch_per_replica"} <= set(params)
+    with pytest.raises(ConfigError, match="pipeline.microbatches=auto has no microbatch size"):
+        microbatch_size(compose_cfg("pipeline.microbatches=auto"))
+
+
+def test_auto_plans_resolve_to_a_plain_layout(compose_cfg):
+    from experiments.config import to_plain_dict, validate_config
+    from experiments.wiring import resolve_layout, search_layout
+
+    cfg = compose_cfg("experiment=smoke", "pipeline.schedule=auto", "pipeline.microbatches=auto",
+                      "partitioner.profile=analytic", "partitioner.device_spec=h100", "train.batch_size=8")
+    spec = build_model(cfg.model)
+    res = search_layout(cfg, spec)
+    assert {c.microbatches for c in res.candidates} == {2, 4, 8}
+    plan = make_plan(cfg, spec)
+    assert plan.search is not None and plan.search["chosen"]["label"] == res.chosen.label
+    resolved = resolve_layout(to_plain_dict(cfg), plan)
+    validate_config(resolved)
+    p = resolved["pipeline"]
+    assert (p["schedule"], p["microbatches"], p["virtual_stages"], p["max_inflight"]) == (
+        plan.schedule, plan.microbatches, plan.virtual_stages, plan.max_inflight)
+    assert microbatch_size(resolved) == 8 // plan.microbatches and run_name(resolved) == f"smoke-{plan.schedule}-p2"
+    kwargs = pipeline_kwargs(resolved, plan.stage_ranges, recompute=plan.stage_recompute)
+    assert kwargs["schedule"] == plan.schedule and kwargs["max_inflight"] == plan.max_inflight
+    assert pipeline_kwargs(resolved, plan.stage_ranges, recompute=[True, False] * plan.virtual_stages)[
+        "activation_checkpointing"] == [True, False] * plan.virtual_stages
+    assert plan_matches(plan, cfg, len(spec.layers))          # resuming an auto run keeps its choice
+    base = ["experiment=smoke", "pipeline.schedule=auto", "partitioner.profile=analytic",
+            "partitioner.device_spec=h100", "train.batch_size=8"]
+    other = 4 if plan.microbatches != 4 else 2                  # a fixed count must be the planned one
+    assert plan_matches(plan, compose_cfg(*base, f"pipeline.microbatches={plan.microbatches}"), len(spec.layers))
+    assert not plan_matches(plan, compose_cfg(*base, f"pipeline.microbatches={other}"), len(spec.layers))
+    assert not plan_matches(make_plan(resolved, spec), cfg, 4)  # a plan the search did not make
