@@ -23,9 +23,59 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["OptimizerConfig", "StageOptimizer", "TorchStageOptimizer", "NonFiniteError",
-           "lr_at", "make_optimizer", "resolve_backend", "PRECISIONS"]
+           "lr_at", "make_optimizer", "resolve_backend", "PRECISIONS", "GRAD_ACCUM_DTYPES",
+           "weight_dtype", "compute_dtype", "loss_scaled", "check_grad_accum_dtype"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+# "bf16" / "fp16": the modules hold 16-bit weights; DeepSpeed's optimizer keeps the fp32 masters
+# (and moments), ZeRO-sharded, and refreshes the 16-bit weights after each step.
+# "*-autocast": fp32 weights and gradients, compute under torch.autocast.
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast")
+GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def weight_dtype(precision: str) -> torch.dtype:
+    """The dtype of the modules' parameters under ``precision``.
+
+    >>> weight_dtype("bf16"), weight_dtype("bf16-autocast")
+    (torch.bfloat16, torch.float32)
+    """
+    return _DTYPES[precision] if precision in _DTYPES else torch.float32
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of the forward under ``precision`` (None: no autocast).
+
+    >>> compute_dtype("fp16-autocast"), compute_dtype("fp32")
+    (torch.float16, None)
+    """
+    return None if precision == "fp32" else _DTYPES[precision.split("-")[0]]
+
+
+def loss_scaled(precision: str) -> bool:
+    """Whether ``precision`` computes in fp16 (dynamic loss scaling).
+
+    >>> loss_scaled("fp16-autocast"), loss_scaled("bf16")
+    (True, False)
+    """
+    return precision.startswith("fp16")
+
+
+def check_grad_accum_dtype(grad_accum_dtype: str, precision: str) -> str:
+    """Check ``optimizer.grad_accum_dtype`` against the precision; returns it.
+
+    fp32 (the default) accumulates gradients across microbatches in fp32 whatever the weights;
+    a 16-bit accumulation must be the dtype of 16-bit weights (precision bf16 or fp16).
+    """
+    if grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+        raise ValueError(f"grad_accum_dtype must be one of {GRAD_ACCUM_DTYPES}, got "
+                         f"{grad_accum_dtype!r}")
+    if grad_accum_dtype != "fp32" and grad_accum_dtype != precision:
+        raise ValueError(
+            f"grad_accum_dtype={grad_accum_dtype!r} needs precision={grad_accum_dtype!r} (16-bit "
+            f"weights, whose gradients can accumulate in their own dtype); with precision="
+            f"{precision!r} gradients accumulate in fp32: set grad_accum_dtype='fp32'")
+    return grad_accum_dtype
 _BUCKET_BYTES = 32 * 2**20
 
 
@@ -44,6 +94,7 @@ class OptimizerConfig:
     grad_clip: float | None = None       # global norm across the whole pipeline (and replicas)
     zero_stage: int = 0                  # 0, 1, 2 (DeepSpeed)
     backend: str = "auto"                # auto | torch | deepspeed
+    grad_accum_dtype: str = "fp32"       # fp32 | bf16 | fp16 (16-bit only with 16-bit weights)
 
 
 class NonFiniteError(FloatingPointError):
@@ -74,6 +125,7 @@ class StageOptimizer(Protocol):
                  inputs: Sequence[Tensor] | None = None, retain_graph: bool = False) -> None: ...
     def step(self, need_norm: bool = True) -> tuple[bool, float | None]: ...  # (skipped, norm)
     def zero_grad(self) -> None: ...
+    def accumulated_grad(self, param: Tensor) -> Tensor: ...      # to sum tied copies in place
     def lr(self) -> float: ...
     def optimizer_state_bytes(self) -> int: ...
     def state_dict(self) -> dict: ...
@@ -81,16 +133,23 @@ class StageOptimizer(Protocol):
     def full_grads(self) -> dict[str, Tensor]: ...
 
 
-def resolve_backend(config: OptimizerConfig) -> str:
-    """``"torch"`` or ``"deepspeed"`` for a config (auto: deepspeed iff zero_stage > 0)."""
+def resolve_backend(config: OptimizerConfig, precision: str = "fp32") -> str:
+    """``"torch"`` or ``"deepspeed"`` for a config (auto: deepspeed iff zero_stage > 0 or the
+    precision keeps 16-bit weights, whose fp32 masters live in DeepSpeed's optimizer)."""
     if config.backend not in ("auto", "torch", "deepspeed"):
         raise ValueError(f"optimizer.backend must be auto, torch or deepspeed, got "
                          f"{config.backend!r}")
+    low = weight_dtype(precision) != torch.float32
     if config.backend == "auto":
-        return "deepspeed" if config.zero_stage > 0 else "torch"
+        return "deepspeed" if config.zero_stage > 0 or low else "torch"
     if config.backend == "torch" and config.zero_stage > 0:
         raise ValueError(f"zero_stage={config.zero_stage} needs backend='deepspeed' (or 'auto'); "
                          "the torch backend does not shard optimizer state")
+    if config.backend == "torch" and low:
+        raise ValueError(f"precision={precision!r} keeps {precision} weights with fp32 master "
+                         "weights inside DeepSpeed's optimizer: use optimizer.backend='auto' or "
+                         f"'deepspeed', or precision='{precision}-autocast' (fp32 weights) with "
+                         "the torch backend")
     return config.backend
 
 
@@ -104,7 +163,8 @@ def make_optimizer(config: OptimizerConfig, module: torch.nn.Module, mesh: Any, 
     ``norm_skip``: names counted elsewhere in the global norm (the second copy of a tied
     parameter). The DeepSpeed backend is imported only when selected.
     """
-    if resolve_backend(config) == "deepspeed":
+    check_grad_accum_dtype(getattr(config, "grad_accum_dtype", "fp32"), precision)
+    if resolve_backend(config, precision) == "deepspeed":
         from engine.zero import DeepSpeedStageOptimizer  # lazy: DeepSpeed is heavy
         return DeepSpeedStageOptimizer(config, module, dp_group=mesh.dp_group,
                                        pipeline_group=mesh.pipeline_group,
@@ -127,6 +187,10 @@ class TorchStageOptimizer:
                  scale_growth_interval: int = 2000):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if weight_dtype(precision) != torch.float32:
+            raise ValueError(f"the torch backend keeps fp32 weights; precision={precision!r} "
+                             "(16-bit weights, fp32 masters) runs on the DeepSpeed backend, or use "
+                             f"precision='{precision}-autocast'")
         if nonfinite not in ("raise", "skip"):
             raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
         self.config, self.mesh, self.m = config, mesh, microbatches
@@ -136,7 +200,8 @@ class TorchStageOptimizer:
         self.params = list(self.named.values())
         self.steps = 0               # optimizer steps taken (skips excluded)
         self.attempts = 0            # step() calls
-        self.loss_scale = init_loss_scale if precision == "fp16" else 1.0
+        self.scaled = loss_scaled(precision)
+        self.loss_scale = init_loss_scale if self.scaled else 1.0
         self.growth_interval, self._good_steps = scale_growth_interval, 0
         self.opt = self._make_torch_optimizer()
 
@@ -167,6 +232,10 @@ class TorchStageOptimizer:
         for p in self.params:
             p.grad = None
 
+    def accumulated_grad(self, param: Tensor) -> Tensor:
+        """``param.grad`` (zeros if none yet): the gradient accumulated so far this step."""
+        return self._grad(param)
+
     def lr(self) -> float:
         return float(self.opt.param_groups[0]["lr"])
 
@@ -186,13 +255,13 @@ class TorchStageOptimizer:
         if div != 1.0:
             for g in grads:
                 g.div_(div)
-        if (need_norm or self.config.grad_clip is not None or self.precision == "fp16"
+        if (need_norm or self.config.grad_clip is not None or self.scaled
                 or self.nonfinite == "skip"):
             norm, bad_stages = self._global_norm()
         else:
             norm, bad_stages = None, self._local_nonfinite()
         if bad_stages:
-            if self.precision == "fp16":
+            if self.scaled:
                 self.loss_scale /= 2.0
                 self._good_steps = 0
                 return True, None
@@ -211,7 +280,7 @@ class TorchStageOptimizer:
             group["lr"] = lr_at(self.config, self.steps)
         self.opt.step()
         self.steps += 1
-        if self.precision == "fp16":
+        if self.scaled:
             self._good_steps += 1
             if self._good_steps % self.growth_interval == 0:
                 self.loss_scale *= 2.0

@@ -24,7 +24,7 @@ from engine.comm import P2P
 from engine.executor import Executor
 from engine.mesh import Mesh
 from engine.optim import (PRECISIONS, NonFiniteError, OptimizerConfig, StageOptimizer,
-                          make_optimizer)
+                          compute_dtype, loss_scaled, make_optimizer, weight_dtype)
 from engine.stage import Chunk, build_layers
 
 __all__ = ["Pipeline", "StepResult", "check_stage_ranges"]
@@ -126,8 +126,10 @@ class Pipeline:
         self.chunks: dict[int, Chunk] = {}
         for s in self.my_stages:
             start, stop = self.ranges[s]
+            built = [m.to(weight_dtype(precision)) for m in
+                     build_layers(layers, start, stop, seed, self.device)]
             self.chunks[s] = Chunk(
-                s, start, build_layers(layers, start, stop, seed, self.device),
+                s, start, built,
                 loss_fn=loss_fn if s == n_chunks - 1 else None,
                 activation_checkpointing=activation_checkpointing, autocast=autocast,
                 measure_activations=False)
@@ -228,8 +230,9 @@ class Pipeline:
                              f"({data_parallel}) x microbatches ({microbatches}); use a batch "
                              f"size that is a multiple of {per}")
         if optimizer is not None:
-            from engine.optim import resolve_backend
-            resolve_backend(optimizer)
+            from engine.optim import check_grad_accum_dtype, resolve_backend
+            resolve_backend(optimizer, precision)
+            check_grad_accum_dtype(getattr(optimizer, "grad_accum_dtype", "fp32"), precision)
             if optimizer.name not in ("sgd", "adam", "adamw"):
                 raise ValueError(f"optimizer name must be sgd, adam or adamw, got "
                                  f"{optimizer.name!r}")
@@ -257,9 +260,9 @@ class Pipeline:
 
     # ---- setup helpers -------------------------------------------------------------------------
     def _autocast_factory(self) -> Callable[[], Any]:
-        if self.precision == "fp32":
+        dtype = compute_dtype(self.precision)
+        if dtype is None:
             return contextlib.nullcontext
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         dev = self.device.type
         return lambda: torch.autocast(dev, dtype=dtype)
 
@@ -325,12 +328,42 @@ class Pipeline:
                 for c in self.chunks.values() for j, layer in enumerate(c.module)}
 
     def state_dict(self) -> dict:
-        """This rank's layers keyed by global layer index, plus optimizer state and step."""
-        return {"layers": {int(k): m.state_dict() for k, m in self.layer_module.items()},
-                "optimizer": self.optimizer.state_dict(), "step": self.step_count}
+        """This rank's layers keyed by global layer index, plus optimizer state and step.
+
+        The layers hold fp32 weights whatever the precision: with 16-bit weights, the
+        optimizer's fp32 masters (a collective over the data-parallel group under ZeRO), so a
+        checkpoint resumes exactly, with any split, replica count or precision."""
+        if weight_dtype(self.precision) == torch.float32:
+            layers = {int(k): m.state_dict() for k, m in self.layer_module.items()}
+        else:
+            layers = self._master_layers()
+        return {"layers": layers, "optimizer": self.optimizer.state_dict(),
+                "step": self.step_count}
+
+    def _master_layers(self) -> dict[int, dict[str, Tensor]]:
+        masters = self.optimizer.master_weights()
+        by_id = {id(p): masters[n] for n, p in self.layer_module.named_parameters()
+                 if n in masters}
+        out = {}
+        for k, m in self.layer_module.items():
+            sd = {n: (t.float() if t.is_floating_point() else t) for n, t in m.state_dict().items()}
+            for n, p in m.named_parameters(remove_duplicate=False):
+                if id(p) in by_id:
+                    sd[n] = by_id[id(p)]
+            out[int(k)] = sd
+        return out
+
+    def checkpoint_template(self) -> dict[int, dict[str, Tensor]]:
+        """Per layer of this rank, meta tensors with the names, shapes and dtypes that
+        :meth:`state_dict` writes (floating tensors as fp32): what a checkpoint must match."""
+        return {int(k): {n: torch.empty(t.shape, device="meta",
+                                        dtype=torch.float32 if t.is_floating_point() else t.dtype)
+                         for n, t in m.state_dict().items()}
+                for k, m in self.layer_module.items()}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Load this rank's layers (by global index; others ignored) and optimizer state."""
+        """Load this rank's layers (by global index; others ignored) and optimizer state. With
+        16-bit weights the layers' (fp32) weights also become the optimizer's masters."""
         layers = sd["layers"]
         for k, m in self.layer_module.items():
             if int(k) not in layers:
@@ -338,6 +371,9 @@ class Pipeline:
             m.load_state_dict(layers[int(k)])
         if "optimizer" in sd:
             self.optimizer.load_state_dict(sd["optimizer"])
+        if weight_dtype(self.precision) != torch.float32:
+            self.optimizer.load_master_weights({f"{k}.{n}": t for k, params in layers.items()
+                                                for n, t in params.items()})
         self.step_count = int(sd.get("step", self.step_count))
 
     def train_step(self, inputs: Any, targets: Any, *, diagnose: bool | None = None
@@ -352,15 +388,13 @@ class Pipeline:
         stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose)
         t1 = time.perf_counter()
         for group, prm in self._tie_groups:
-            if prm.grad is None:
-                prm.grad = torch.zeros_like(prm)
-            dist.all_reduce(prm.grad, group=group)
+            dist.all_reduce(self.optimizer.accumulated_grad(prm), group=group)
         # One all-reduce carries the loss and, per chunk, whether its forward output was
         # non-finite: every rank then knows the same first stage where a NaN/inf appeared.
         loss, bad_chunks = self._reduce_loss(stats.pop("_losses"), stats.pop("_flags"))
         if bad_chunks:
             stats["nonfinite_stage"] = bad_chunks[0]
-            if self.nonfinite == "raise" and self.precision != "fp16":
+            if self.nonfinite == "raise" and not loss_scaled(self.precision):
                 raise self._nonfinite_error(bad_chunks, loss)
         skipped, norm = self.optimizer.step(need_norm=diagnose)
         stats["optimizer_s"] = time.perf_counter() - t1

@@ -33,14 +33,36 @@ sharding gradients over the data-parallel group, clipping, and the optimizer ste
 
 Precision
 ---------
-Parameters stay fp32 in every precision (fp32 master weights; the runtime runs forward under
-``torch.autocast`` for bf16/fp16). DeepSpeed's own bf16/fp16 modes are not used: they cast the
-module to 16-bit, which would drop the fp32 master copy the runtime's autocast relies on, and
-DeepSpeed's fused fp16 path expects an accelerator. fp16 uses this module's dynamic loss scaler:
+``fp32``, ``bf16-autocast`` and ``fp16-autocast`` keep fp32 weights in the module (the runtime
+runs the forward under ``torch.autocast`` for the latter two); DeepSpeed's ZeRO then shards the
+optimizer state (and, ZeRO-2, the gradients) of those fp32 weights.
+
+``bf16`` and ``fp16`` keep 16-bit weights in the module, as large-model engines do, and use
+DeepSpeed's own mixed-precision optimizers: the fp32 master weights and the moments live in the
+optimizer, partitioned over the replicas under ZeRO-1/2, and the 16-bit weights are refreshed
+from them (all-gathered) after each step. Gradients accumulate across microbatches in
+``optimizer.grad_accum_dtype`` (fp32 by default). Which DeepSpeed optimizer runs is DeepSpeed's
+own choice for the config: bf16 + ZeRO-1 + fp32 accumulation is its ``BF16_Optimizer`` (a full
+fp32 gradient buffer, filled by per-parameter hooks as backward produces each 16-bit gradient:
+``immediate_grad_update``); every other combination is ``DeepSpeedZeroOptimizer`` with bf16/fp16
+enabled (ZeRO-1 with fp32 accumulation keeps a ``grad_accum`` per parameter, filled by
+``backward_epilogue`` after each backward; ZeRO-2 accumulates its reduce-scattered partition in
+fp32). Gradients produced outside ``engine.backward`` work with both: the hooks fire for any
+``torch.autograd.backward``, and this module calls the epilogue itself. ``communication_data_type``
+follows the accumulation dtype, so the data-parallel reduction of fp32-accumulated gradients is
+in fp32 too (DeepSpeed's default would reduce them in 16 bits).
+DeepSpeed has no ZeRO-0 path with fp32 accumulation (its engine refuses that mix), so ZeRO-0 with
+16-bit weights runs DeepSpeed's ZeRO-1 machinery over a one-rank group (nothing is sharded: each
+replica holds the whole fp32 master) and this module averages the accumulated fp32 gradients over
+the replicas before the step. DeepSpeed refuses fp16 weights on a CPU without fp16 support;
+use ``bf16`` or ``fp16-autocast`` there.
+
+fp16 (either kind) uses this module's dynamic loss scaler (the engine's only one):
 ``scale_loss`` multiplies by the current scale, DeepSpeed is told the scale
-(``override_loss_scale``) so it unscales before clipping, and the scale halves after a skipped
-step and doubles after ``growth_interval`` clean ones. For ZeRO-0 (DeepSpeed's plain optimizer
-path) this module checks finiteness, unscales and clips itself, with the same global reductions.
+(``override_loss_scale``; its own scaler is static and never used) so it unscales before
+clipping, and the scale halves after a skipped step (never below 1) and doubles after
+``growth_interval`` clean ones. For ZeRO-0 with fp32 weights (DeepSpeed's plain optimizer path)
+this module checks finiteness, unscales and clips itself, with the same global reductions.
 
 Restrictions
 ------------
@@ -74,9 +96,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["DeepSpeedStageOptimizer", "ZeroMpu"]
+from engine.optim import (PRECISIONS, check_grad_accum_dtype, loss_scaled, lr_at,
+                          weight_dtype)
 
-_PRECISIONS = ("fp32", "bf16", "fp16")
+__all__ = ["DeepSpeedStageOptimizer", "ZeroMpu", "BUCKET_ELEMENTS"]
+
+# DeepSpeed's reduce / all-gather bucket, in elements (its default); a rank with fewer
+# parameters gets a bucket of its own size (DeepSpeed allocates the ZeRO-2 bucket whole).
+BUCKET_ELEMENTS = 500_000_000
+
 _OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
@@ -118,13 +146,6 @@ class ZeroMpu:
         return dist.get_process_group_ranks(self._pp)[0]
 
 
-def _lr_at(config: Any, step: int) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): the runtime's one schedule."""
-    from engine.optim import lr_at  # light; imported here so engine.optim may import us lazily
-
-    return float(lr_at(config, step))
-
-
 def _ensure_deepspeed_env() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -150,49 +171,21 @@ class DeepSpeedStageOptimizer:
     def __init__(self, config: Any, module: nn.Module, *, dp_group: Any, pipeline_group: Any,
                  microbatches: int, precision: str, total_steps: int | None = None,
                  nonfinite: str = "raise", norm_skip: Iterable[str] = ()) -> None:
-        if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
-        if precision not in _PRECISIONS:
-            raise ValueError(f"precision {precision!r} is not supported; use one of {_PRECISIONS}")
-        name = str(config.name).lower()
-        if name not in _OPTIMIZERS:
-            raise ValueError(f"optimizer {config.name!r} is not supported; use one of {_OPTIMIZERS}")
-        stage = int(config.zero_stage)
-        if stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage={stage} is not supported; use 0, 1 or 2 "
-                             "(ZeRO-3 partitions parameters, which a pipeline stage needs whole)")
-        if microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         norm_skip = set(norm_skip)
-        if norm_skip and stage == 2:
-            raise ValueError(
-                "zero_stage=2 cannot be used with parameters tied across pipeline stages "
-                f"({sorted(norm_skip)}): their gradients must be summed between the stages "
-                "before the step, but ZeRO-2 reduce-scatters every gradient over the "
-                "data-parallel group as soon as backward produces it. Use zero_stage=1, or untie.")
-        if dp_group is None or pipeline_group is None:
-            raise ValueError("DeepSpeedStageOptimizer needs torch.distributed initialised and the "
-                             "mesh's dp_group and pipeline_group; for one process use the torch "
-                             "backend (optimizer.backend='torch', zero_stage=0)")
-        for p in module.parameters():
-            if p.dtype != torch.float32:
-                raise ValueError("DeepSpeedStageOptimizer keeps fp32 master weights in the module: "
-                                 f"found a {p.dtype} parameter; build the layers in fp32 and use "
-                                 "precision='bf16'/'fp16' (autocast) instead")
-        _ensure_deepspeed_env()
-        import deepspeed  # lazy: heavy, and only this module may import it
-
-        self.config = config
-        self.module = module
-        self.name = name
-        self.zero_stage = stage
-        self.microbatches = int(microbatches)
-        self.precision = precision
-        self.total_steps = total_steps
-        self.dp_group = dp_group
-        self.pipeline_group = pipeline_group
-        self.nonfinite = nonfinite
+        _check_arguments(config, module, precision, nonfinite, microbatches, norm_skip,
+                         dp_group, pipeline_group)
+        self.config, self.module = config, module
+        self.name, self.zero_stage = str(config.name).lower(), int(config.zero_stage)
+        self.microbatches, self.precision = int(microbatches), precision
+        self.total_steps, self.nonfinite = total_steps, nonfinite
+        self.dp_group, self.pipeline_group = dp_group, pipeline_group
         self.grad_clip = float(config.grad_clip) if config.grad_clip else 0.0
+        self.low = weight_dtype(precision) != torch.float32     # 16-bit weights, fp32 masters
+        self.scaled = loss_scaled(precision)
+        self.grad_accum_dtype = check_grad_accum_dtype(
+            getattr(config, "grad_accum_dtype", "fp32"), precision)
+        # DeepSpeed's ZeRO / bf16 optimizer wraps the torch one (else: ZeRO-0, fp32 weights)
+        self._wrapped = self.zero_stage > 0 or self.low
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
         unknown = norm_skip - set(self._names.values())
@@ -207,27 +200,59 @@ class DeepSpeedStageOptimizer:
             p.ds_pipe_replicated = id(p) in self._norm_skip
 
         # fp16 dynamic loss scale (torch.amp.GradScaler's defaults).
-        self.loss_scale = 2.0 ** 16 if precision == "fp16" else 1.0
+        self.loss_scale = 2.0 ** 16 if self.scaled else 1.0
         self.growth_interval = 2000
         self._good_steps = 0
         self._applied_steps = 0
-
-        base = self._make_torch_optimizer()
         self._last_norm: float | None = None
         self._last_overflow = False
-        if stage == 0:
-            base.step = self._wrap_plain_step(base.step)  # type: ignore[method-assign]
-        ds_config = {
+        self._initialize_deepspeed()
+        if self._wrapped and self.scaled:
+            self._ds_opt.override_loss_scale(self.loss_scale)
+        self._set_lr(lr_at(config, 0))
+
+    # ------------------------------------------------------------------ construction helpers
+    def _ds_config(self) -> dict:
+        """DeepSpeed's config for this rank (see the module docstring for each choice)."""
+        numel = sum(p.numel() for p in self._params)
+        bucket = max(2, min(BUCKET_ELEMENTS, numel + numel % 2))
+        cfg: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "managed_gradient_accumulation": False,
-            "gradient_clipping": self.grad_clip if stage > 0 else 0.0,
-            "zero_optimization": {"stage": stage, "overlap_comm": False,
-                                  "contiguous_gradients": stage == 2, "reduce_scatter": True},
+            "gradient_clipping": self.grad_clip if self._wrapped else 0.0,
+            "zero_optimization": {"stage": max(self.zero_stage, 1 if self.low else 0),
+                                  "overlap_comm": False,
+                                  "contiguous_gradients": self.zero_stage == 2,
+                                  "reduce_scatter": True, "reduce_bucket_size": bucket,
+                                  "allgather_bucket_size": bucket},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 2 ** 31 - 1,
             "wall_clock_breakdown": False,
         }
+        if self.low:
+            cfg[self.precision] = ({"enabled": True, "immediate_grad_update": True,
+                                    "check_grad_overflow": True} if self.precision == "bf16"
+                                   else {"enabled": True, "loss_scale": self.loss_scale})
+            cfg["data_types"] = {"grad_accum_dtype": self.grad_accum_dtype}
+            cfg["communication_data_type"] = self.grad_accum_dtype
+        return cfg
+
+    def _initialize_deepspeed(self) -> None:
+        """Wrap a torch optimizer over this rank's parameters in DeepSpeed's engine."""
+        _ensure_deepspeed_env()
+        import deepspeed  # lazy: heavy, and only this module may import it
+
+        if self.low and self.precision == "fp16":
+            _check_fp16_supported()
+        base = self._make_torch_optimizer()
+        if not self._wrapped:
+            base.step = self._wrap_plain_step(base.step)  # type: ignore[method-assign]
+        # ZeRO-0 with 16-bit weights: ZeRO-1's machinery over a one-rank group, reduced here.
+        own_dp = self.low and self.zero_stage == 0 and dist.get_world_size(self.dp_group) > 1
+        ds_dp = dist.new_group([dist.get_rank()], use_local_synchronization=True) if own_dp \
+            else self.dp_group
+        self._own_dp = own_dp
         # DeepSpeed imports optional packages inside initialize(); a garbage collection running a
         # finaliser that imports in the middle of that can corrupt CPython 3.11's import-lock
         # table (KeyError in importlib._bootstrap), seen when several engines are built in turn.
@@ -235,16 +260,17 @@ class DeepSpeedStageOptimizer:
         gc.disable()
         try:
             self.engine, self._ds_opt, _, _ = deepspeed.initialize(
-                model=module, optimizer=base, config=ds_config,
-                mpu=ZeroMpu(dp_group, pipeline_group), dist_init_required=False)
+                model=self.module, optimizer=base, config=self._ds_config(),
+                mpu=ZeroMpu(ds_dp, self.pipeline_group), dist_init_required=False)
         finally:
             gc.enable()
         self._base = base
-        if stage > 0 and precision == "fp16":
-            self._ds_opt.override_loss_scale(self.loss_scale)
-        self._set_lr(_lr_at(config, 0))
+        # BF16_Optimizer keeps one flat fp32 gradient buffer; its per-parameter views by id
+        groups = getattr(self._ds_opt, "fp32_groups_gradients", None) if self.low else None
+        self._hp_grad = {} if groups is None else {
+            id(p): (i, j) for i, g in enumerate(self._ds_opt.bf16_groups) for j, p in enumerate(g)}
+        self._fill_accum = bool(getattr(self._ds_opt, "use_grad_accum_attribute", False))
 
-    # ------------------------------------------------------------------ construction helpers
     def _make_torch_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
         if self.name == "sgd":
@@ -302,13 +328,35 @@ class DeepSpeedStageOptimizer:
         ins = list(inputs) if inputs is not None else None
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=ins,
                                 retain_graph=retain_graph)
-        if ins is None or any(id(x) in self._names for x in ins):
+        # ZeRO-2's epilogue flushes what its gradient hooks bucketed since the last step; a
+        # backward that reached no parameter yet (a chunk without any) has nothing to flush, and
+        # DeepSpeed has not even allocated the bucket then (`ready_for_gradients` is False).
+        touched = self.zero_stage < 2 or getattr(self._ds_opt, "ready_for_gradients", True)
+        if touched and (ins is None or any(id(x) in self._names for x in ins)):
+            if self._fill_accum:  # ZeRO-1, separate accumulation dtype: param.grad -> grad_accum
+                self._ds_opt.backward_epilogue()
             self.engine.allreduce_gradients()
 
     def zero_grad(self) -> None:
         """Drop parameter gradients (``step`` already leaves none behind)."""
         for p in self._params:
             p.grad = None
+
+    def accumulated_grad(self, param: Tensor) -> Tensor:
+        """The tensor holding ``param``'s gradient accumulated so far this step (to be changed
+        in place, e.g. summed with a tied copy on another stage): ``param.grad``, or with 16-bit
+        weights DeepSpeed's fp32 accumulation buffer for it. Created as zeros if none yet."""
+        if id(param) in self._hp_grad:
+            i, j = self._hp_grad[id(param)]
+            self._ds_opt.fp32_groups_has_gradients[i][j] = True
+            return self._ds_opt.fp32_groups_gradients[i][j].view(param.shape)
+        if self._fill_accum:
+            if param.grad_accum is None:
+                param.grad_accum = torch.zeros_like(param, dtype=torch.float32)
+            return param.grad_accum
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        return param.grad
 
     def step(self, need_norm: bool = True) -> tuple[bool, float | None]:
         """Reduce over replicas, clip by the global norm, update. (DeepSpeed computes the global
@@ -322,9 +370,11 @@ class DeepSpeedStageOptimizer:
         self._attempts += 1
         self._last_norm, self._last_overflow = None, False
         previous_lr = self.lr()
-        self._set_lr(_lr_at(self.config, self._applied_steps))
+        self._set_lr(lr_at(self.config, self._applied_steps))
+        if self._own_dp:
+            self._average_over_replicas()
         self.engine.step()
-        if self.zero_stage > 0:
+        if self._wrapped:
             overflow = bool(getattr(self._ds_opt, "overflow", False))
             raw = self._ds_opt._global_grad_norm if not overflow else math.inf
             norm = float(raw) if raw is not None else None
@@ -335,7 +385,7 @@ class DeepSpeedStageOptimizer:
             for p in self._params:  # a skipped step must not leak its grads into the next one
                 p.grad = None
         self._update_loss_scale(overflow)
-        if overflow and self.precision != "fp16" and self.nonfinite == "raise":
+        if overflow and not self.scaled and self.nonfinite == "raise":
             from engine.optim import NonFiniteError
             raise NonFiniteError(
                 f"non-finite gradient at optimizer step {self._attempts - 1} (found by the global "
@@ -347,14 +397,33 @@ class DeepSpeedStageOptimizer:
             self._applied_steps += 1
         return overflow, (None if overflow else norm)
 
+    def _average_over_replicas(self) -> None:
+        """ZeRO-0 with 16-bit weights: average the accumulated gradients over ``dp_group``."""
+        d = dist.get_world_size(self.dp_group)
+        if self._hp_grad:
+            flats = list(self._ds_opt.fp32_groups_gradients_flat)
+            for g in self._ds_opt.fp32_groups_has_gradients:
+                g[:] = [True] * len(g)  # every replica counts every gradient in the norm
+        else:
+            grads = [self.accumulated_grad(p) for p in self._params]
+            flats = [torch.cat([g.reshape(-1) for g in grads])] if grads else []
+        for flat in flats:
+            dist.all_reduce(flat, group=self.dp_group)
+            flat.div_(d)
+        if not self._hp_grad and flats:
+            off = 0
+            for g in grads:
+                g.copy_(flats[0][off:off + g.numel()].view_as(g))
+                off += g.numel()
+
     def lr(self) -> float:
         """Learning rate of the last applied step (before any: the first step's), as the torch
         backend reports it."""
-        return float(self._base.param_groups[0]["lr"]) if self.zero_stage == 0 else float(self._ds_opt.get_lr())
+        return float(self._base.param_groups[0]["lr"]) if not self._wrapped else float(self._ds_opt.param_groups[0]["lr"])
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state (momentum / Adam moments) held by this rank: ~1/d under ZeRO>=1."""
-        inner = self._base if self.zero_stage == 0 else self._ds_opt.optimizer
+        inner = self._base if not self._wrapped else self._ds_opt.optimizer
         total = 0
         for st in inner.state.values():
             for v in st.values():
@@ -363,12 +432,44 @@ class DeepSpeedStageOptimizer:
         return int(total)
 
     def full_grads(self) -> dict[str, Tensor]:
-        """This rank's accumulated parameter gradients before ``step`` (ZeRO 0/1: not yet reduced)."""
+        """This rank's accumulated parameter gradients before ``step`` (ZeRO 0/1: not yet reduced;
+        16-bit weights: the fp32 accumulation, still multiplied by the loss scale)."""
         if self.zero_stage == 2:
             raise NotImplementedError("full_grads() is unavailable with zero_stage=2: DeepSpeed "
                                       "reduce-scatters each gradient as soon as it is computed; "
                                       "compare parameters after step() instead")
+        if self.low:
+            return {self._names[id(p)]: self.accumulated_grad(p).detach().float().clone()
+                    for p in self._params}
         return {self._names[id(p)]: p.grad.detach().clone() for p in self._params if p.grad is not None}
+
+    # ------------------------------------------------------------------ masters
+    def master_weights(self) -> dict[str, Tensor]:
+        """Every parameter's fp32 master weight, whole, keyed by name (with 16-bit weights:
+        gathered from DeepSpeed's partitions, a collective over the data-parallel group; with
+        fp32 weights: the module's own tensors)."""
+        if not self.low:
+            return {self._names[id(p)]: p.detach() for p in self._params}
+        from deepspeed.utils import safe_get_full_fp32_param
+        return {self._names[id(p)]: safe_get_full_fp32_param(p).detach().to("cpu", copy=True)
+                .reshape(p.shape) for p in self._params}
+
+    def load_master_weights(self, named: dict[str, Tensor]) -> None:
+        """Set the fp32 masters (and the module's weights, rounded) of the parameters named in
+        ``named``; others are left as they are. Call after ``load_state_dict``."""
+        if self.low:
+            from deepspeed.utils import safe_set_full_fp32_param
+        with torch.no_grad():
+            for p in self._params:
+                v = named.get(self._names[id(p)])
+                if v is None:
+                    continue
+                if tuple(v.shape) != tuple(p.shape):
+                    raise ValueError(f"master weight {self._names[id(p)]} has shape "
+                                     f"{tuple(v.shape)}, the parameter {tuple(p.shape)}")
+                if self.low:
+                    safe_set_full_fp32_param(p, v.to(p.device, torch.float32))
+                p.copy_(v)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -377,6 +478,7 @@ class DeepSpeedStageOptimizer:
         Same layout as the torch backend's (``{"state": {name: {key: tensor}}, "steps": ...}``,
         Adam entries carry a per-parameter ``"step"``), so either backend loads the other's
         state, with any split. Collective over ``dp_group`` for ZeRO 1/2 (shards are gathered).
+        The fp32 master weights are not part of it: see :meth:`master_weights`.
         """
         per_param: dict[str, dict[str, Tensor]] = {}
         keys = self._state_keys()
@@ -398,7 +500,8 @@ class DeepSpeedStageOptimizer:
         """Load state from either backend's ``state_dict()`` (any split or replica count).
 
         Entries for parameters this rank does not hold are ignored. Call it after the module's
-        weights were loaded: the fp32 master copy is re-synced from them. Collective over all
+        weights were loaded: the fp32 master copy is re-synced from them (with 16-bit weights,
+        then load the exact masters with :meth:`load_master_weights`). Collective over all
         ranks (for ZeRO 1/2 a zero-gradient, lr = 0 step first creates DeepSpeed's state).
         """
         name = sd.get("optimizer")
@@ -423,18 +526,18 @@ class DeepSpeedStageOptimizer:
         self._set_step_counters(steps)
         self.loss_scale = float(sd.get("loss_scale", self.loss_scale))
         self._good_steps = int(sd.get("good_steps", 0))
-        if self.zero_stage > 0 and self.precision == "fp16":
+        if self._wrapped and self.scaled:
             self._ds_opt.override_loss_scale(self.loss_scale)
-        self._set_lr(_lr_at(self.config, self._applied_steps))
+        self._set_lr(lr_at(self.config, self._applied_steps))
 
     # ------------------------------------------------------------------ internals
     def _set_lr(self, lr: float) -> None:
-        groups = self._base.param_groups if self.zero_stage == 0 else self._ds_opt.param_groups
+        groups = self._base.param_groups if not self._wrapped else self._ds_opt.param_groups
         for g in groups:
             g["lr"] = lr
 
     def _update_loss_scale(self, overflow: bool) -> None:
-        if self.precision != "fp16":
+        if not self.scaled:
             return
         if overflow:
             self.loss_scale = max(self.loss_scale / 2.0, 1.0)
@@ -444,39 +547,40 @@ class DeepSpeedStageOptimizer:
             if self._good_steps >= self.growth_interval:
                 self.loss_scale *= 2.0
                 self._good_steps = 0
-        if self.zero_stage > 0:
+        if self._wrapped:
             self._ds_opt.override_loss_scale(self.loss_scale)
+
+    def _inner(self) -> torch.optim.Optimizer:
+        return self._base if not self._wrapped else self._ds_opt.optimizer
 
     def _state_keys(self) -> list[str]:
         """Names of the per-parameter state tensors (identical on every replica of this stage)."""
-        inner = self._base if self.zero_stage == 0 else self._ds_opt.optimizer
         keys: set[str] = set()
-        for st in inner.state.values():
+        for st in self._inner().state.values():
             keys |= {k for k, v in st.items() if isinstance(v, Tensor) and v.dim() > 0}
         return sorted(keys)
 
     def _get_state(self, p: nn.Parameter, key: str) -> Tensor | None:
-        if self.zero_stage == 0:
+        if not self._wrapped:
             return self._base.state.get(p, {}).get(key)
         from deepspeed.utils import safe_get_full_optimizer_state
         # Collective over dp_group: ranks owning no slice of p contribute zeros.
         return safe_get_full_optimizer_state(p, key)
 
     def _set_state(self, p: nn.Parameter, key: str, value: Tensor) -> None:
-        if self.zero_stage == 0:
+        if not self._wrapped:
             self._base.state[p][key] = value.to(p.device, p.dtype).clone()
             return
         from deepspeed.utils import safe_set_full_optimizer_state
         safe_set_full_optimizer_state(p, value.to(p.device, torch.float32), key)
 
     def _set_step_counters(self, steps: int) -> None:
-        inner = self._base if self.zero_stage == 0 else self._ds_opt.optimizer
-        for st in inner.state.values():
+        for st in self._inner().state.values():
             if "step" in st:
                 st["step"] = torch.tensor(float(steps)) if isinstance(st["step"], Tensor) else steps
 
     def _sync_master_from_module(self) -> None:
-        if self.zero_stage == 0:
+        if not self._wrapped:
             return
         from deepspeed.utils import safe_set_full_fp32_param
         for p in self._params:
@@ -484,15 +588,14 @@ class DeepSpeedStageOptimizer:
 
     def _prime_state(self) -> None:
         """Create the optimizer's state tensors by a step with zero gradients and lr = 0."""
-        inner = self._base if self.zero_stage == 0 else self._ds_opt.optimizer
-        if inner.state:
+        if self._inner().state:
             return
         saved = [(p.detach().clone()) for p in self._params]
-        groups = self._base.param_groups if self.zero_stage == 0 else self._ds_opt.param_groups
+        groups = self._base.param_groups if not self._wrapped else self._ds_opt.param_groups
         for g in groups:
             g["lr"] = 0.0
         scale, self.loss_scale = self.loss_scale, 1.0
-        if self.zero_stage > 0 and self.precision == "fp16":
+        if self._wrapped and self.scaled:
             self._ds_opt.override_loss_scale(1.0)
         zero = sum((p * 0.0).sum() for p in self._params)
         self.backward([zero])
@@ -501,3 +604,47 @@ class DeepSpeedStageOptimizer:
         with torch.no_grad():
             for p, s in zip(self._params, saved):
                 p.copy_(s)
+
+
+def _check_arguments(config: Any, module: nn.Module, precision: str, nonfinite: str,
+                     microbatches: int, norm_skip: set[str], dp_group: Any,
+                     pipeline_group: Any) -> None:
+    """Refuse what this backend cannot run, before DeepSpeed is imported."""
+    if nonfinite not in ("raise", "skip"):
+        raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not supported; use one of {PRECISIONS}")
+    if str(config.name).lower() not in _OPTIMIZERS:
+        raise ValueError(f"optimizer {config.name!r} is not supported; use one of {_OPTIMIZERS}")
+    stage = int(config.zero_stage)
+    if stage not in (0, 1, 2):
+        raise ValueError(f"zero_stage={stage} is not supported; use 0, 1 or 2 "
+                         "(ZeRO-3 partitions parameters, which a pipeline stage needs whole)")
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    if norm_skip and stage == 2:
+        raise ValueError(
+            "zero_stage=2 cannot be used with parameters tied across pipeline stages "
+            f"({sorted(norm_skip)}): their gradients must be summed between the stages "
+            "before the step, but ZeRO-2 reduce-scatters every gradient over the "
+            "data-parallel group as soon as backward produces it. Use zero_stage=1, or untie.")
+    if dp_group is None or pipeline_group is None:
+        raise ValueError("DeepSpeedStageOptimizer needs torch.distributed initialised and the "
+                         "mesh's dp_group and pipeline_group; for one process use the torch "
+                         "backend (optimizer.backend='torch', zero_stage=0)")
+    want = weight_dtype(precision)
+    for p in module.parameters():
+        if p.dtype != want:
+            raise ValueError(f"precision={precision!r} keeps {want} weights in the module: found "
+                             f"a {p.dtype} parameter; build the layers and cast them with "
+                             "module.to(engine.optim.weight_dtype(precision))")
+
+
+def _check_fp16_supported() -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if not acc.is_fp16_supported():
+        raise ValueError(f"precision='fp16' keeps fp16 weights, which DeepSpeed does not support "
+                         f"on this device ({acc.device_name()}); use precision='bf16', or "
+                         "'fp16-autocast' (fp32 weights, fp16 compute)")

@@ -62,7 +62,7 @@ def reference(cfg: Any, steps: int | list[int], autocast: torch.dtype | None = N
     ``steps``: a count, or the list of data steps whose updates are applied (a skipped step's
     data is left out).
     """
-    from engine.zero import _lr_at  # engine.optim.lr_at when it exists
+    from engine.optim import lr_at as _lr_at
 
     model = nn.Sequential(*[make_layer(i) for i in range(len(DIMS))])
     opt = torch_optimizer(cfg, model.parameters())
