@@ -22,6 +22,8 @@ _EXPORTS = {
     "Mesh": "engine.mesh", "CommError": "engine.comm",
     "Action": "engine.schedules", "Comm": "engine.schedules", "Schedule": "engine.schedules",
     "ScheduleError": "engine.schedules", "SCHEDULES": "engine.schedules",
+    "SCHEDULE_INFO": "engine.schedules", "ScheduleInfo": "engine.schedules",
+    "chunk_ranks": "engine.schedules",
     "build_schedule": "engine.schedules", "validate": "engine.schedules",
     "lower": "engine.schedules",
     "simulate": "engine.simulate", "SimResult": "engine.simulate",

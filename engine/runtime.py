@@ -84,7 +84,9 @@ class Pipeline:
     """One rank's view of a pipeline-parallel (x data-parallel) training job.
 
     See docs/contracts.md for the arguments. Extra keyword ``recv_lookahead`` (default 2): how
-    many upcoming receives are posted ahead of the compute that needs them.
+    many upcoming receives are posted ahead of the compute that needs them; ``max_inflight``:
+    zb-h2's bound on the microbatches a rank holds. Chunks are placed by the schedule
+    (``Schedule.rank_of``: looped, or a V for zbv, whose first and last chunks share rank 0).
     """
 
     def __init__(self, layers: Any, stage_ranges: Sequence[Sequence[int]], *,
@@ -94,7 +96,8 @@ class Pipeline:
                  activation_checkpointing: bool = False, seed: int = 0,
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
-                 recv_lookahead: int = 2, diagnose_every: int = 100):
+                 recv_lookahead: int = 2, diagnose_every: int = 100,
+                 max_inflight: int | None = None):
         from engine.schedules import lower
 
         sched = self.check_arguments(
@@ -102,7 +105,7 @@ class Pipeline:
             virtual_stages=virtual_stages, data_parallel=data_parallel, optimizer=optimizer,
             precision=precision, nonfinite=nonfinite, comm_timeout_s=comm_timeout_s,
             world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized()
-            else None, ties=ties)
+            else None, ties=ties, max_inflight=max_inflight)
         v, p = sched.virtual_stages, sched.num_stages
         self.ranges = check_stage_ranges(stage_ranges, len(layers), p * v)
         n_chunks = p * v
@@ -165,7 +168,8 @@ class Pipeline:
                         precision: str = "fp32", nonfinite: str = "raise",
                         comm_timeout_s: float = 60.0, world_size: int | None = None,
                         global_batch: int | None = None,
-                        ties: Sequence[tuple[str, str]] = ()) -> Any:
+                        ties: Sequence[tuple[str, str]] = (),
+                        max_inflight: int | None = None) -> Any:
         """Check a pipeline's arguments without starting anything; returns the validated
         ``Schedule``. ``Pipeline`` runs the same checks inside each worker; call this in the
         launching process to refuse bad input before any worker starts::
@@ -176,7 +180,8 @@ class Pipeline:
 
         ``world_size``: the number of processes that will run it (must be stages x replicas);
         ``global_batch``: the batch size passed to ``train_step`` (must split into
-        ``data_parallel`` x ``microbatches``). Raises ``ValueError`` saying how to fix it.
+        ``data_parallel`` x ``microbatches``). ``max_inflight``: zb-h2's memory knob (see
+        ``engine.schedules.build_schedule``). Raises ``ValueError`` saying how to fix it.
         """
         from engine.schedules import Schedule, build_schedule, validate
 
@@ -217,7 +222,7 @@ class Pipeline:
                                  f"{sched.microbatches} microbatches, the pipeline has {p} x "
                                  f"{microbatches}")
         else:
-            sched = build_schedule(schedule, p, microbatches, v)
+            sched = build_schedule(schedule, p, microbatches, v, max_inflight=max_inflight)
         validate(sched)
         if world_size is not None and world_size != p * data_parallel:
             raise ValueError(f"{world_size} processes cannot run {p} stages x {data_parallel} "

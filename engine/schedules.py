@@ -2,10 +2,15 @@
 
 A schedule is, for every pipeline rank, the ordered list of compute actions it runs:
 ``F`` (forward), ``B`` (full backward), or ``I`` / ``W`` (the input-gradient and
-weight-gradient halves of a backward, for zero-bubble schedules). Communication is not
-part of a schedule; :func:`lower` derives it, and :func:`validate` proves that the
-derived program is complete, respects data dependencies, cannot deadlock and keeps
-message order consistent at both ends of every link.
+weight-gradient halves of a backward, for zero-bubble schedules), and the placement of
+its model chunks on ranks (:meth:`Schedule.rank_of`). Communication is not part of a
+schedule; :func:`lower` derives it (a hand-off between two chunks on one rank is local),
+and :func:`validate` proves that the derived program is complete, respects data
+dependencies (:func:`depends_on`, the one rule the simulator also uses), cannot deadlock
+and keeps message order consistent at both ends of every link.
+
+Per-schedule facts (placement, chunks per rank, split backward, memory knob) are in
+:data:`SCHEDULE_INFO`; read them instead of copying tables.
 
 Example::
 
@@ -13,15 +18,19 @@ Example::
     >>> [str(a) for a in s.actions[0]]
     ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
     >>> validate(s)  # raises ScheduleError (with a grid) if anything is wrong
+    >>> v = build_schedule("zbv", 2, 4, virtual_stages=2)
+    >>> [v.rank_of(c) for c in range(4)], v.stages_of(0)
+    ([0, 1, 1, 0], [0, 3])
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Mapping
 
 __all__ = [
     "ActionKind",
@@ -29,6 +38,13 @@ __all__ = [
     "Schedule",
     "Comm",
     "SCHEDULES",
+    "SCHEDULE_INFO",
+    "ScheduleInfo",
+    "PLACEMENTS",
+    "chunk_rank",
+    "chunk_ranks",
+    "depends_on",
+    "peak_inflight",
     "build_schedule",
     "validate",
     "ScheduleError",
@@ -39,7 +55,78 @@ ActionKind = Literal["F", "B", "I", "W"]
 _KINDS = ("F", "B", "I", "W")
 _ACTION_RE = re.compile(r"^\s*(\d+)([FBIW])(\d+)\s*$")
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+PLACEMENTS: tuple[str, ...] = ("loop", "v")
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """What a schedule needs and does, for code that must not copy per-schedule tables.
+
+    ``placement``: ``"loop"`` (chunk s on rank s % p, Megatron) or ``"v"`` (chunk s on rank
+    s for s < p, on rank 2p-1-s after: the first and last chunks share rank 0).
+    ``chunks_per_rank``: a fixed number of model chunks per rank, or None when
+    ``virtual_stages`` (>= 2) chooses it. ``splits_backward``: runs I and W separately.
+    ``memory_knob``: accepts ``max_inflight`` (microbatches a rank may hold).
+    ``microbatch_multiple``: microbatches must be a multiple of the stage count.
+
+    >>> SCHEDULE_INFO["zbv"].chunks_per_rank, SCHEDULE_INFO["zbv"].placement
+    (2, 'v')
+    """
+
+    name: str
+    placement: str = "loop"
+    chunks_per_rank: int | None = 1
+    splits_backward: bool = False
+    memory_knob: bool = False
+    microbatch_multiple: bool = False
+
+    def virtual_stages(self, requested: int = 1) -> int:
+        """Chunks per rank this schedule runs when ``virtual_stages=requested`` is asked for."""
+        return self.chunks_per_rank or requested
+
+
+SCHEDULE_INFO: dict[str, ScheduleInfo] = {i.name: i for i in (
+    ScheduleInfo("gpipe"),
+    ScheduleInfo("1f1b"),
+    ScheduleInfo("interleaved-1f1b", chunks_per_rank=None, microbatch_multiple=True),
+    ScheduleInfo("zb-h1", splits_backward=True),
+    ScheduleInfo("zb-h2", splits_backward=True, memory_knob=True),
+    ScheduleInfo("zbv", placement="v", chunks_per_rank=2, splits_backward=True),
+)}
+SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_INFO)
+
+
+def chunk_rank(placement: str, num_stages: int, chunk: int) -> int:
+    """The rank that holds model chunk ``chunk`` under ``placement`` with ``num_stages`` ranks.
+
+    >>> [chunk_rank("v", 3, c) for c in range(6)], [chunk_rank("loop", 3, c) for c in range(6)]
+    ([0, 1, 2, 2, 1, 0], [0, 1, 2, 0, 1, 2])
+    """
+    lap, pos = divmod(chunk, num_stages)
+    if placement == "loop":
+        return pos
+    if placement == "v":
+        return pos if lap % 2 == 0 else num_stages - 1 - pos
+    raise ValueError(f"unknown placement {placement!r}; use one of {PLACEMENTS}")
+
+
+def chunk_ranks(name: str, num_stages: int, virtual_stages: int = 1) -> list[int]:
+    """Rank of every chunk of schedule ``name`` (chunk order), e.g. for a planner that has no
+    ``Schedule`` at hand.
+
+    >>> chunk_ranks("zbv", 2, 2), chunk_ranks("interleaved-1f1b", 2, 2)
+    ([0, 1, 1, 0], [0, 1, 0, 1])
+    """
+    info = _info(name)
+    n = num_stages * info.virtual_stages(virtual_stages)
+    return [chunk_rank(info.placement, num_stages, c) for c in range(n)]
+
+
+def _info(name: str) -> ScheduleInfo:
+    info = SCHEDULE_INFO.get(str(name).lower())
+    if info is None:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return info
 
 
 class ScheduleError(ValueError):
@@ -113,7 +200,8 @@ class Comm:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-rank ordered actions. Chunk ``s`` lives on rank ``s % num_stages``.
+    """Per-rank ordered actions, and where each chunk lives (``placement``, see
+    :data:`PLACEMENTS`; :meth:`rank_of` is the one chunk-to-rank map everything reads).
 
     >>> s = build_schedule("gpipe", 2, 2)
     >>> s.num_chunks, s.rank_of(1), s.stages_of(0)
@@ -126,16 +214,26 @@ class Schedule:
     microbatches: int
     virtual_stages: int
     actions: list[list[Action]]
+    placement: str = "loop"
+    max_inflight: int | None = None   # the memory knob's bound, for schedules that have one
 
     @property
     def num_chunks(self) -> int:
         return self.num_stages * self.virtual_stages
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.num_stages
+        """The rank that runs model chunk ``stage``."""
+        return chunk_rank(self.placement, self.num_stages, stage)
 
     def stages_of(self, rank: int) -> list[int]:
-        return list(range(rank, self.num_chunks, self.num_stages))
+        """The chunks ``rank`` runs, in chunk order."""
+        return [s for s in range(self.num_chunks) if self.rank_of(s) == rank]
+
+    @functools.cached_property
+    def backward_kind(self) -> dict[tuple[int, int], str]:
+        """``(chunk, microbatch) -> "B" | "I"``: how that backward's input gradient is made."""
+        return {(a.stage, a.microbatch): a.kind for acts in self.actions for a in acts
+                if a.kind in ("B", "I")}
 
     def grid(self, mark: tuple[int, int] | None = None) -> str:
         """Text grid: one row per rank, one column per step of that rank's list.
@@ -149,7 +247,8 @@ class Schedule:
         label_w = len(f"rank {max(len(rows) - 1, 0)}") + 1
         lines = [
             f"schedule {self.name!r} p={self.num_stages} m={self.microbatches} "
-            f"v={self.virtual_stages} (rows: ranks; columns: step index on that rank)",
+            f"v={self.virtual_stages} placement={self.placement} "
+            "(rows: ranks; columns: step index on that rank)",
             " " * label_w + "".join(f"{j:^{width}}" for j in range(ncols)).rstrip(),
         ]
         for r, cells in enumerate(rows):
@@ -167,6 +266,47 @@ class Schedule:
         return self.grid()
 
 
+def depends_on(action: Action, num_chunks: int,
+               backward_kind: Mapping[tuple[int, int], str]) -> list[tuple[str, int, int]]:
+    """The actions whose results ``action`` consumes, as ``(kind, chunk, microbatch)``: the
+    one dependency rule (the validator and the simulator both use it). A forward needs the
+    previous chunk's forward; a backward (B or I) its own forward and the next chunk's
+    backward (whose kind ``backward_kind`` gives); a W its I.
+
+    >>> depends_on(Action("I", 1, 0), 3, {(2, 0): "B"})
+    [('F', 1, 0), ('B', 2, 0)]
+    """
+    s, i = action.stage, action.microbatch
+    if action.kind == "F":
+        return [("F", s - 1, i)] if s > 0 else []
+    if action.kind == "W":
+        return [("I", s, i)]
+    deps = [("F", s, i)]
+    if s < num_chunks - 1:
+        deps.append((backward_kind[(s + 1, i)], s + 1, i))
+    return deps
+
+
+def peak_inflight(schedule: Schedule) -> list[int]:
+    """Per rank, the most microbatch-chunks whose activations it holds at once: an F adds
+    one until its B (or, for a split backward, its W) releases it.
+
+    >>> peak_inflight(build_schedule("1f1b", 3, 8))
+    [3, 2, 1]
+    """
+    out = []
+    for acts in schedule.actions:
+        held = peak = 0
+        for a in acts:
+            if a.kind == "F":
+                held += 1
+                peak = max(peak, held)
+            elif a.kind in ("B", "W"):
+                held -= 1
+        out.append(peak)
+    return out
+
+
 # --------------------------------------------------------------------------- generators
 
 
@@ -178,16 +318,23 @@ def _int_arg(value: object, name: str) -> int:
 
 
 def build_schedule(
-    name: str, num_stages: int, microbatches: int, virtual_stages: int = 1
+    name: str, num_stages: int, microbatches: int, virtual_stages: int = 1, *,
+    max_inflight: int | None = None,
 ) -> Schedule:
     """Build a named schedule for ``num_stages`` ranks and ``microbatches`` microbatches.
 
+    ``virtual_stages``: chunks per rank (``interleaved-1f1b``: 2 or more; ``zbv``: 2).
+    ``max_inflight`` (``zb-h2`` only): the most microbatches a rank may hold, from
+    ``num_stages`` (as zb-h1) to ``2 * num_stages - 1`` (the default, ZB-H2); each one
+    above ``num_stages`` removes one weight-gradient time per rank from zb-h1's bubble
+    (see ``_zb_h2``).
+
     >>> build_schedule("interleaved-1f1b", 2, 4, virtual_stages=2).num_chunks
     4
+    >>> build_schedule("zb-h2", 4, 8, max_inflight=6).max_inflight
+    6
     """
-    key = str(name).lower()
-    if key not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    info = _info(name)
     p = _int_arg(num_stages, "num_stages")
     m = _int_arg(microbatches, "microbatches")
     v = _int_arg(virtual_stages, "virtual_stages")
@@ -195,28 +342,54 @@ def build_schedule(
         raise ValueError(f"num_stages must be >= 1, got {p}")
     if m < 1:
         raise ValueError(f"microbatches must be >= 1, got {m}")
-    if key == "interleaved-1f1b":
+    _check_virtual(info, p, m, v)
+    cap = _check_inflight(info, p, max_inflight)
+    if info.name == "interleaved-1f1b":
+        actions = _interleaved(p, m, v)
+    elif info.name == "zb-h2":
+        actions = _zb_h2(p, m, cap)
+    else:
+        actions = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1,
+                   "zbv": _zbv}[info.name](p, m)
+    return Schedule(info.name, p, m, v, actions, info.placement, cap)
+
+
+def _check_virtual(info: ScheduleInfo, p: int, m: int, v: int) -> None:
+    if info.chunks_per_rank is None:
         if v < 2:
             raise ValueError(
-                f"interleaved-1f1b needs virtual_stages >= 2 (model chunks per rank), got {v}; "
-                "pass virtual_stages=2 or more, or use '1f1b'"
-            )
-        if m % p:
-            lo, hi = (m // p) * p, (m // p + 1) * p
-            hint = f"{lo} or {hi}" if lo else f"{hi}"
+                f"{info.name} needs virtual_stages >= 2 (model chunks per rank), got {v}; "
+                "pass virtual_stages=2 or more, or use '1f1b'")
+    elif v != info.chunks_per_rank:
+        if info.chunks_per_rank == 1:
             raise ValueError(
-                f"interleaved-1f1b needs microbatches to be a multiple of num_stages "
-                f"(microbatches run in groups of p, as in Megatron); got m={m}, p={p}: use m={hint}"
-            )
-        actions = _interleaved(p, m, v)
-    else:
-        if v != 1:
-            raise ValueError(
-                f"virtual_stages={v} only applies to 'interleaved-1f1b'; pass virtual_stages=1 "
-                f"for {key!r}"
-            )
-        actions = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1}[key](p, m)
-    return Schedule(key, p, m, v, actions)
+                f"virtual_stages={v} only applies to schedules with several chunks per rank "
+                f"(interleaved-1f1b, zbv); pass virtual_stages=1 for {info.name!r}")
+        raise ValueError(
+            f"{info.name} runs exactly {info.chunks_per_rank} model chunks per rank "
+            f"({info.placement} placement); pass virtual_stages={info.chunks_per_rank} and "
+            f"{info.chunks_per_rank} x num_stages stage ranges, got virtual_stages={v}")
+    if info.microbatch_multiple and m % p:
+        lo, hi = (m // p) * p, (m // p + 1) * p
+        hint = f"{lo} or {hi}" if lo else f"{hi}"
+        raise ValueError(
+            f"{info.name} needs microbatches to be a multiple of num_stages "
+            f"(microbatches run in groups of p, as in Megatron); got m={m}, p={p}: use m={hint}")
+
+
+def _check_inflight(info: ScheduleInfo, p: int, max_inflight: int | None) -> int | None:
+    if not info.memory_knob:
+        if max_inflight is not None:
+            knobs = [n for n, i in SCHEDULE_INFO.items() if i.memory_knob]
+            raise ValueError(f"max_inflight only applies to {', '.join(knobs)}; "
+                             f"drop it for {info.name!r}")
+        return None
+    cap = 2 * p - 1 if max_inflight is None else _int_arg(max_inflight, "max_inflight")
+    if not p <= cap <= 2 * p - 1:
+        raise ValueError(f"{info.name} takes max_inflight from num_stages ({p}, zb-h1's memory) "
+                         f"to 2 * num_stages - 1 ({2 * p - 1}, ZB-H2's): more lets each rank "
+                         f"defer no further weight gradients; got max_inflight={cap}")
+    return cap
 
 
 def _gpipe(p: int, m: int) -> list[list[Action]]:
@@ -260,54 +433,83 @@ def _interleaved(p: int, m: int, v: int) -> list[list[Action]]:
     return out
 
 
+def _split_backward(r: int, m: int, warm: int, lag: int) -> list[Action]:
+    """One rank's zero-bubble order on chunk ``r``: ``warm`` forwards, then for each
+    microbatch k its input gradient ``I``, the weight gradient of microbatch ``k - lag`` (the
+    W's trail the I's by ``lag``, filling what would be bubbles), and the next forward; the
+    ``lag`` deferred W's close the step. The rank holds at most ``warm + lag`` microbatches."""
+    acts = [Action("F", r, i) for i in range(warm)]
+    for k in range(m):
+        acts.append(Action("I", r, k))
+        if k >= lag:
+            acts.append(Action("W", r, k - lag))
+        if warm + k < m:
+            acts.append(Action("F", r, warm + k))
+    acts += [Action("W", r, j) for j in range(max(m - lag, 0), m)]
+    return acts
+
+
 def _zb_h1(p: int, m: int) -> list[list[Action]]:
-    """Zero-bubble H1 (Qi et al. 2023), built by list scheduling under unit costs.
+    """ZB-H1 (Qi et al. 2023, arXiv 2401.10241): rank r warms up with 1F1B's p - r forwards
+    and lets its W's trail its I's by r, so the last rank runs its I's at once (the critical
+    path back to rank 0) and defers p - 1 W's into the cool-down. Every rank holds at most
+    min(p, m) microbatches (1F1B's peak, on its first rank), and with m >= p each rank idles
+    max((p - 1)F, (p - 1)(F + I - W)): a third of 1F1B's bubble when F = I = W (with m < p,
+    unit costs: (p - 1) + (p - m))."""
+    return [_split_backward(r, m, min(p - r, m), r) for r in range(p)]
 
-    Every rank, whenever it is free, runs the first available of: the next input-gradient
-    ``I`` (the critical path), the next forward (only while fewer than ``min(p, m)``
-    microbatches hold activations, counted until their ``W``), then the oldest deferred
-    weight-gradient ``W``. The cap is 1F1B's peak (its first rank holds ``min(p, m)``), as in
-    the paper's H1: later ranks may hold more than under 1F1B, the pipeline's peak does not
-    rise, and the later ranks' deferred ``W``s fill what would be bubbles. With p = 2 and
-    unit F = I = W this reaches the paper's step ``m(F+I+W) + (p-1)(F+I-W)``. Ordering
-    depends only on (p, m), not on costs.
-    """
-    cap = [min(p, m) for r in range(p)]
-    f_end: list[list[int | None]] = [[None] * m for _ in range(p)]
-    i_end: list[list[int | None]] = [[None] * m for _ in range(p)]
-    nf, ni, held, free = [0] * p, [0] * p, [0] * p, [0] * p
-    pending: list[deque[int]] = [deque() for _ in range(p)]
-    out: list[list[Action]] = [[] for _ in range(p)]
-    left, t = 3 * p * m, 0
 
-    def ready(end: int | None) -> bool:
-        return end is not None and end <= t
+def _zb_h2(p: int, m: int, cap: int) -> list[list[Action]]:
+    """ZB-H2 with a memory knob: ``x = min(cap - p, m - p)`` microbatches more per rank than
+    zb-h1 (cap <= 2p - 1). Rank r spends min(x, p - 1 - r) of them on extra warm-up forwards
+    (filling the wait for its first I) and the rest on a longer W lag (filling the cool-down).
+    With m >= p each rank idles max((p-1)F, (p-1)(F + I - W) - x W) and holds min(m, p + x)
+    microbatches: each extra microbatch takes one W off zb-h1's bubble, down to the pipeline
+    fill (p-1)F (at x = p - 1, the paper's H2, when I <= 2W), which no schedule that ends the
+    step with a synchronous optimizer step avoids (the paper hides it across steps)."""
+    x = min(cap - p, max(m - p, 0))
+    out = []
+    for r in range(p):
+        extra_warm = min(x, p - 1 - r)
+        out.append(_split_backward(r, m, min(m, p - r + extra_warm), r + x - extra_warm))
+    return out
 
-    while left:
-        if t > 10 * p * m + 10:  # pragma: no cover - would be a generator bug
-            raise RuntimeError(f"zb-h1 generator made no progress for p={p}, m={m}")
-        for r in range(p):
-            if free[r] > t:
-                continue
-            i, f = ni[r], nf[r]
-            if i < f and ready(f_end[r][i]) and (r == p - 1 or ready(i_end[r + 1][i])):
-                out[r].append(Action("I", r, i))
-                i_end[r][i] = t + 1
-                ni[r] += 1
-                pending[r].append(i)
-            elif f < m and held[r] < cap[r] and (r == 0 or ready(f_end[r - 1][f])):
-                out[r].append(Action("F", r, f))
-                f_end[r][f] = t + 1
-                nf[r] += 1
-                held[r] += 1
-            elif pending[r]:
-                out[r].append(Action("W", r, pending[r].popleft()))
-                held[r] -= 1
-            else:
-                continue
-            free[r] = t + 1
-            left -= 1
-        t += 1
+
+def _zbv(p: int, m: int) -> list[list[Action]]:
+    """ZB-V (Qi et al., arXiv 2401.10241, section 6): 2p chunks in a V, rank r running chunk
+    ``a = r`` on the way down and ``b = 2p-1-r`` on the way up, so the last chunk's loss is
+    on rank 0 and its backward starts where the forward started. Per rank, in phases
+    (a pattern repeated a number of times; each token takes its chunk's next microbatch):
+
+        2p-1-2r x [Fa]              fill until the first microbatch comes back up
+        r       x [Fb Fa]
+        p-r     x [Fb Ib Wb]        the first backwards on the way up
+        n-2p+1+r x [Fa Ia Wa Fb Ib Wb]   steady state
+        p-1-r   x [Ia Wa Fb Ib Wb]
+        r       x [Ia Ib]           cool-down: input gradients first (the critical path)
+        p-r     x [Ia Wa]
+        then the deferred Wb's and Wa's
+
+    for n = max(m, 2p - 1) microbatches, dropping those >= m. With equal per-chunk F, I and W
+    each rank idles only the fill, (p - 1) chunk-forwards, and holds at most 2p chunk
+    activations: 1F1B's p microbatches of a whole stage."""
+    n = max(m, 2 * p - 1)
+    out = []
+    for r in range(p):
+        phases = [(2 * p - 1 - 2 * r, "Fa"), (r, "Fb Fa"), (p - r, "Fb Ib Wb"),
+                  (n - 2 * p + 1 + r, "Fa Ia Wa Fb Ib Wb"), (p - 1 - r, "Ia Wa Fb Ib Wb"),
+                  (r, "Ia Ib"), (p - r, "Ia Wa"), (r, "Wb"), (r, "Wa")]
+        chunk = {"a": r, "b": 2 * p - 1 - r}
+        count: dict[str, int] = {}
+        acts = []
+        for times, pattern in phases:
+            for _ in range(times):
+                for token in pattern.split():
+                    i = count.get(token, 0)
+                    count[token] = i + 1
+                    if i < m:
+                        acts.append(Action(token[0], chunk[token[1]], i))
+        out.append(acts)
     return out
 
 
@@ -371,6 +573,8 @@ def validate(schedule: Schedule) -> None:
             f"schedule has {len(schedule.actions)} action lists but num_stages={p}; "
             "give exactly one list per pipeline rank"
         )
+    if schedule.placement not in PLACEMENTS:
+        raise ScheduleError(f"unknown placement {schedule.placement!r}; use one of {PLACEMENTS}")
     pos = _check_membership(schedule)
     _check_complete(schedule, pos)
     _check_local_order(schedule, pos)
@@ -395,7 +599,7 @@ def _check_membership(schedule: Schedule) -> dict[tuple[str, int, int], tuple[in
             owner = schedule.rank_of(a.stage)
             if owner != r:
                 _fail(schedule, f"{a} is on rank {r}, but chunk {a.stage} lives on rank {owner} "
-                      f"(chunk s on rank s % {schedule.num_stages}); move it there", (r, j))
+                      f"({schedule.placement} placement); move it there", (r, j))
             key = (a.kind, a.stage, a.microbatch)
             if key in pos:
                 _fail(schedule, f"{a} appears twice (first at rank {pos[key][0]} step "
@@ -426,24 +630,11 @@ def _check_complete(schedule: Schedule, pos: dict[tuple[str, int, int], tuple[in
                 _fail(schedule, f"{missing} is missing on rank {r}: {hint}", where)
 
 
-def _deps(a: Action, schedule: Schedule, bwd_kind: dict[tuple[int, int], str]) -> list[tuple[str, int, int]]:
-    """Actions whose results ``a`` consumes."""
-    s, i = a.stage, a.microbatch
-    if a.kind == "F":
-        return [("F", s - 1, i)] if s > 0 else []
-    if a.kind == "W":
-        return [("I", s, i)]
-    deps = [("F", s, i)]
-    if s < schedule.num_chunks - 1:
-        deps.append((bwd_kind[(s + 1, i)], s + 1, i))
-    return deps
-
-
 def _check_local_order(schedule: Schedule, pos: dict[tuple[str, int, int], tuple[int, int]]) -> None:
-    bwd_kind = {(s, i): ("B" if k == "B" else "I") for (k, s, i) in pos if k in ("B", "I")}
+    bwd_kind = schedule.backward_kind
     for r, acts in enumerate(schedule.actions):
         for j, a in enumerate(acts):
-            for dep in _deps(a, schedule, bwd_kind):
+            for dep in depends_on(a, schedule.num_chunks, bwd_kind):
                 dr, dj = pos[dep]
                 if dr == r and dj > j:
                     d = f"{dep[1]}{dep[0]}{dep[2]}"

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from engine.schedules import Action, Schedule, validate
+from engine.schedules import Action, Schedule, depends_on, peak_inflight, validate
 
 __all__ = ["SimResult", "simulate"]
 
@@ -131,8 +131,7 @@ def simulate(
     cost = {"F": fwd, "B": bwd, "W": wgt, "I": [b - w for b, w in zip(bwd, wgt)]}
 
     p = schedule.num_stages
-    bwd_kind = {(a.stage, a.microbatch): a.kind for acts in schedule.actions for a in acts
-                if a.kind in ("B", "I")}
+    bwd_kind = schedule.backward_kind
     end: dict[tuple[str, int, int], float] = {}
     waiting: dict[tuple[str, int, int], list[int]] = {}
     free = [0.0] * p
@@ -144,25 +143,15 @@ def simulate(
         acts = schedule.actions[r]
         while ptr[r] < len(acts):
             a = acts[ptr[r]]
-            s, i = a.stage, a.microbatch
-            deps: list[tuple[tuple[str, int, int], float]]
-            if a.kind == "F":
-                deps = [(("F", s - 1, i), comm[s - 1] if schedule.rank_of(s - 1) != r else 0.0)] \
-                    if s > 0 else []
-            elif a.kind == "W":
-                deps = [(("I", s, i), 0.0)]
-            else:
-                deps = [(("F", s, i), 0.0)]
-                if s < n - 1:
-                    deps.append(((bwd_kind[(s + 1, i)], s + 1, i),
-                                 comm[s] if schedule.rank_of(s + 1) != r else 0.0))
-            missing = next((key for key, _ in deps if key not in end), None)
+            deps = depends_on(a, n, bwd_kind)
+            missing = next((key for key in deps if key not in end), None)
             if missing is not None:
                 waiting.setdefault(missing, []).append(r)
                 break
-            start = max([free[r]] + [end[key] + delay for key, delay in deps])
-            finish = start + cost[a.kind][s]
-            key = (a.kind, s, i)
+            start = max([free[r]] + [end[key] + _transfer(schedule, key[1], a.stage, comm)
+                                     for key in deps])
+            finish = start + cost[a.kind][a.stage]
+            key = (a.kind, a.stage, a.microbatch)
             end[key] = finish
             free[r] = finish
             timeline[r].append((str(a), start, finish))
@@ -172,15 +161,12 @@ def simulate(
     step = max((row[-1][2] for row in timeline if row), default=0.0)
     busy = sum(e - b for row in timeline for _, b, e in row)
     bubble = 1.0 - busy / (p * step) if step > 0 else 0.0
-    return SimResult(step, bubble, [_peak(acts) for acts in schedule.actions], timeline)
+    return SimResult(step, bubble, peak_inflight(schedule), timeline)
 
 
-def _peak(acts: list[Action]) -> int:
-    held = peak = 0
-    for a in acts:
-        if a.kind == "F":
-            held += 1
-            peak = max(peak, held)
-        elif a.kind in ("B", "W"):
-            held -= 1
-    return peak
+def _transfer(schedule: Schedule, src: int, dst: int, comm: list[float]) -> float:
+    """Delay between producing chunk ``src``'s data and chunk ``dst`` using it: the boundary's
+    transfer time across ranks, nothing within a chunk or between chunks on one rank."""
+    if src == dst or schedule.rank_of(src) == schedule.rank_of(dst):
+        return 0.0
+    return comm[min(src, dst)]

@@ -97,7 +97,7 @@ def _choice(name: str, values: tuple[str, ...]) -> type[Choice]:
     return enum
 
 
-ScheduleName = _choice("ScheduleName", ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"))
+ScheduleName = _choice("ScheduleName", ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv"))
 PartitionMethod = _choice("PartitionMethod", ("optimal", "uniform", "parameters", "greedy"))
 ProfileMode = _choice("ProfileMode", ("measure", "analytic"))
 OptimizerName = _choice("OptimizerName", ("sgd", "adam", "adamw"))
@@ -178,9 +178,9 @@ class PipelineConfig:
     """`pipeline`: how the model is pipelined and replicated."""
 
     stages: int = 2  # pipeline ranks (p)
-    schedule: ScheduleName = ScheduleName["1f1b"]  # gpipe | 1f1b | interleaved-1f1b | zb-h1
+    schedule: ScheduleName = ScheduleName["1f1b"]  # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | zbv
     microbatches: int = 4  # microbatches per step per replica (m)
-    virtual_stages: int = 1  # model chunks per rank (v); >= 2 only with interleaved-1f1b
+    virtual_stages: int = 1  # model chunks per rank (v); >= 2 with interleaved-1f1b, 2 with zbv
     data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel
     activation_checkpointing: bool = False  # recompute each chunk's forward during backward
     comm_timeout_s: float = 60.0  # a point-to-point transfer waiting longer than this fails the job
@@ -555,6 +555,12 @@ def validate_config(cfg: Any) -> None:
             raise ConfigError(
                 f"pipeline.schedule=interleaved-1f1b needs pipeline.microbatches ({micro}) to be a multiple of "
                 f"pipeline.stages ({stages}); set pipeline.microbatches={fixed}"
+            )
+    elif schedule == "zbv":
+        if virtual != 2:
+            raise ConfigError(
+                f"pipeline.schedule=zbv runs 2 model chunks per rank in a V (got pipeline.virtual_stages={virtual}); "
+                "set pipeline.virtual_stages=2"
             )
     elif virtual != 1:
         raise ConfigError(

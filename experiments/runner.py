@@ -112,11 +112,13 @@ def _rank_predictions(plan: dict, p: int) -> tuple[list[int], list[float], list[
     fwd = plan.get("stage_forward_s") or [0.0] * len(ranges)
     bwd = plan.get("stage_backward_s") or [0.0] * len(ranges)
     m = int(plan.get("microbatches", 1))
+    from engine.schedules import chunk_ranks
+    rank_of = chunk_ranks(plan.get("schedule", "1f1b"), p, len(ranges) // p)
     acts, fs, bs = [0] * p, [0.0] * p, [0.0] * p
     for c in range(len(ranges)):
-        acts[c % p] += int(act[c])
-        fs[c % p] += float(fwd[c]) * m
-        bs[c % p] += float(bwd[c]) * m
+        acts[rank_of[c]] += int(act[c])
+        fs[rank_of[c]] += float(fwd[c]) * m
+        bs[rank_of[c]] += float(bwd[c]) * m
     return acts, fs, bs
 
 
@@ -311,8 +313,10 @@ def run_worker(job: Job) -> dict:
             v = int(plan.get("virtual_stages", 1))
             m = int(plan["microbatches"])
             chunks = len(job.stage_ranges)
-            f_c = [measured_f[c % p] / n_gathered / (m * v) for c in range(chunks)]
-            b_c = [measured_b[c % p] / n_gathered / (m * v) for c in range(chunks)]
+            from engine.schedules import chunk_ranks
+            rank_of = chunk_ranks(plan["schedule"], p, v)
+            f_c = [measured_f[rank_of[c]] / n_gathered / (m * v) for c in range(chunks)]
+            b_c = [measured_b[rank_of[c]] / n_gathered / (m * v) for c in range(chunks)]
             png = _timeline_png(plan, run_dir / "timeline_measured.png",
                                 "re-simulated from measured per-stage compute times", f_c, b_c)
             tracker.log_image("timeline/measured", png,

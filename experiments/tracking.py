@@ -66,18 +66,24 @@ def _transpose_stages(stages: Sequence[Mapping[str, Any]]) -> dict[str, list[Any
 def plan_rows(plan: Any) -> list[dict[str, Any]]:
     """One row per chunk from a `partitioner.Plan` (or anything with `stage_ranges` etc.).
 
-    Columns: stage (chunk index), rank (chunk % num_stages), start, stop, layers, time_s,
+    Columns: stage (chunk index), rank (the schedule's placement: chunk % num_stages, or a V for
+    zbv), start, stop, layers, time_s,
     memory_bytes, and activation_bytes where the plan has it.
     """
     ranges = list(getattr(plan, "stage_ranges"))
     n = len(ranges)
     ranks = int(getattr(plan, "num_stages", 0) or n)
+    try:
+        from engine.schedules import chunk_ranks
+        rank_of = chunk_ranks(getattr(plan, "schedule", "1f1b"), ranks, max(n // ranks, 1))
+    except ValueError:   # an unknown schedule name: looped placement
+        rank_of = [j % ranks for j in range(n)]
     times = list(getattr(plan, "stage_time_s", None) or [None] * n)
     memory = list(getattr(plan, "stage_memory_bytes", None) or [None] * n)
     activation = getattr(plan, "stage_activation_bytes", None)
     rows = []
     for j, (a, b) in enumerate(ranges):
-        row = {"stage": j, "rank": j % ranks, "start": int(a), "stop": int(b), "layers": int(b) - int(a),
+        row = {"stage": j, "rank": rank_of[j], "start": int(a), "stop": int(b), "layers": int(b) - int(a),
                "time_s": times[j], "memory_bytes": memory[j]}
         if activation:
             row["activation_bytes"] = activation[j]

@@ -27,7 +27,8 @@ class PartitionError(ValueError):
 class Plan(JsonMixin):
     """A pipeline split and its predicted cost.
 
-    Per chunk (``num_stages * virtual_stages`` entries, chunk c runs on rank c % num_stages):
+    Per chunk (``num_stages * virtual_stages`` entries; chunk c runs on rank ``chunk_ranks[c]``,
+    the schedule's placement: c % num_stages, or a V for zbv):
     ``stage_ranges`` (half-open layer ranges), ``stage_time_s`` (forward + backward, plus
     recomputation and boundary transfers), ``stage_memory_bytes`` (predicted peak),
     ``stage_activation_bytes`` (saved-for-backward bytes at the peak), ``stage_inflight``,
@@ -91,6 +92,13 @@ class Plan(JsonMixin):
         return len(self.stage_ranges)
 
     @property
+    def chunk_ranks(self) -> list[int]:
+        """The pipeline rank of each chunk (``engine.schedules.chunk_ranks`` of this schedule)."""
+        from engine.schedules import chunk_ranks
+
+        return chunk_ranks(self.schedule, self.num_stages, self.virtual_stages)
+
+    @property
     def stage_layers(self) -> list[int]:
         """Number of layers per chunk."""
         return [b - a for a, b in self.stage_ranges]
@@ -113,8 +121,9 @@ class Plan(JsonMixin):
         head = ["stage", "rank", "layers", "#", "time ms", "mem GiB", "act GiB", "in-flight", "limit GiB", "fits"]
         rows = []
         p = self.num_stages
+        ranks = self.chunk_ranks
         for c, (a, b) in enumerate(self.stage_ranges):
-            r = c % p
+            r = ranks[c]
             lim = self.memory_limit_bytes[r] if self.memory_limit_bytes else None
             rows.append([
                 str(c), str(r), f"{a}-{b - 1}" + (" R" if self.stage_recompute and self.stage_recompute[c] else ""),

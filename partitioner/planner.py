@@ -13,10 +13,14 @@ more forward when it recomputes) + twice its outgoing boundary transfer (activat
 gradient back) when ``link_bytes_per_s`` is given, and a stage's memory is its static state
 plus in-flight activations for the schedule plus boundary buffers (see ``memory.py``). The
 plan's ``step_s`` and ``bubble_fraction`` then come from ``engine.simulate`` on the same
-costs. For ``virtual_stages > 1`` the search runs over the ``p * v`` chunks: it is exact for
-the largest chunk time under the per-chunk limit ``rank limit / v``, a sufficient condition
-for the rank to fit (a split that fits only by giving one chunk of a rank more than 1/v of
-its memory is not found); the reported rank memory is the exact sum of its chunks.
+costs. For ``virtual_stages > 1`` with loop placement (interleaved-1f1b) the search runs over
+the ``p * v`` chunks: it is exact for the largest chunk time under the per-chunk limit ``rank
+limit / v``, a sufficient condition for the rank to fit (a split that fits only by giving one
+chunk of a rank more than 1/v of its memory is not found); the reported rank memory is the
+exact sum of its chunks. For the V placement (zbv, rank r holds chunks r and 2p-1-r) the
+search is exact for the rank's time and memory, each the sum of its two chunks
+(:func:`partitioner.vsplit.optimal_v_split`). Which rank runs which chunk comes from
+``engine.schedules`` (``chunk_ranks``).
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from .costs import Profile
-from .memory import SCHEDULES, inflight_from_schedule, inflight_per_chunk, static_factor
+from engine.schedules import SCHEDULE_INFO, chunk_ranks
+
+from .memory import SCHEDULES, inflight_from_schedule, inflight_per_chunk, rank_totals, static_factor
 from .plan import PartitionError, Plan
 from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optimal_split, parameter_split,
                     pipeline_lower_bound, split_costs, uniform_split)
+from .vsplit import min_v_memory_scale, optimal_v_split
 
 __all__ = ["partition", "METHODS"]
 
@@ -45,15 +52,16 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
               virtual_stages: int = 1, data_parallel: int = 1, zero_stage: int = 1, optimizer: str = "adamw",
               memory_limit_bytes: "float | Sequence[float] | None" = None, method: str = "optimal",
               link_bytes_per_s: float | None = None, activation_checkpointing: "bool | str" = False,
-              simulate: bool = True) -> Plan:
+              simulate: bool = True, max_inflight: int | None = None) -> Plan:
     """Split ``profile`` into ``num_stages`` pipeline stages (see the module docstring).
 
     ``memory_limit_bytes``: one number for every rank, or one per rank. ``method``: "optimal"
     or a baseline ("uniform", "parameters", "greedy"; baselines ignore the limits when
     choosing, and the plan reports whether each rank fits). ``activation_checkpointing``:
     False, True (every stage recomputes) or "auto" (a stage recomputes only where the exact
-    search needs it to fit). Raises :class:`PartitionError` when no split fits, naming the
-    smallest limit (or the stage count) that would.
+    search needs it to fit). ``max_inflight``: zb-h2's bound on the microbatches a rank holds
+    (its memory knob). Raises :class:`PartitionError` when no split fits, naming the smallest
+    limit (or the stage count) that would.
     """
     p, m, v = int(num_stages), int(microbatches), int(virtual_stages)
     if method not in METHODS:
@@ -62,6 +70,10 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
         raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
     if schedule == "interleaved-1f1b" and v < 2:
         raise ValueError("interleaved-1f1b needs virtual_stages >= 2; use schedule='1f1b' for one chunk per rank")
+    info = SCHEDULE_INFO[schedule]
+    if info.chunks_per_rank is not None and v != info.chunks_per_rank:
+        raise ValueError(f"schedule={schedule!r} runs {info.chunks_per_rank} chunk(s) per rank; pass "
+                         f"virtual_stages={info.chunks_per_rank} (got {v})")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"num_stages, microbatches and virtual_stages must be >= 1 (got {p}, {m}, {v})")
     if link_bytes_per_s is not None and link_bytes_per_s <= 0:
@@ -89,7 +101,9 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     shared = np.array([c.shared_input_bytes for c in L], dtype=np.float64)
     comm_layer = out / link_bytes_per_s if link_bytes_per_s else np.zeros(n)
     cut_time = np.concatenate([[0.0], 2 * comm_layer[:-1], [0.0]])
-    inflight = inflight_per_chunk(schedule, p, m, v)
+    inflight = inflight_per_chunk(schedule, p, m, v, max_inflight=max_inflight)
+    ranks = chunk_ranks(schedule, p, v)
+    vee = info.placement == "v"
     inflight_src = "closed form"
     if simulate:
         try:
@@ -97,7 +111,7 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
         except ImportError:
             pass
         else:  # what the engine will run
-            inflight = inflight_from_schedule(build_schedule(schedule, p, m, v))
+            inflight = inflight_from_schedule(build_schedule(schedule, p, m, v, max_inflight=max_inflight))
             inflight_src = "engine schedule"
 
     rank_caps: list[float] | None
@@ -111,25 +125,32 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
             raise ValueError(f"memory_limit_bytes has {len(rank_caps)} entries; give one number or {p} (one per rank)")
     if rank_caps is not None and min(rank_caps) <= 0:
         raise ValueError("memory_limit_bytes must be > 0")
-    chunk_caps = None if rank_caps is None else [rank_caps[c % p] / v for c in range(k)]
+    chunk_caps = None if rank_caps is None else [rank_caps[ranks[c]] / v for c in range(k)]
     notes: list[str] = [f"in-flight microbatches per stage {inflight} (from the {inflight_src})"]
     common = dict(static=static, act=act, out=out, inflight=inflight, shared=shared)
 
     recompute = [ckpt == "on"] * k
     if method == "optimal":
         try:
-            bounds, _, var = optimal_split(f + b, k, caps=chunk_caps, cut_time=cut_time, recompute_time=f,
-                                           checkpointing=ckpt, return_variants=True, **common)
+            if vee:   # exact on ranks: each rank's time and memory sum its two chunks
+                bounds, _, var = optimal_v_split(f + b, p, caps=rank_caps, cut_time=cut_time, recompute_time=f,
+                                                 checkpointing=ckpt, return_variants=True, **common)
+            else:
+                bounds, _, var = optimal_split(f + b, k, caps=chunk_caps, cut_time=cut_time, recompute_time=f,
+                                               checkpointing=ckpt, return_variants=True, **common)
         except Infeasible as e:
             raise PartitionError(_infeasible_message(e, n, p, v, rank_caps, chunk_caps, ckpt, f, schedule, m,
-                                                     common)) from None
+                                                     common, max_inflight)) from None
         if ckpt == "auto":
             recompute = [bool(x) for x in var]
         notes.append("optimal: exact min-bottleneck contiguous split"
                      + (" under the memory limits" if rank_caps else " (no memory limit given)")
                      + ("; among equal bottlenecks, the smallest sum of stage times" if link_bytes_per_s or ckpt == "auto"
                         else "; among equal bottlenecks, later stages take as many layers as allowed"))
-        if v > 1 and rank_caps:
+        if vee:
+            notes.append("zbv: exact over ranks (V placement: rank r holds chunks r and 2p-1-r; the largest rank "
+                         "time under each rank's limit)")
+        elif v > 1 and rank_caps:
             notes.append(f"interleaved: each chunk limited to rank limit / {v} (sufficient, not necessary, for the rank to fit)")
     else:
         if method == "uniform":
@@ -163,7 +184,7 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
              else inflight[c] * (out[s_idx[c] - 1] if s_idx[c] > 0 else 0.0) + act[s_idx[c]:e_idx[c]].sum()
              for c in range(k)]
     comm_b = [float(comm_layer[e - 1]) for e in e_idx[:-1]]
-    rank_mem = [float(sum(mem_stage[c] for c in range(r, k, p))) for r in range(p)]
+    rank_mem = [float(x) for x in rank_totals(list(mem_stage), schedule, p, v)]
     rank_fits = [True] * p if rank_caps is None else [rank_mem[r] <= rank_caps[r] * (1 + 1e-12) for r in range(p)]
 
     # closed form: sum of stage work + (m - 1) * bottleneck (exact for gpipe / 1f1b with
@@ -177,18 +198,18 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
         except ImportError as e:  # the engine is optional for the partitioner
             notes.append(f"engine.simulate unavailable ({e}); step from the closed form")
         else:
-            sched = build_schedule(schedule, p, m, v)
+            sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)
             res = _simulate(sched, forward_s=f_c, backward_s=b_c, weight_s=[min(x, y) for x, y in zip(w_c, b_c)],
                             comm_s=comm_b if k > 1 else 0.0)
             step, bubble, predicted_by = res.step_s, res.bubble_fraction, "engine.simulate"
-            if any(pk != sum(inflight[c] for c in range(r, k, p)) for r, pk in enumerate(res.peak_inflight)):  # pragma: no cover
+            if res.peak_inflight != rank_totals(inflight, schedule, p, v):  # pragma: no cover
                 notes.append(f"warning: simulator's peak in-flight {res.peak_inflight} differs from the memory model "
-                             f"{[sum(inflight[c] for c in range(r, k, p)) for r in range(p)]}")
+                             f"{rank_totals(inflight, schedule, p, v)}")
 
     total = float((f + b).sum())
     lb_b = max(float((f + b).max()), total / k)
-    if schedule in ("gpipe", "1f1b", "zb-h1"):
-        lower = pipeline_lower_bound(f + b, k, m, carried=f if schedule == "zb-h1" else None)
+    if info.chunks_per_rank == 1:
+        lower = pipeline_lower_bound(f + b, k, m, carried=f if info.splits_backward else None)
     else:
         lower = max(m * max(float((f + b).max()), total / p), total)
     if rank_caps is not None and not all(rank_fits):
@@ -211,10 +232,12 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
 
 
 def _infeasible_message(err: Exception, n: int, p: int, v: int, rank_caps, chunk_caps, ckpt: str, f, schedule: str,
-                        m: int, common: dict[str, Any]) -> str:
+                        m: int, common: dict[str, Any], max_inflight: int | None = None) -> str:
     k = p * v
     if chunk_caps is None:
         return str(err)
+    if SCHEDULE_INFO[schedule].placement == "v":
+        return _infeasible_v_message(n, p, rank_caps, ckpt, f, schedule, m, common)
     scalar = len(set(rank_caps)) == 1
     if scalar:
         need, _ = min_memory_scale(k, n, recompute_time=f, checkpointing=ckpt, **common)
@@ -239,3 +262,19 @@ def _infeasible_message(err: Exception, n: int, p: int, v: int, rank_caps, chunk
     if ckpt == "off" and fits_any(k, n, caps=chunk_caps, recompute_time=f, checkpointing="auto", **common):
         msg += "; activation_checkpointing='auto' would also fit"
     return msg
+
+
+def _infeasible_v_message(n: int, p: int, rank_caps, ckpt: str, f, schedule: str, m: int,
+                          common: dict[str, Any]) -> str:
+    """The smallest limit that fits a V split (each rank: the sum of its two chunks)."""
+    scalar = len(set(rank_caps)) == 1
+    base = None if scalar else rank_caps
+    scale, _ = min_v_memory_scale(n, p, caps=base, recompute_time=f, checkpointing=ckpt, **common)
+    if scalar:
+        need = math.ceil(scale)
+        return (f"no V split of {n} layers over {p} ranks ({2 * p} chunks) fits {int(rank_caps[0])} bytes "
+                f"({_gib(rank_caps[0])}) per rank with {schedule}, m={m}; the smallest memory_limit_bytes that "
+                f"works is {need} ({_gib(need)})")
+    need = [math.ceil(c * scale) for c in rank_caps]
+    return (f"no V split of {n} layers over {p} ranks fits the per-rank limits {[int(c) for c in rank_caps]}; "
+            f"scaling them by {scale:.4f} works: memory_limit_bytes={need}")

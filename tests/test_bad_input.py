@@ -80,8 +80,10 @@ def test_more_stages_than_layers(base_cfg):
 
 
 def test_unknown_schedule_lists_valid_ones(base_cfg):
-    valid = "gpipe, 1f1b, interleaved-1f1b, zb-h1"
-    assert ("Invalid value '1f1f', expected one of [gpipe, 1f1b, interleaved-1f1b, zb-h1]"
+    from engine.schedules import SCHEDULES
+    valid = ", ".join(SCHEDULES)
+    assert valid.startswith("gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv")
+    assert (f"Invalid value '1f1f', expected one of [{valid}]"
             in _compose_error("pipeline.schedule=1f1f"))                  # Hydra: enum choices
     with pytest.raises(ConfigError, match=r"choose one of \['gpipe', '1f1b'"):
         validate_config(_cfg(base_cfg, pipeline__schedule="1f1f"))

@@ -48,16 +48,13 @@ TORCH_SCHEDULES: dict[str, tuple[str, int, str]] = {
 
 
 def chunk_to_rank(num_ranks: int, num_chunks: int, style: str) -> list[int]:
-    """Rank of each chunk: ``"loop"`` c % p (Megatron); ``"v"`` down then back up (ZB-V)."""
-    if style == "loop":
-        return [c % num_ranks for c in range(num_chunks)]
-    if style == "v":
-        out = []
-        for c in range(num_chunks):
-            lap, pos = divmod(c, num_ranks)
-            out.append(pos if lap % 2 == 0 else num_ranks - 1 - pos)
-        return out
-    raise ValueError(f"unknown placement style {style!r}; use 'loop' or 'v'")
+    """Rank of each chunk: ``"loop"`` c % p (Megatron); ``"v"`` down then back up (ZB-V);
+    the same map pipeshard's schedules use (``engine.schedules.chunk_rank``)."""
+    from engine.schedules import PLACEMENTS, chunk_rank
+
+    if style not in PLACEMENTS:
+        raise ValueError(f"unknown placement style {style!r}; use 'loop' or 'v'")
+    return [chunk_rank(style, num_ranks, c) for c in range(num_chunks)]
 
 
 def _torch_worker(rank: int, world_size: int, spec: BenchSpec, schedule: str,

@@ -302,24 +302,25 @@ def _resume_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def runtime_resume_job(p: int, d: int, zero: int, steps: int, save_dir: str | None,
-                       load_dir: str | None, precision: str = "fp32", microbatches: int = 2
+                       load_dir: str | None, schedule: str = "1f1b", virtual: int = 1,
+                       precision: str = "fp32", microbatches: int = 2
                        ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """engine.Pipeline (p stages x d replicas): optionally resume from `load_dir`, train `steps`
-    steps, optionally checkpoint into `save_dir` (replica 0 writes the layers). Returns the
-    losses and this rank's parameters by "<layer>.<name>" (with 16-bit weights: the fp32
-    masters)."""
+    """engine.Pipeline (p stages x d replicas, `schedule` with `virtual` chunks per rank, layers
+    split evenly over the chunks): optionally resume from `load_dir`, train `steps` steps,
+    optionally checkpoint into `save_dir` (replica 0 writes the layers). Returns the losses and
+    this rank's parameters by "<layer>.<name>" (with 16-bit weights: the fp32 masters)."""
     import functools
 
     from engine import Pipeline
     from engine import checkpoint as ck
     from engine.optim import OptimizerConfig
 
-    k = RESUME_LAYERS // p
+    n, chunks = RESUME_LAYERS, p * virtual
     cfg = OptimizerConfig(name="adamw", lr=0.01, weight_decay=0.01, warmup_steps=2, zero_stage=zero)
-    pipe = Pipeline([functools.partial(_resume_layer, i) for i in range(RESUME_LAYERS)],
-                    [(c * k, (c + 1) * k) for c in range(p)], loss_fn=nn.functional.mse_loss,
-                    schedule="1f1b", microbatches=microbatches, data_parallel=d, optimizer=cfg,
-                    precision=precision)
+    pipe = Pipeline([functools.partial(_resume_layer, i) for i in range(n)],
+                    [(c * n // chunks, (c + 1) * n // chunks) for c in range(chunks)],
+                    loss_fn=nn.functional.mse_loss, schedule=schedule, microbatches=microbatches,
+                    virtual_stages=virtual, data_parallel=d, optimizer=cfg, precision=precision)
     rank, world = dist.get_rank(), dist.get_world_size()
     start = 0
     if load_dir:

@@ -271,13 +271,39 @@ def test_zero_run_resumes_resplit_and_equals_uninterrupted(tmp_path, zero_before
     from _zero_harness import runtime_resume_job
 
     kw = dict(timeout_s=300)
-    full = run_workers(runtime_resume_job, 4, 2, 2, zero_before, 3, None, None, precision, **kw)
-    run_workers(runtime_resume_job, 4, 2, 2, zero_before, 2, str(tmp_path), None, precision, **kw)
-    resumed = run_workers(runtime_resume_job, 3, 3, 1, zero_after, 1, None, str(tmp_path),
-                          precision, 2 if precision == "fp32" else 4, **kw)
+    full = run_workers(runtime_resume_job, 4, 2, 2, zero_before, 3, None, None, "1f1b", 1,
+                       precision, **kw)
+    run_workers(runtime_resume_job, 4, 2, 2, zero_before, 2, str(tmp_path), None, "1f1b", 1,
+                precision, **kw)
+    resumed = run_workers(runtime_resume_job, 3, 3, 1, zero_after, 1, None, str(tmp_path), "1f1b",
+                          1, precision, 2 if precision == "fp32" else 4, **kw)
     want = {k: v for _, params in full for k, v in params.items()}
     got = {k: v for _, params in resumed for k, v in params.items()}
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
     assert resumed[-1][0] == pytest.approx(full[-1][0][-1:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_into_zbv_and_zb_h2_with_another_split(tmp_path):
+    """A 1F1B run (2 stages) checkpointed after 2 steps resumes as zbv (a V of 4 chunks on 2
+    ranks, rank 0 holding the first and last) and as zb-h2 on 3 stages: the third step's loss
+    and the parameters after it equal the uninterrupted run's."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist_helpers import run_workers
+    from _zero_harness import runtime_resume_job
+
+    full = run_workers(runtime_resume_job, 2, 2, 1, 0, 3, None, None, timeout_s=120)
+    run_workers(runtime_resume_job, 2, 2, 1, 0, 2, str(tmp_path), None, timeout_s=120)
+    want = {k: v for _, params in full for k, v in params.items()}
+    for world, schedule, virtual in ((2, "zbv", 2), (3, "zb-h2", 1)):
+        resumed = run_workers(runtime_resume_job, world, world, 1, 0, 1, None, str(tmp_path),
+                              schedule, virtual, timeout_s=120)
+        got = {k: v for _, params in resumed for k, v in params.items()}
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{schedule} {k}: {m}")
+        for losses, _ in resumed:
+            assert losses == pytest.approx(full[-1][0][-1:], rel=1e-5)

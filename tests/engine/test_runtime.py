@@ -94,7 +94,7 @@ def _worker(cases):
                         data_parallel=case.get("d", 1), seed=SEED,
                         optimizer=OptimizerConfig(name="sgd", lr=LR, momentum=MOMENTUM),
                         activation_checkpointing=case.get("ckpt", False), comm_timeout_s=30,
-                        ties=TIES if case.get("tie") else ())
+                        ties=TIES if case.get("tie") else (), max_inflight=case.get("cap"))
         losses, grads, stats = [], [], []
         for step in range(len(BATCHES)):
             x, y = _data(step)
@@ -169,7 +169,7 @@ def _run_and_check(world, cases):
     return results
 
 
-SCHEDS = ("gpipe", "1f1b", "zb-h1")
+SCHEDS = ("gpipe", "1f1b", "zb-h1")   # and zbv / zb-h2 below (issue 12)
 
 
 def test_parity_two_stages_every_schedule_and_checkpointing():
@@ -177,6 +177,9 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     cases += [dict(schedule="interleaved-1f1b", p=2, v=2, m=4)]
     cases += [dict(schedule="1f1b", p=2, m=4, ckpt=True),
               dict(schedule="zb-h1", p=2, m=4, ckpt=True)]
+    # zbv: a V of 4 chunks (rank 0 holds chunks 0 and 3, so the loss); the tie crosses ranks
+    cases += [dict(schedule="zbv", p=2, v=2, m=4), dict(schedule="zb-h2", p=2, m=4),
+              dict(schedule="zbv", p=2, v=2, m=3, tie=True, ranges=[(0, 4), (4, 5), (5, 7), (7, 9)])]
     results = _run_and_check(2, cases)
     stats = results[0][0]["stats"][0]  # rank 0, gpipe, step 0
     for key in ("forward_s", "backward_s", "comm_wait_s", "idle_s", "peak_activation_bytes",
@@ -201,13 +204,18 @@ def test_parity_four_stages_every_schedule():
               dict(schedule="1f1b", p=2, d=2, m=2),
               dict(schedule="zb-h1", p=2, d=2, m=4),
               dict(schedule="interleaved-1f1b", p=4, v=2, m=4, tie=True),   # across ranks
-              dict(schedule="zb-h1", p=2, d=2, m=4, tie=True)]              # same rank
+              dict(schedule="zb-h1", p=2, d=2, m=4, tie=True),              # same rank
+              dict(schedule="zbv", p=4, v=2, m=8), dict(schedule="zb-h2", p=4, m=6, cap=6),
+              dict(schedule="zbv", p=2, v=2, d=2, m=4, tie=True),
+              dict(schedule="zb-h2", p=2, d=2, m=4, cap=2)]
     _run_and_check(4, cases)
 
 
 def test_parity_three_stages():
     cases = [dict(schedule="1f1b", p=3, m=4), dict(schedule="zb-h1", p=3, m=4),
-             dict(schedule="interleaved-1f1b", p=3, v=2, m=3)]
+             dict(schedule="interleaved-1f1b", p=3, v=2, m=3),
+             dict(schedule="zbv", p=3, v=2, m=6), dict(schedule="zb-h2", p=3, m=6),
+             dict(schedule="zb-h2", p=3, m=4, cap=4, tie=True)]
     _run_and_check(3, cases)
 
 
@@ -215,6 +223,7 @@ def test_single_process_pipeline_matches_reference():
     """p = 1 (no process group at all) runs the same code path in-process."""
     _check("p1", [_worker([dict(schedule="1f1b", p=1, m=4)])[0]])
     _check("p1-zb", [_worker([dict(schedule="zb-h1", p=1, m=2)])[0]])
+    _check("p1-zbv", [_worker([dict(schedule="zbv", p=1, v=2, m=2)])[0]])
     # two chunks on one rank: activations and gradients pass locally, no communication
     case = dict(schedule="interleaved-1f1b", p=1, v=2, m=2, tie=True, ranges=[(0, 4), (4, 9)])
     _check(case, [_worker([case])[0]])

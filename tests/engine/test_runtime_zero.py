@@ -1,6 +1,6 @@
 """The runtime (``engine.Pipeline``) with DeepSpeed ZeRO over the data-parallel groups.
 
-2 stages x 2 replicas (world 4), every schedule, ZeRO 0, 1 and 2: losses and parameters after 3
+2 stages x 2 replicas (world 4), every schedule, ZeRO 0, 1 and 2 (zbv and zb-h2: ZeRO 1): losses and parameters after 3
 SGD steps (and 3 AdamW steps) equal a single process trained on the whole global batch
 (fp32, rtol 1e-5). SGD is the sharp check: Adam's updates hide a gradient off by a constant
 factor. Then bf16 over 20 steps, both kinds (bf16 weights with fp32 masters in DeepSpeed's
@@ -26,6 +26,7 @@ ADAMW = dict(name="adamw", lr=0.01, weight_decay=0.01)
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 CASES = [dict(schedule=s, zero=z, opt=SGD, steps=3) for s in SCHEDULES for z in (0, 1, 2)]
+CASES += [dict(schedule=s, zero=1, opt=SGD, steps=3) for s in ("zbv", "zb-h2")]   # issue 12
 CASES += [dict(schedule=s, zero=z, opt=ADAMW, steps=3) for s in ("1f1b", "zb-h1") for z in (1, 2)]
 BF16 = [dict(schedule="1f1b", zero=1, opt=ADAMW, steps=20, precision=p)
         for p in ("fp32", "bf16", "bf16-autocast")]
@@ -54,7 +55,8 @@ def _worker(cases):
     torch.set_num_threads(1)
     out = []
     for case in cases:
-        v = 2 if case["schedule"] == "interleaved-1f1b" else 1
+        from engine.schedules import SCHEDULE_INFO
+        v = SCHEDULE_INFO[case["schedule"]].virtual_stages(2)
         pipe = Pipeline(_factories(), _ranges(STAGES * v), loss_fn=nn.functional.mse_loss,
                         schedule=case["schedule"], microbatches=M, virtual_stages=v,
                         data_parallel=REPLICAS, seed=SEED, comm_timeout_s=60,

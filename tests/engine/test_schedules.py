@@ -5,13 +5,18 @@ from __future__ import annotations
 import pytest
 
 from engine.schedules import (
+    SCHEDULE_INFO,
     SCHEDULES,
     Action,
     Comm,
     Schedule,
     ScheduleError,
     build_schedule,
+    chunk_rank,
+    chunk_ranks,
+    depends_on,
     lower,
+    peak_inflight,
     validate,
 )
 from engine.simulate import simulate
@@ -29,12 +34,16 @@ def valid_grid():
     for p in range(1, 6):
         for m in range(1, 10):
             for name in SCHEDULES:
-                if name == "interleaved-1f1b":
+                info = SCHEDULE_INFO[name]
+                if info.chunks_per_rank is None:
                     if m % p == 0:
                         for v in (2, 3):
-                            yield name, p, m, v
+                            yield name, p, m, v, None
+                elif info.memory_knob:
+                    for cap in sorted({p, (3 * p - 1) // 2, 2 * p - 1}):
+                        yield name, p, m, 1, cap
                 else:
-                    yield name, p, m, 1
+                    yield name, p, m, info.chunks_per_rank, None
 
 
 GRID = list(valid_grid())
@@ -131,13 +140,69 @@ def test_inflight_interleaved_per_megatron(p, m, v):
 # ----------------------------------------------------------------------------- validate accepts
 
 
-@pytest.mark.parametrize("name,p,m,v", GRID, ids=[f"{n}-p{p}-m{m}-v{v}" for n, p, m, v in GRID])
-def test_every_generator_validates(name, p, m, v):
-    s = build_schedule(name, p, m, v)
+@pytest.mark.parametrize("name,p,m,v,cap", GRID,
+                         ids=[f"{n}-p{p}-m{m}-v{v}-c{c}" for n, p, m, v, c in GRID])
+def test_every_generator_validates(name, p, m, v, cap):
+    s = build_schedule(name, p, m, v, max_inflight=cap)
     assert s.num_chunks == p * v and len(s.actions) == p
     validate(s)
     for r in range(p):
         assert {a.stage for a in s.actions[r]} == set(s.stages_of(r))
+    assert s.placement == SCHEDULE_INFO[name].placement
+    assert {a.kind for row in s.actions for a in row} <= (
+        {"F", "I", "W"} if SCHEDULE_INFO[name].splits_backward else {"F", "B"})
+
+
+def test_placement_is_the_one_chunk_to_rank_map():
+    v = build_schedule("zbv", 3, 6, virtual_stages=2)
+    assert [v.rank_of(c) for c in range(6)] == [0, 1, 2, 2, 1, 0]
+    assert [v.stages_of(r) for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
+    assert chunk_ranks("zbv", 3, 2) == [0, 1, 2, 2, 1, 0]
+    loop = build_schedule("interleaved-1f1b", 3, 6, virtual_stages=2)
+    assert [loop.rank_of(c) for c in range(6)] == [0, 1, 2, 0, 1, 2] == chunk_ranks(
+        "interleaved-1f1b", 3, 2)
+    assert [chunk_rank("v", 2, c) for c in range(8)] == [0, 1, 1, 0, 0, 1, 1, 0]
+    with pytest.raises(ValueError, match="placement"):
+        chunk_rank("zigzag", 2, 0)
+    # a hand-written schedule on the V placement is validated against that placement
+    ok = Schedule("hand-v", 1, 1, 2, [acts("0F0 1F0 1B0 0B0")], placement="v")
+    validate(ok)
+    with pytest.raises(ScheduleError, match="chunk 3 lives on rank 0 \\(v placement\\)"):
+        validate(Schedule("hand-v", 2, 1, 2, [acts("0F0 0B0"), acts("1F0 2F0 3F0 3B0 2B0 1B0")],
+                          placement="v"))
+    with pytest.raises(ScheduleError, match="unknown placement"):
+        validate(Schedule("x", 1, 1, 1, [acts("0F0 0B0")], placement="zigzag"))
+
+
+def test_schedule_facts_table():
+    assert SCHEDULES == tuple(SCHEDULE_INFO)
+    assert {n for n, i in SCHEDULE_INFO.items() if i.splits_backward} == {"zb-h1", "zb-h2", "zbv"}
+    assert [n for n, i in SCHEDULE_INFO.items() if i.memory_knob] == ["zb-h2"]
+    assert SCHEDULE_INFO["zbv"].virtual_stages() == 2
+    assert SCHEDULE_INFO["interleaved-1f1b"].virtual_stages(3) == 3
+    assert SCHEDULE_INFO["1f1b"].virtual_stages() == 1
+
+
+def test_dependency_rule():
+    kind = {(2, 0): "I", (1, 0): "B"}
+    assert depends_on(Action("F", 0, 0), 3, kind) == []
+    assert depends_on(Action("F", 2, 0), 3, kind) == [("F", 1, 0)]
+    assert depends_on(Action("B", 1, 0), 3, kind) == [("F", 1, 0), ("I", 2, 0)]
+    assert depends_on(Action("I", 2, 0), 3, kind) == [("F", 2, 0)]
+    assert depends_on(Action("W", 2, 0), 3, kind) == [("I", 2, 0)]
+
+
+def test_zbv_is_a_v_with_the_loss_on_rank_zero_and_local_turn():
+    p, m = 3, 5
+    s = build_schedule("zbv", p, m, virtual_stages=2)
+    low = lower(s)
+    comms = [op for row in low for op in row if isinstance(op, Comm)]
+    # the turn of the V (chunk p-1 -> p, both on rank p-1) is local: no message for it
+    assert not any({op.stage, op.message()[1]} == {p - 1, p} for op in comms)
+    # every other boundary carries m activations and m gradients, each sent and received
+    assert len(comms) == (2 * p - 2) * m * 2 * 2
+    assert s.stages_of(0) == [0, 2 * p - 1]
+    assert peak_inflight(s) == [2 * p] * p   # 1F1B's p whole-stage microbatches, in half chunks
 
 
 # ----------------------------------------------------------------------------- bad arguments
@@ -151,6 +216,8 @@ def test_every_generator_validates(name, p, m, v):
         (("1f1b", 2, 0), "microbatches"),
         (("gpipe", 2, 4, 2), "virtual_stages=1"),
         (("zb-h1", 2, 4, 3), "virtual_stages=1"),
+        (("zbv", 2, 4), "virtual_stages=2"),
+        (("zbv", 2, 4, 3), "exactly 2 model chunks"),
         (("interleaved-1f1b", 2, 4, 1), "virtual_stages >= 2"),
         (("interleaved-1f1b", 4, 6, 2), "m=4 or 8"),
         (("1f1b", 2.5, 4), "integer"),
@@ -159,6 +226,14 @@ def test_every_generator_validates(name, p, m, v):
 def test_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):
         build_schedule(*args)
+
+
+@pytest.mark.parametrize("name,cap,match", [
+    ("1f1b", 3, "only applies to zb-h2"), ("zb-h2", 2, "from num_stages"),
+    ("zb-h2", 6, "no further weight gradients; got max_inflight=6"), ("zb-h2", 3.5, "integer")])
+def test_bad_max_inflight(name, cap, match):
+    with pytest.raises(ValueError, match=match):
+        build_schedule(name, 3, 6, max_inflight=cap)
 
 
 # ----------------------------------------------------------------------------- validate rejects

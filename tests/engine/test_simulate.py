@@ -119,3 +119,95 @@ def test_png_written(tmp_path):
     assert r.to_png(path, "zb-h1 p=3 m=6") is None
     data = path.read_bytes()
     assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- zero bubble
+
+COSTS = [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (1.0, 1.2, 0.8), (2.0, 1.0, 1.0), (1.0, 0.5, 1.0),
+         (0.5, 2.0, 0.25)]   # (F, I, W) per chunk
+
+
+def idle_per_rank(r):
+    return [r.step_s - sum(e - b for _, b, e in row) for row in r.timeline]
+
+
+def run_fiw(s, f, i, w, **kw):
+    return simulate(s, f, i + w, weight_s=w, **kw)
+
+
+@pytest.mark.parametrize("p", range(1, 8))
+def test_zb_h1_idles_the_papers_bubble_on_every_rank(p):
+    # ZB-H1 (arXiv 2401.10241): each rank idles (p-1)(F + I - W) (never less than the fill
+    # (p-1)F), for every m >= p; a third of 1F1B's (p-1)(F + I + W) when F = I = W.
+    for m in range(p, 3 * p + 3):
+        s = build_schedule("zb-h1", p, m)
+        for f, i, w in COSTS:
+            want = max((p - 1) * f, (p - 1) * (f + i - w))
+            assert idle_per_rank(run_fiw(s, f, i, w)) == pytest.approx([want] * p), (m, f, i, w)
+        one = simulate(build_schedule("1f1b", p, m), 1.0, 2.0)
+        assert idle_per_rank(run_fiw(s, 1, 1, 1)) == pytest.approx([x / 3 for x in idle_per_rank(one)])
+        # in-flight: every rank holds at most 1F1B's peak (its first rank's p)
+        assert run_fiw(s, 1, 1, 1).peak_inflight == [p] * p == [max(one.peak_inflight)] * p
+
+
+def test_zb_h1_issue_cases_and_fewer_microbatches_than_stages():
+    # the issue's table: simulate(s, forward_s=1, backward_s=2, weight_s=1)
+    for p, m, idle in ((2, 7, 1.0), (3, 6, 2.0)):
+        r = simulate(build_schedule("zb-h1", p, m), 1.0, 2.0, weight_s=1.0)
+        assert idle_per_rank(r) == pytest.approx([idle] * p)
+    for p in range(2, 8):
+        for m in range(1, p):   # the fill cannot be covered: (p-1) + (p-m) units, still < 1F1B
+            s = build_schedule("zb-h1", p, m)
+            r = run_fiw(s, 1, 1, 1)
+            assert idle_per_rank(r) == pytest.approx([(p - 1) + (p - m)] * p)
+            assert r.peak_inflight == [m] * p
+            assert r.step_s < simulate(build_schedule("1f1b", p, m), 1.0, 2.0).step_s
+
+
+@pytest.mark.parametrize("p", range(1, 7))
+def test_zb_h2_memory_knob_trades_inflight_for_bubble(p):
+    # x = max_inflight - p extra microbatches per rank take x weight-gradients off ZB-H1's
+    # bubble per rank, down to the fill (p-1)F: max((p-1)F, (p-1)(F+I-W) - x W).
+    for m in sorted({p, p + 1, 2 * p - 1, 2 * p, 3 * p + 1}):
+        for cap in range(p, 2 * p):
+            s = build_schedule("zb-h2", p, m, max_inflight=cap)
+            x = min(cap - p, m - p)
+            h1 = build_schedule("zb-h1", p, m)
+            for f, i, w in COSTS:
+                got = idle_per_rank(run_fiw(s, f, i, w))
+                assert got == pytest.approx([max((p - 1) * f, (p - 1) * (f + i - w) - x * w)] * p)
+                assert max(got) <= min(idle_per_rank(run_fiw(h1, f, i, w))) + 1e-9
+            assert run_fiw(s, 1, 1, 1).peak_inflight == [min(m, p + x)] * p
+    # the default is the paper's H2: 2p - 1 in flight, only the fill left when I <= 2W
+    s = build_schedule("zb-h2", p, 3 * p)
+    assert s.max_inflight == 2 * p - 1
+    assert idle_per_rank(run_fiw(s, 1.0, 1.5, 0.75)) == pytest.approx([p - 1.0] * p)
+
+
+@pytest.mark.parametrize("p", range(1, 7))
+def test_zbv_idles_only_the_fill_at_1f1b_memory(p):
+    # ZB-V with equal per-chunk F = I = W: each rank idles only the fill, p - 1 chunk
+    # forwards (half of ZB-H1's bubble on the same model: a chunk is half a stage), and holds
+    # 2p chunk activations, i.e. 1F1B's p microbatches of a whole stage.
+    for m in range(2 * p - 1, 4 * p + 2):
+        s = build_schedule("zbv", p, m, virtual_stages=2)
+        for f in (1.0, 0.5):
+            r = run_fiw(s, f, f, f)
+            assert idle_per_rank(r) == pytest.approx([(p - 1) * f] * p)
+            assert r.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+            h1 = run_fiw(build_schedule("zb-h1", p, m), 2 * f, 2 * f, 2 * f)
+            assert idle_per_rank(h1) == pytest.approx([2 * x for x in idle_per_rank(r)])
+        assert r.peak_inflight == [2 * p] * p
+        assert 2 * max(simulate(build_schedule("1f1b", p, m), 1, 2).peak_inflight) == 2 * p
+
+
+def test_same_rank_hand_off_is_free():
+    # zbv's turn (chunk p-1 -> p) stays on rank p-1: its boundary's transfer time is never paid
+    p, m = 3, 6
+    s = build_schedule("zbv", p, m, virtual_stages=2)
+    comm = [0.0] * (2 * p - 1)
+    base = simulate(s, 1.0, 2.0, weight_s=1.0, comm_s=comm).step_s
+    comm[p - 1] = 100.0
+    assert simulate(s, 1.0, 2.0, weight_s=1.0, comm_s=comm).step_s == base
+    comm[p - 2] = 100.0   # a real link: paid
+    assert simulate(s, 1.0, 2.0, weight_s=1.0, comm_s=comm).step_s > base + 100

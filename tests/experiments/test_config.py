@@ -129,6 +129,8 @@ def test_bad_choice_fails_at_composition(override):
         (["pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2", "pipeline.stages=3",
           "pipeline.microbatches=4", "train.batch_size=12"], "pipeline.microbatches=3"),
         (["pipeline.virtual_stages=2"], "pipeline.virtual_stages=1"),
+        (["pipeline.schedule=zbv"], "set pipeline.virtual_stages=2"),
+        (["pipeline.schedule=zb-h2", "pipeline.virtual_stages=2"], "pipeline.virtual_stages=1"),
         (["pipeline.stages=7"], "pipeline.stages<=6"),
         (["pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=4"], "fewer stages"),
         (["partitioner.memory_limit='24 GB GB'"], "e.g. 24GiB"),
@@ -187,3 +189,12 @@ def test_count_pipeline_layers():
     assert count_pipeline_layers(_compose("model=mlp", "data=synthetic", "model.depth=5").model) == 7
     assert count_pipeline_layers({"name": "mlp", "widths": [1, 2, 3], "depth": 99}) == 5
     assert count_pipeline_layers(_compose("model=hf_gpt2", "model.layers=3").model) == 5
+
+
+def test_every_engine_schedule_is_a_config_choice():
+    from engine.schedules import SCHEDULE_INFO
+
+    assert [m.value for m in ScheduleName] == list(SCHEDULE_INFO)
+    for name, info in SCHEDULE_INFO.items():
+        cfg = _compose(f"pipeline.schedule={name}", f"pipeline.virtual_stages={info.virtual_stages(2)}")
+        validate_config(cfg)

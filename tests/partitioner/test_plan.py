@@ -37,7 +37,7 @@ def test_profile_and_plan_json_round_trip(tmp_path):
                                        "output_bytes": 1, "fwd": 2}]})
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h2"])
 def test_optimal_beats_or_ties_every_baseline(schedule):
     prof = uneven_profile()
     for p in (2, 4, 8):
@@ -124,8 +124,12 @@ def test_closed_form_agrees_with_simulator_for_equal_stages():
 def test_memory_model_matches_engine_schedules():
     build = pytest.importorskip("engine.schedules").build_schedule
     for p, m in ((2, 4), (4, 8), (4, 2), (3, 6)):
-        for sched in ("gpipe", "1f1b", "zb-h1"):
+        for sched in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
             assert inflight_per_chunk(sched, p, m) == inflight_from_schedule(build(sched, p, m)), (sched, p, m)
+        for cap in range(p, 2 * p):
+            got = inflight_from_schedule(build("zb-h2", p, m, max_inflight=cap))
+            assert inflight_per_chunk("zb-h2", p, m, max_inflight=cap) == got == [min(cap, m)] * p
+        assert inflight_per_chunk("zbv", p, m, 2) == inflight_from_schedule(build("zbv", p, m, 2))
         if m % p == 0:
             for v in (2, 3):
                 got = inflight_from_schedule(build("interleaved-1f1b", p, m, v))
@@ -176,6 +180,54 @@ def test_interleaved_plan_sums_chunks_per_rank():
         assert plan.rank_memory_bytes[r] == pytest.approx(plan.stage_memory_bytes[r] + plan.stage_memory_bytes[r + 2], abs=2)
     with pytest.raises(ValueError, match="virtual_stages=1"):
         plan.to_deepspeed_parts()
+
+
+def test_zbv_plan_is_a_v_exact_on_ranks():
+    """zbv: 2p chunks, rank r holds chunks r and 2p-1-r; the plan's rank memory and the
+    search are per rank (the sum of two chunks), the turn's hand-off is free."""
+    from partitioner.vsplit import optimal_v_split
+    prof = uneven_profile()
+    p, m = 3, 6
+    limit = 400 << 20
+    plan = partition(prof, p, microbatches=m, schedule="zbv", virtual_stages=2, memory_limit_bytes=limit)
+    assert plan.chunk_ranks == [0, 1, 2, 2, 1, 0] and len(plan.stage_ranges) == 2 * p
+    for r in range(p):
+        both = plan.stage_memory_bytes[r] + plan.stage_memory_bytes[2 * p - 1 - r]
+        assert plan.rank_memory_bytes[r] == pytest.approx(both, abs=2) and both <= limit
+    assert plan.fits and not any("warning" in n for n in plan.notes)
+    assert plan.stage_inflight == inflight_per_chunk("zbv", p, m, 2) == [5, 4, 3, 3, 2, 1]
+    rank_time = [plan.stage_time_s[r] + plan.stage_time_s[2 * p - 1 - r] for r in range(p)]
+    f = np.array([c.forward_s + c.backward_s for c in prof.layers])
+    sf = static_factor(4, "adamw", 1, 1)
+    _, best = optimal_v_split(
+        f, p, static=np.array([c.param_bytes for c in prof.layers], float) * sf,
+        act=np.array([c.activation_bytes for c in prof.layers], float),
+        out=np.array([c.output_bytes for c in prof.layers], float), inflight=plan.stage_inflight,
+        shared=np.array([c.shared_input_bytes for c in prof.layers], float), caps=limit)
+    assert max(rank_time) == pytest.approx(best)
+    for method in ("uniform", "greedy"):   # the baselines never beat it on the ranks' time
+        base = partition(prof, p, microbatches=m, schedule="zbv", virtual_stages=2, method=method)
+        assert max(base.stage_time_s[r] + base.stage_time_s[2 * p - 1 - r] for r in range(p)) >= best * (1 - 1e-12)
+    assert "rank" in plan.summary()
+    with pytest.raises(PartitionError, match="smallest memory_limit_bytes that works"):
+        partition(prof, p, microbatches=m, schedule="zbv", virtual_stages=2, memory_limit_bytes=50 << 20)
+    with pytest.raises(ValueError, match="virtual_stages=2"):
+        partition(prof, p, microbatches=m, schedule="zbv")
+
+
+def test_zb_h2_memory_knob_reaches_the_plan():
+    prof = uneven_profile()
+    p, m = 4, 8
+    h1 = partition(prof, p, microbatches=m, schedule="zb-h1")
+    knob = [partition(prof, p, microbatches=m, schedule="zb-h2", max_inflight=c) for c in range(p, 2 * p)]
+    assert [pl.stage_inflight for pl in knob] == [[c] * p for c in range(p, 2 * p)]
+    peaks = [max(pl.rank_memory_bytes) for pl in knob]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]          # more in flight, more memory
+    steps = [pl.step_s for pl in knob]
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:]))  # ... and a smaller step
+    assert steps[0] == pytest.approx(h1.step_s) and steps[-1] < h1.step_s
+    with pytest.raises(PartitionError, match="smallest memory_limit_bytes"):
+        partition(prof, p, microbatches=m, schedule="zb-h2", memory_limit_bytes=peaks[0] * 0.9)
 
 
 def test_pipelining_split_points_split_a_sequential_the_same_way():

@@ -6,7 +6,7 @@ import pytest
 
 from partitioner.memory import inflight_per_chunk
 from partitioner.solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optimal_split,
-                               parameter_split, pipeline_lower_bound, uniform_split)
+                               parameter_split, pipeline_lower_bound, split_costs, uniform_split)
 
 
 def compositions(n, k):
@@ -69,7 +69,7 @@ def solve(inst, k, caps, ckpt="off"):
                          return_variants=True)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h2"])
 @pytest.mark.parametrize("ckpt", ["off", "auto"])
 def test_optimal_equals_brute_force(schedule, ckpt):
     rng = np.random.default_rng(hash((schedule, ckpt)) % 2**32)
@@ -179,6 +179,64 @@ def test_too_many_stages_names_the_layer_count():
         optimal_split(np.ones(3), 4)
 
 
+def test_probe_is_exact_at_any_bottleneck():
+    """The fast probe (greedy envelopes, windowed sweep when boundary terms decide) answers
+    "is there a split within time B and the caps?" exactly as enumerating every split does,
+    at bottlenecks around the optimum, not only at it; its rows lead to a split that fits."""
+    from partitioner.feasible import Problem
+    rng = np.random.default_rng(17)
+    answers = set()
+    for trial in range(150):
+        n = int(rng.integers(2, 10))
+        k = int(rng.integers(1, min(n, 5) + 1))
+        inst = random_instance(rng, n, k, ["1f1b", "zb-h1", "gpipe"][trial % 3], int(rng.integers(1, 7)),
+                               [None, 3.0][trial % 2])
+        ckpt = ["off", "auto", "on"][trial % 3]
+        caps = None if trial % 4 == 0 else list(rng.uniform(60, 400, k))
+        P = Problem(inst["t"], k, inst["st"], inst["act"], inst["out"], inst["infl"], inst["cut"], inst["rt"],
+                    ckpt, inst["sh"])
+        c = None if caps is None else np.array(caps)
+        for B in [np.inf, *rng.uniform(2, 80, 5)]:
+            opts = {"off": [False], "on": [True], "auto": [False, True]}[ckpt]
+            want = any(all(any(brute_stage(s, e, j, n, inst, r)[0] <= B * (1 + 1e-12)
+                               and (c is None or brute_stage(s, e, j, n, inst, r)[1] <= c[j] * (1 + 1e-12))
+                               for r in opts) for j, (s, e) in enumerate(b)) for b in compositions(n, k))
+            assert P.feasible(B, c) == want, (trial, B)
+            rows = P.rows(B, c)
+            assert (rows is not None) == want
+            if want:
+                bounds, var = P.reconstruct(rows, B, c)
+                t, m = P.costs(bounds, var)
+                assert np.all(t <= B * (1 + 1e-9)) and (c is None or np.all(m <= c * (1 + 1e-9)))
+            answers.add(want)
+    assert answers == {True, False}
+
+
+def test_10000_layers_256_stages_capped_in_seconds():
+    """10,000 layers into 256 stages under a memory cap (and 4,000 x 128), exact, in CPU
+    seconds (generous bounds for a loaded machine; about 0.2 s on an idle one)."""
+    figures = {}
+    for n, k, limit in ((4000, 128, 3.0), (10000, 256, 3.0)):
+        rng = np.random.default_rng(0)
+        t = rng.random(n)
+        kw = dict(static=rng.random(n) * 1e6, act=rng.random(n) * 1e6, out=rng.random(n) * 1e5,
+                  inflight=inflight_per_chunk("1f1b", k, 16))
+        optimal_split(t[:50], 4)
+        need, _ = min_memory_scale(k, n, **kw)
+        t0 = time.process_time()
+        bounds, b = optimal_split(t, k, caps=need * 1.1, **kw)
+        figures[(n, k)] = spent = time.process_time() - t0
+        assert spent < limit, figures
+        # it is the optimum: a split exists at b, none a hair below it
+        from partitioner.feasible import Problem
+        P = Problem(t, k, kw["static"], kw["act"], kw["out"], kw["inflight"])
+        caps = np.full(k, need * 1.1)
+        assert P.feasible(b, caps) and not P.feasible(b * (1 - 1e-9), caps)
+        tt, mm = split_costs(bounds, time=t, **kw)
+        assert max(tt) == pytest.approx(b) and np.all(mm <= need * 1.1 * (1 + 1e-9))
+    print("solver CPU seconds", figures)
+
+
 def test_1000_layers_64_stages_well_under_a_second():
     rng = np.random.default_rng(0)
     n, k = 1000, 64
@@ -209,8 +267,8 @@ def test_lower_bound_is_below_every_split_of_the_simulator():
         f = rng.uniform(0.1, 2, n)
         b = f * rng.uniform(1, 3, n)
         w = b * rng.uniform(0.2, 0.8, n)
-        for sched in ("gpipe", "1f1b", "zb-h1"):
-            lb = pipeline_lower_bound(f + b, k, m, carried=f if sched == "zb-h1" else None)
+        for sched in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
+            lb = pipeline_lower_bound(f + b, k, m, carried=f if sched.startswith("zb") else None)
             for bounds in compositions(n, k):
                 fs = [f[s:e].sum() for s, e in bounds]
                 bs = [b[s:e].sum() for s, e in bounds]
