@@ -206,16 +206,18 @@ class TorchStageOptimizer:
         self.opt = self._make_torch_optimizer()
 
     def _make_torch_optimizer(self) -> torch.optim.Optimizer:
+        # fused kernels (CPU and CUDA): no step temporaries the size of the parameters
         c, params = self.config, self.params or [torch.nn.Parameter(torch.zeros(0))]
         lr = lr_at(c, 0)
         if c.name == "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=c.momentum, weight_decay=c.weight_decay)
+            return torch.optim.SGD(params, lr=lr, momentum=c.momentum, weight_decay=c.weight_decay,
+                                   fused=True)
         if c.name == "adam":
             return torch.optim.Adam(params, lr=lr, betas=tuple(c.betas), eps=c.eps,
-                                    weight_decay=c.weight_decay)
+                                    weight_decay=c.weight_decay, fused=True)
         if c.name == "adamw":
             return torch.optim.AdamW(params, lr=lr, betas=tuple(c.betas), eps=c.eps,
-                                     weight_decay=c.weight_decay)
+                                     weight_decay=c.weight_decay, fused=True)
         raise ValueError(f"optimizer name must be sgd, adam or adamw, got {c.name!r}")
 
     # ---- protocol ----------------------------------------------------------------------------
@@ -235,6 +237,10 @@ class TorchStageOptimizer:
     def accumulated_grad(self, param: Tensor) -> Tensor:
         """``param.grad`` (zeros if none yet): the gradient accumulated so far this step."""
         return self._grad(param)
+
+    def torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose state this backend holds (for memory measurement)."""
+        return [self.opt]
 
     def lr(self) -> float:
         return float(self.opt.param_groups[0]["lr"])

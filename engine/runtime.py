@@ -96,7 +96,7 @@ class Pipeline:
                  activation_checkpointing: bool = False, seed: int = 0,
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
-                 recv_lookahead: int = 2, diagnose_every: int = 100,
+                 recv_lookahead: int = 2, diagnose_every: int = 100, memory_every: int = 0,
                  max_inflight: int | None = None):
         from engine.schedules import lower
 
@@ -159,6 +159,7 @@ class Pipeline:
                                  split=split, node_split=node_split)
         self.nonfinite = nonfinite
         self.diagnose_every = int(diagnose_every)
+        self.memory_every = int(memory_every)
         self.step_count = 0
 
     @staticmethod
@@ -381,13 +382,31 @@ class Pipeline:
                                                 for n, t in params.items()})
         self.step_count = int(sd.get("step", self.step_count))
 
-    def train_step(self, inputs: Any, targets: Any, *, diagnose: bool | None = None
-                   ) -> StepResult:
+    def train_step(self, inputs: Any, targets: Any, *, diagnose: bool | None = None,
+                   measure_memory: bool | None = None) -> StepResult:
         """One optimizer step on the global batch (see docs/contracts.md). ``diagnose`` (default:
         every ``diagnose_every`` steps) adds the costly figures: bytes saved for backward, the
-        peak of live activations and the global gradient norm."""
+        peak of live activations and the global gradient norm. ``measure_memory`` (default: the
+        first two steps and every ``memory_every`` steps when ``memory_every`` > 0; implies
+        ``diagnose``) measures this rank's peak with torch's MemTracker (``engine.memtrack``)
+        into ``stats["memory_measured"]``: a diagnostic that slows the step several-fold."""
+        if measure_memory is None:
+            k, n = self.step_count, self.memory_every
+            measure_memory = n > 0 and (k < 2 or k % n == 0)
+        if measure_memory:
+            from engine.memtrack import measure_step
+            opt = self.optimizer
+            result, report = measure_step(
+                lambda: self._train_step(inputs, targets, True), modules=[self.layer_module],
+                optimizers=getattr(opt, "torch_optimizers", lambda: [])(),
+                kinds=getattr(opt, "memory_kinds", lambda: {})(), device=self.device)
+            result.stats["memory_measured"] = report.to_dict()
+            return result
         if diagnose is None:
             diagnose = self.diagnose_every > 0 and self.step_count % self.diagnose_every == 0
+        return self._train_step(inputs, targets, diagnose)
+
+    def _train_step(self, inputs: Any, targets: Any, diagnose: bool) -> StepResult:
         t0 = time.perf_counter()
         self.optimizer.zero_grad()
         stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose)

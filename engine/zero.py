@@ -96,14 +96,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from engine.footprint import zero_bucket_elements
 from engine.optim import (PRECISIONS, check_grad_accum_dtype, loss_scaled, lr_at,
                           weight_dtype)
 
-__all__ = ["DeepSpeedStageOptimizer", "ZeroMpu", "BUCKET_ELEMENTS"]
-
-# DeepSpeed's reduce / all-gather bucket, in elements (its default); a rank with fewer
-# parameters gets a bucket of its own size (DeepSpeed allocates the ZeRO-2 bucket whole).
-BUCKET_ELEMENTS = 500_000_000
+__all__ = ["DeepSpeedStageOptimizer", "ZeroMpu"]
 
 _OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -214,8 +211,8 @@ class DeepSpeedStageOptimizer:
     # ------------------------------------------------------------------ construction helpers
     def _ds_config(self) -> dict:
         """DeepSpeed's config for this rank (see the module docstring for each choice)."""
-        numel = sum(p.numel() for p in self._params)
-        bucket = max(2, min(BUCKET_ELEMENTS, numel + numel % 2))
+        bucket = zero_bucket_elements(sum(p.numel() for p in self._params),
+                                      dist.get_world_size(self.dp_group))
         cfg: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -275,10 +272,10 @@ class DeepSpeedStageOptimizer:
         c = self.config
         if self.name == "sgd":
             return torch.optim.SGD(self._params, lr=c.lr, momentum=c.momentum,
-                                   weight_decay=c.weight_decay, foreach=False)
+                                   weight_decay=c.weight_decay, fused=True)
         cls = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
         return cls(self._params, lr=c.lr, betas=tuple(c.betas), eps=c.eps,
-                   weight_decay=c.weight_decay, foreach=False)
+                   weight_decay=c.weight_decay, fused=True)
 
     def _wrap_plain_step(self, inner_step):
         """ZeRO-0: DeepSpeed all-reduced the full grads; add overflow skip, unscale and clipping."""
@@ -357,6 +354,19 @@ class DeepSpeedStageOptimizer:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         return param.grad
+
+    def torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizer DeepSpeed steps (its state: moments, momentum)."""
+        return [self._inner()]
+
+    def memory_kinds(self) -> dict[str, list[Tensor]]:
+        """DeepSpeed's long-lived buffers by kind, for memory measurement: the fp32
+        accumulation buffer (gradients) and the fp32 master partitions (optimizer state)."""
+        opt = self._ds_opt
+        grads = list(getattr(opt, "fp32_groups_gradients_flat", []) or [])
+        masters = list(getattr(opt, "fp32_groups_flat_partition", None)
+                       or getattr(opt, "single_partition_of_fp32_groups", None) or [])
+        return {"gradients": grads, "optimizer_state": masters if self._wrapped else []}
 
     def step(self, need_norm: bool = True) -> tuple[bool, float | None]:
         """Reduce over replicas, clip by the global norm, update. (DeepSpeed computes the global

@@ -22,11 +22,13 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_helpers import run_workers  # noqa: E402
 
+from engine.schedules import SCHEDULE_INFO  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 SEED, STAGES, REPLICAS, M, BATCH, STEPS = 5, 2, 2, 4, 16, 3
 ADAMW = dict(name="adamw", lr=0.02, weight_decay=0.01)
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES = tuple(SCHEDULE_INFO)                          # every schedule the engine has
 TIE = ("1.0.weight", "3.weight")       # layer 1 on the first rank, layer 3 on the second
 
 CASES = [dict(schedule=s, zero=z) for s in SCHEDULES for z in (0, 1, 2)]
@@ -77,7 +79,7 @@ def _worker(cases):
     _allow_fp16_on_cpu()
     out = []
     for case in cases:
-        v = 2 if case["schedule"] == "interleaved-1f1b" else 1
+        v = SCHEDULE_INFO[case["schedule"]].virtual_stages(2)
         prec = case.get("precision", "bf16")
         pipe = Pipeline(_factories(), _ranges(STAGES * v), loss_fn=nn.functional.mse_loss,
                         schedule=case["schedule"], microbatches=M, virtual_stages=v,
