@@ -80,6 +80,18 @@ def check_stage_ranges(stage_ranges: Sequence[Sequence[int]], num_layers: int,
     return ranges
 
 
+def _per_chunk(flag: bool | Sequence[bool], n_chunks: int) -> list[bool]:
+    """``activation_checkpointing``: one bool for every chunk, or one per chunk (a plan's
+    ``stage_recompute``, in chunk order)."""
+    if isinstance(flag, (bool, int)):
+        return [bool(flag)] * n_chunks
+    flags = [bool(x) for x in flag]
+    if len(flags) != n_chunks:
+        raise ValueError(f"activation_checkpointing has {len(flags)} entries for {n_chunks} "
+                         "chunks; give one bool, or one per chunk (e.g. plan.stage_recompute)")
+    return flags
+
+
 class Pipeline:
     """One rank's view of a pipeline-parallel (x data-parallel) training job.
 
@@ -93,7 +105,7 @@ class Pipeline:
                  loss_fn: Callable[[Any, Any], Tensor], schedule: Any = "1f1b",
                  microbatches: int, virtual_stages: int = 1, data_parallel: int = 1,
                  optimizer: OptimizerConfig | None = None, precision: str = "fp32",
-                 activation_checkpointing: bool = False, seed: int = 0,
+                 activation_checkpointing: bool | Sequence[bool] = False, seed: int = 0,
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
                  recv_lookahead: int = 2, diagnose_every: int = 100, memory_every: int = 0,
@@ -126,6 +138,8 @@ class Pipeline:
         set_worker_info(stage=me, replica=self.mesh.replica)
 
         autocast = self._autocast_factory()
+        recompute = _per_chunk(activation_checkpointing, n_chunks)
+        self.recompute = recompute
         self.chunks: dict[int, Chunk] = {}
         for s in self.my_stages:
             start, stop = self.ranges[s]
@@ -134,7 +148,7 @@ class Pipeline:
             self.chunks[s] = Chunk(
                 s, start, built,
                 loss_fn=loss_fn if s == n_chunks - 1 else None,
-                activation_checkpointing=activation_checkpointing, autocast=autocast,
+                activation_checkpointing=recompute[s], autocast=autocast,
                 measure_activations=False)
         self.stage_modules: dict[int, nn.Module] = {s: c.module for s, c in self.chunks.items()}
         self._tie_groups: list[tuple[Any, str]] = []
