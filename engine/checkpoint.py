@@ -134,10 +134,8 @@ def capture_rng() -> dict:
                                       "gauss": gauss}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:
-        return out
+    import numpy as np
+
     name, keys, pos, has_gauss, cached = np.random.get_state()
     out["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                     "has_gauss": int(has_gauss), "cached": float(cached)}

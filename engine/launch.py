@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 # torch is imported inside the functions: `import engine` imports this module and stays light.
 
-__all__ = ["launch", "WorkerError", "set_worker_info", "in_launched_worker"]
+__all__ = ["launch", "WorkerError", "set_worker_info"]
 
 _POLL_S = 0.05
 _TERMINATE_GRACE_S = 3.0
@@ -77,11 +77,6 @@ class WorkerError(RuntimeError):
     def __reduce__(self):
         return (WorkerError, (self.rank, self.stage, self.cause, self.traceback_text,
                               self.exitcode, self.others, self.replica))
-
-
-def in_launched_worker() -> bool:
-    """True inside a worker process started by :func:`launch`."""
-    return _WORKER_QUEUE is not None
 
 
 def set_worker_info(**info: Any) -> None:
@@ -239,7 +234,8 @@ def _torchrun(fn: Callable, args: tuple, pg_timeout_s: float) -> list[Any]:
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,
-           pg_timeout_s: float = _DEFAULT_PG_TIMEOUT_S, backend: str | None = None) -> list[Any]:
+           pg_timeout_s: float = _DEFAULT_PG_TIMEOUT_S, backend: str | None = None,
+           start_method: str | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local ranks (or in-process under torchrun).
 
     Returns the list of per-rank return values (under torchrun: a list of world size holding
@@ -247,6 +243,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | N
     as in any multiprocessing program, a script calling it needs ``if __name__ == "__main__":``.
     ``timeout_s`` bounds the whole job; ``pg_timeout_s`` the process group's collectives;
     ``backend`` forces "gloo" or "nccl" (default: env ``PIPESHARD_BACKEND``, else NCCL iff CUDA).
+    ``start_method``: ``"spawn"`` starts every worker as a fresh interpreter (nothing imported
+    before, e.g. for benchmarks); ``"forkserver"`` forks them from a server that has imported
+    torch once (fast). Default: env ``PIPESHARD_START_METHOD``, else forkserver where available.
     Raises :class:`WorkerError` for the first worker that failed (others are terminated): it
     names the rank, its stage (see :func:`set_worker_info`) and the cause (exception and the
     last traceback lines, or the signal / exit code). On ``timeout_s`` the error shows where
@@ -261,7 +260,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | N
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}")
     backend = backend or _device_backend()
-    ctx = _mp_context()
+    ctx = _mp_context(start_method)
     # The launcher owns the rendezvous store: binding port 0 here cannot race with other jobs.
     store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=pg_timeout_s))
@@ -308,11 +307,13 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | N
         del store
 
 
-def _mp_context() -> Any:
+def _mp_context(method: str | None = None) -> Any:
     # A fork server that has imported torch once starts each later worker in milliseconds instead
     # of re-importing torch (seconds); it forks before any CUDA or thread pool exists. Elsewhere
-    # (or with PIPESHARD_START_METHOD=spawn) plain spawn.
-    method = os.environ.get("PIPESHARD_START_METHOD")
+    # (or with start_method / PIPESHARD_START_METHOD=spawn) plain spawn.
+    method = method or os.environ.get("PIPESHARD_START_METHOD")
+    if method not in (None, "spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {method!r}")
     if method is None:
         method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)

@@ -17,7 +17,7 @@ Without an initialised process group the mesh is the trivial single-process one 
 Example::
 
     mesh = Mesh(num_stages=2, data_parallel=2)   # inside a 4-rank job
-    if mesh.is_last: ...
+    if mesh.pipeline_rank == mesh.num_stages - 1: ...
     dist.all_reduce(t, group=mesh.dp_group)
 """
 from __future__ import annotations
@@ -96,32 +96,6 @@ class Mesh:
         """Global rank of ``pipeline_rank`` in ``replica`` (default: this rank's replica)."""
         rep = self.replica if replica is None else replica
         return rep * self.num_stages + pipeline_rank % self.num_stages
-
-    @property
-    def is_first(self) -> bool:
-        return self.pipeline_rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.pipeline_rank == self.num_stages - 1
-
-    @property
-    def prev_rank(self) -> int:
-        """Global rank of the previous pipeline rank (wrapping, as interleaving needs)."""
-        return self.global_rank(self.pipeline_rank - 1)
-
-    @property
-    def next_rank(self) -> int:
-        """Global rank of the next pipeline rank (wrapping)."""
-        return self.global_rank(self.pipeline_rank + 1)
-
-    @property
-    def pipeline_ranks(self) -> list[int]:
-        return [self.global_rank(j) for j in range(self.num_stages)]
-
-    @property
-    def dp_ranks(self) -> list[int]:
-        return [r * self.num_stages + self.pipeline_rank for r in range(self.data_parallel)]
 
     @property
     def last_rank(self) -> int:

@@ -2,13 +2,15 @@
 
 A backend owns everything between "gradients were produced on this rank" and "parameters were
 updated": loss scaling, the data-parallel gradient average, global gradient-norm clipping, the
-non-finite check and the update. The runtime only calls the protocol, so the DeepSpeed backend
-(``engine.zero``, imported lazily) plugs in through :func:`make_optimizer`.
+non-finite check and the update. The runtime only calls the protocol; ``engine.backend.make_optimizer``
+picks this module's torch backend or the DeepSpeed one (``engine.zero``). What both backends
+share lives here: the config, the lr schedule, the fp16 loss scaler and the torch optimizer.
 
 Example::
 
     cfg = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, grad_clip=1.0)
-    opt = make_optimizer(cfg, nn.ModuleDict({"0": layer0}), mesh, microbatches=4)
+    opt = TorchStageOptimizer(cfg, dict(nn.ModuleDict({"0": layer0}).named_parameters()), mesh,
+                              microbatches=4)
     opt.backward([opt.scale_loss(loss)], None)
     skipped, grad_norm = opt.step()
 """
@@ -22,25 +24,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["OptimizerConfig", "StageOptimizer", "TorchStageOptimizer", "NonFiniteError",
-           "lr_at", "make_optimizer", "resolve_backend", "PRECISIONS", "GRAD_ACCUM_DTYPES",
-           "weight_dtype", "compute_dtype", "loss_scaled", "check_grad_accum_dtype"]
+from engine import choices
+from engine.choices import PRECISIONS
 
-# "bf16" / "fp16": the modules hold 16-bit weights; DeepSpeed's optimizer keeps the fp32 masters
-# (and moments), ZeRO-sharded, and refreshes the 16-bit weights after each step.
-# "*-autocast": fp32 weights and gradients, compute under torch.autocast.
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast")
-GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
+__all__ = ["OptimizerConfig", "StageOptimizer", "TorchStageOptimizer", "NonFiniteError",
+           "LossScaler", "lr_at", "make_torch_optimizer", "resolve_backend",
+           "check_optimizer_config", "PRECISIONS", "weight_dtype", "compute_dtype"]
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def weight_dtype(precision: str) -> torch.dtype:
-    """The dtype of the modules' parameters under ``precision``.
+    """The dtype of the modules' parameters under ``precision`` (``engine.choices``).
 
     >>> weight_dtype("bf16"), weight_dtype("bf16-autocast")
     (torch.bfloat16, torch.float32)
     """
-    return _DTYPES[precision] if precision in _DTYPES else torch.float32
+    return torch.float32 if choices.weight_bytes(precision) == 4 else _DTYPES[precision]
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:
@@ -49,33 +49,9 @@ def compute_dtype(precision: str) -> torch.dtype | None:
     >>> compute_dtype("fp16-autocast"), compute_dtype("fp32")
     (torch.float16, None)
     """
-    return None if precision == "fp32" else _DTYPES[precision.split("-")[0]]
+    name = choices.compute_name(precision)
+    return None if name is None else _DTYPES[name]
 
-
-def loss_scaled(precision: str) -> bool:
-    """Whether ``precision`` computes in fp16 (dynamic loss scaling).
-
-    >>> loss_scaled("fp16-autocast"), loss_scaled("bf16")
-    (True, False)
-    """
-    return precision.startswith("fp16")
-
-
-def check_grad_accum_dtype(grad_accum_dtype: str, precision: str) -> str:
-    """Check ``optimizer.grad_accum_dtype`` against the precision; returns it.
-
-    fp32 (the default) accumulates gradients across microbatches in fp32 whatever the weights;
-    a 16-bit accumulation must be the dtype of 16-bit weights (precision bf16 or fp16).
-    """
-    if grad_accum_dtype not in GRAD_ACCUM_DTYPES:
-        raise ValueError(f"grad_accum_dtype must be one of {GRAD_ACCUM_DTYPES}, got "
-                         f"{grad_accum_dtype!r}")
-    if grad_accum_dtype != "fp32" and grad_accum_dtype != precision:
-        raise ValueError(
-            f"grad_accum_dtype={grad_accum_dtype!r} needs precision={grad_accum_dtype!r} (16-bit "
-            f"weights, whose gradients can accumulate in their own dtype); with precision="
-            f"{precision!r} gradients accumulate in fp32: set grad_accum_dtype='fp32'")
-    return grad_accum_dtype
 _BUCKET_BYTES = 32 * 2**20
 
 
@@ -116,63 +92,102 @@ def lr_at(config: OptimizerConfig, step: int) -> float:
     return config.lr * (lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
+class LossScaler:
+    """The fp16 dynamic loss scale both backends use (torch.amp.GradScaler's defaults).
+
+    Starts at ``init_scale``; an overflow halves it, never below ``min_scale`` (1.0, as
+    DeepSpeed's scaler); ``growth_interval`` clean steps in a row double it. Disabled (fp32,
+    bf16) it stays 1.0.
+
+    >>> s = LossScaler(enabled=True, init_scale=4.0)
+    >>> s.update(overflow=True); s.update(overflow=True); s.update(overflow=True); s.scale
+    1.0
+    """
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000,
+                 min_scale: float = 1.0):
+        self.enabled = enabled
+        self.scale = float(init_scale) if enabled else 1.0
+        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self.good_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        """After a step: halve on overflow (to the floor), double after a clean interval."""
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= 2.0
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"loss_scale": float(self.scale), "good_steps": self.good_steps}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.scale = float(sd.get("loss_scale", self.scale))
+        self.good_steps = int(sd.get("good_steps", 0))
+
+
+def check_optimizer_config(config: OptimizerConfig, precision: str = "fp32") -> str:
+    """Check the name, ZeRO stage, backend and gradient accumulation dtype of ``config`` for
+    ``precision``; returns the resolved backend."""
+    choices.check_optimizer_name(config.name)
+    choices.check_zero_stage(config.zero_stage)
+    choices.check_grad_accum_dtype(getattr(config, "grad_accum_dtype", "fp32"), precision)
+    return resolve_backend(config, precision)
+
+
+def make_torch_optimizer(config: OptimizerConfig, params: Sequence[Tensor]
+                         ) -> torch.optim.Optimizer:
+    """The torch optimizer ``config`` names over ``params``, at the schedule's first lr. Fused
+    kernels (CPU and CUDA): the step makes no temporaries the size of the parameters, which
+    ``engine.footprint`` relies on.
+
+    >>> opt = make_torch_optimizer(OptimizerConfig(name="sgd", lr=0.1), [torch.zeros(2, requires_grad=True)])
+    """
+    c, name = config, choices.check_optimizer_name(config.name)
+    lr = lr_at(c, 0)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=c.momentum, weight_decay=c.weight_decay,
+                               fused=True)
+    cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+    return cls(params, lr=lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay,
+               fused=True)
+
+
 @runtime_checkable
 class StageOptimizer(Protocol):
-    """What the runtime needs from an optimizer backend (torch or DeepSpeed)."""
+    """What the runtime needs from an optimizer backend (torch or DeepSpeed).
+
+    ``backend`` names it; ``accepts_gradient_edges`` says whether ``backward`` takes autograd
+    ``GradientEdge`` roots (the graph-node I/W split of zero-bubble schedules); otherwise the
+    runtime splits backward by per-layer graph cuts.
+    """
+
+    backend: str
+    accepts_gradient_edges: bool
 
     def scale_loss(self, loss: Tensor) -> Tensor: ...            # loss / m * loss_scale
     def backward(self, tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor] | None,
                  inputs: Sequence[Tensor] | None = None, retain_graph: bool = False) -> None: ...
     def step(self, need_norm: bool = True) -> tuple[bool, float | None]: ...  # (skipped, norm)
     def zero_grad(self) -> None: ...
-    def accumulated_grad(self, param: Tensor) -> Tensor: ...      # to sum tied copies in place
     def lr(self) -> float: ...
     def optimizer_state_bytes(self) -> int: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, sd: dict) -> None: ...
     def full_grads(self) -> dict[str, Tensor]: ...
+    def accumulated_grad(self, param: Tensor) -> Tensor: ...      # to sum tied copies in place
 
 
 def resolve_backend(config: OptimizerConfig, precision: str = "fp32") -> str:
     """``"torch"`` or ``"deepspeed"`` for a config (auto: deepspeed iff zero_stage > 0 or the
-    precision keeps 16-bit weights, whose fp32 masters live in DeepSpeed's optimizer)."""
-    if config.backend not in ("auto", "torch", "deepspeed"):
-        raise ValueError(f"optimizer.backend must be auto, torch or deepspeed, got "
-                         f"{config.backend!r}")
-    low = weight_dtype(precision) != torch.float32
-    if config.backend == "auto":
-        return "deepspeed" if config.zero_stage > 0 or low else "torch"
-    if config.backend == "torch" and config.zero_stage > 0:
-        raise ValueError(f"zero_stage={config.zero_stage} needs backend='deepspeed' (or 'auto'); "
-                         "the torch backend does not shard optimizer state")
-    if config.backend == "torch" and low:
-        raise ValueError(f"precision={precision!r} keeps {precision} weights with fp32 master "
-                         "weights inside DeepSpeed's optimizer: use optimizer.backend='auto' or "
-                         f"'deepspeed', or precision='{precision}-autocast' (fp32 weights) with "
-                         "the torch backend")
-    return config.backend
-
-
-def make_optimizer(config: OptimizerConfig, module: torch.nn.Module, mesh: Any, *,
-                   microbatches: int, precision: str = "fp32", nonfinite: str = "raise",
-                   norm_skip: Iterable[str] = ()) -> StageOptimizer:
-    """Build this rank's optimizer backend.
-
-    ``module``: this rank's layers, e.g. ``nn.ModuleDict({"3": layer3, "4": layer4})``, so that
-    parameter names are ``"<global layer>.<param name>"`` (checkpoints re-split by these names);
-    ``norm_skip``: names counted elsewhere in the global norm (the second copy of a tied
-    parameter). The DeepSpeed backend is imported only when selected.
-    """
-    check_grad_accum_dtype(getattr(config, "grad_accum_dtype", "fp32"), precision)
-    if resolve_backend(config, precision) == "deepspeed":
-        from engine.zero import DeepSpeedStageOptimizer  # lazy: DeepSpeed is heavy
-        return DeepSpeedStageOptimizer(config, module, dp_group=mesh.dp_group,
-                                       pipeline_group=mesh.pipeline_group,
-                                       microbatches=microbatches, precision=precision,
-                                       nonfinite=nonfinite, norm_skip=norm_skip)
-    return TorchStageOptimizer(config, dict(module.named_parameters()), mesh,
-                               microbatches=microbatches, precision=precision,
-                               nonfinite=nonfinite, norm_skip=norm_skip)
+    precision keeps 16-bit weights)."""
+    return choices.resolve_backend(config.backend, int(config.zero_stage), precision)
 
 
 class TorchStageOptimizer:
@@ -181,18 +196,18 @@ class TorchStageOptimizer:
     loss scaling and the non-finite policy. Gradients stay in ``.grad`` after :meth:`step` (as
     used by the update, for inspection) and are cleared by :meth:`zero_grad`."""
 
+    backend = "torch"
+    accepts_gradient_edges = True
+
     def __init__(self, config: OptimizerConfig, named_params: Mapping[str, Tensor], mesh: Any, *,
                  microbatches: int, precision: str = "fp32", nonfinite: str = "raise",
-                 norm_skip: Iterable[str] = (), init_loss_scale: float = 2.0**16,
-                 scale_growth_interval: int = 2000):
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if weight_dtype(precision) != torch.float32:
+                 norm_skip: Iterable[str] = ()):
+        choices.check_precision(precision)
+        choices.check_nonfinite(nonfinite)
+        if choices.weight_bytes(precision) < 4:
             raise ValueError(f"the torch backend keeps fp32 weights; precision={precision!r} "
                              "(16-bit weights, fp32 masters) runs on the DeepSpeed backend, or use "
                              f"precision='{precision}-autocast'")
-        if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
         self.config, self.mesh, self.m = config, mesh, microbatches
         self.precision, self.nonfinite = precision, nonfinite
         self.named = {n: p for n, p in named_params.items() if p.requires_grad}
@@ -200,25 +215,13 @@ class TorchStageOptimizer:
         self.params = list(self.named.values())
         self.steps = 0               # optimizer steps taken (skips excluded)
         self.attempts = 0            # step() calls
-        self.scaled = loss_scaled(precision)
-        self.loss_scale = init_loss_scale if self.scaled else 1.0
-        self.growth_interval, self._good_steps = scale_growth_interval, 0
-        self.opt = self._make_torch_optimizer()
+        self.scaler = LossScaler(choices.loss_scaled(precision))
+        self.opt = make_torch_optimizer(config, self.params or [torch.nn.Parameter(torch.zeros(0))])
 
-    def _make_torch_optimizer(self) -> torch.optim.Optimizer:
-        # fused kernels (CPU and CUDA): no step temporaries the size of the parameters
-        c, params = self.config, self.params or [torch.nn.Parameter(torch.zeros(0))]
-        lr = lr_at(c, 0)
-        if c.name == "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=c.momentum, weight_decay=c.weight_decay,
-                                   fused=True)
-        if c.name == "adam":
-            return torch.optim.Adam(params, lr=lr, betas=tuple(c.betas), eps=c.eps,
-                                    weight_decay=c.weight_decay, fused=True)
-        if c.name == "adamw":
-            return torch.optim.AdamW(params, lr=lr, betas=tuple(c.betas), eps=c.eps,
-                                     weight_decay=c.weight_decay, fused=True)
-        raise ValueError(f"optimizer name must be sgd, adam or adamw, got {c.name!r}")
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 in fp32 / bf16)."""
+        return self.scaler.scale
 
     # ---- protocol ----------------------------------------------------------------------------
     def scale_loss(self, loss: Tensor) -> Tensor:
@@ -261,15 +264,14 @@ class TorchStageOptimizer:
         if div != 1.0:
             for g in grads:
                 g.div_(div)
-        if (need_norm or self.config.grad_clip is not None or self.scaled
+        if (need_norm or self.config.grad_clip is not None or self.scaler.enabled
                 or self.nonfinite == "skip"):
             norm, bad_stages = self._global_norm()
         else:
             norm, bad_stages = None, self._local_nonfinite()
         if bad_stages:
-            if self.scaled:
-                self.loss_scale /= 2.0
-                self._good_steps = 0
+            if self.scaler.enabled:
+                self.scaler.update(overflow=True)
                 return True, None
             if self.nonfinite == "raise":
                 raise NonFiniteError(
@@ -286,10 +288,7 @@ class TorchStageOptimizer:
             group["lr"] = lr_at(self.config, self.steps)
         self.opt.step()
         self.steps += 1
-        if self.scaled:
-            self._good_steps += 1
-            if self._good_steps % self.growth_interval == 0:
-                self.loss_scale *= 2.0
+        self.scaler.update(overflow=False)
         return False, norm
 
     def _grad(self, p: Tensor) -> Tensor:
@@ -360,7 +359,7 @@ class TorchStageOptimizer:
                 state[name] = {k: (v.detach().clone() if isinstance(v, Tensor) else v)
                                for k, v in st.items()}
         return {"state": state, "steps": self.steps, "attempts": self.attempts,
-                "loss_scale": self.loss_scale, "good_steps": self._good_steps}
+                **self.scaler.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Load the entries of ``sd["state"]`` for this rank's parameter names (others ignored)."""
@@ -370,8 +369,7 @@ class TorchStageOptimizer:
                                      for k, v in sd["state"][name].items()}
         self.steps = int(sd.get("steps", 0))
         self.attempts = int(sd.get("attempts", self.steps))
-        self.loss_scale = float(sd.get("loss_scale", self.loss_scale))
-        self._good_steps = int(sd.get("good_steps", 0))
+        self.scaler.load_state_dict(sd)
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.config, self.steps)
 

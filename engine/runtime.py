@@ -20,11 +20,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from engine.allocator import tune_cpu_allocator
+from engine.backend import make_optimizer
+from engine.choices import check_nonfinite, check_precision
 from engine.comm import P2P
 from engine.executor import Executor
 from engine.mesh import Mesh
-from engine.optim import (PRECISIONS, NonFiniteError, OptimizerConfig, StageOptimizer,
-                          compute_dtype, loss_scaled, make_optimizer, weight_dtype)
+from engine.optim import (NonFiniteError, OptimizerConfig, StageOptimizer,
+                          check_optimizer_config, compute_dtype, weight_dtype)
 from engine.stage import Chunk, build_layers
 
 __all__ = ["Pipeline", "StepResult", "check_stage_ranges"]
@@ -92,6 +94,57 @@ def _per_chunk(flag: bool | Sequence[bool], n_chunks: int) -> list[bool]:
     return flags
 
 
+def _check_layout(num_layers: int, stage_ranges: Sequence[Sequence[int]], schedule: Any,
+                  microbatches: int, virtual_stages: int, max_inflight: int | None = None) -> Any:
+    """The stage ranges against the model and the schedule; returns the validated schedule."""
+    from engine.schedules import Schedule, build_schedule, validate
+
+    v = virtual_stages if not isinstance(schedule, Schedule) else schedule.virtual_stages
+    n_chunks = len(stage_ranges)
+    if n_chunks == 0:
+        raise ValueError("stage_ranges is empty; pass one (start, stop) layer range per "
+                         "chunk, e.g. partitioner.partition(...).stage_ranges")
+    if n_chunks > num_layers:
+        raise ValueError(f"{n_chunks} stage ranges for a model of {num_layers} layers: every "
+                         f"chunk needs at least one layer; use at most {num_layers} stages "
+                         "(x virtual_stages)")
+    if n_chunks % v:
+        raise ValueError(f"{n_chunks} stage ranges is not a multiple of virtual_stages={v}; "
+                         "pass num_stages x virtual_stages ranges")
+    p = n_chunks // v
+    check_stage_ranges(stage_ranges, num_layers, n_chunks)
+    if isinstance(schedule, Schedule):
+        sched = schedule
+        if sched.num_stages != p or sched.microbatches != microbatches:
+            raise ValueError(f"schedule is for {sched.num_stages} stages x "
+                             f"{sched.microbatches} microbatches, the pipeline has {p} x "
+                             f"{microbatches}")
+    else:
+        sched = build_schedule(schedule, p, microbatches, v, max_inflight=max_inflight)
+    validate(sched)
+    return sched
+
+
+def _check_zero2_ties(ties: Sequence[tuple[str, str]], num_layers: int,
+                      stage_ranges: Sequence[Sequence[int]], sched: Any) -> None:
+    """ZeRO-2 shards gradients during backward: no parameter may be tied across ranks."""
+    for a, b in ties:
+        la, lb = (str(t).partition(".")[0] for t in (a, b))
+        if not (la.isdigit() and lb.isdigit()):
+            continue  # malformed: Pipeline's tie setup says how to write it
+        la, lb = int(la), int(lb)
+        if not (la < num_layers and lb < num_layers):
+            continue
+        owner = [sched.rank_of(next(c for c, (x, y) in enumerate(stage_ranges)
+                                    if x <= layer < y)) for layer in (la, lb)]
+        if owner[0] != owner[1]:
+            raise ValueError(
+                f"zero_stage=2 cannot be used with {a} tied to {b} across pipeline "
+                f"stages {owner[0]} and {owner[1]}: their gradients are summed "
+                "between stages before the step, but ZeRO-2 shards gradients "
+                "during backward; use zero_stage=1, or untie")
+
+
 class Pipeline:
     """One rank's view of a pipeline-parallel (x data-parallel) training job.
 
@@ -150,7 +203,6 @@ class Pipeline:
                 loss_fn=loss_fn if s == n_chunks - 1 else None,
                 activation_checkpointing=recompute[s], autocast=autocast,
                 measure_activations=False)
-        self.stage_modules: dict[int, nn.Module] = {s: c.module for s, c in self.chunks.items()}
         self._tie_groups: list[tuple[Any, str]] = []
         norm_skip = self._setup_ties(ties)
         for c in self.chunks.values():
@@ -164,10 +216,8 @@ class Pipeline:
         for c in self.chunks.values():  # ZeRO moves parameters into flat buffers: re-read them
             c.refresh_params()
         self.p2p = P2P(self.mesh, comm_timeout_s, self.device)
-        # The graph-node I/W split needs an optimizer backend that takes GradientEdge roots
-        # (DeepSpeed's filters tensors by requires_grad); otherwise per-layer cuts.
-        node_split = None if getattr(self.optimizer, "accepts_gradient_edges",
-                                     type(self.optimizer).__module__ != "engine.zero") else False
+        # The graph-node I/W split needs a backend that takes GradientEdge roots; else per-layer cuts.
+        node_split = None if self.optimizer.accepts_gradient_edges else False
         split = {(a.stage, a.microbatch) for a in self.program if a.kind == "I"}
         self.executor = Executor(self.chunks, self.p2p, sched, lookahead=recv_lookahead,
                                  split=split, node_split=node_split)
@@ -198,47 +248,16 @@ class Pipeline:
         ``data_parallel`` x ``microbatches``). ``max_inflight``: zb-h2's memory knob (see
         ``engine.schedules.build_schedule``). Raises ``ValueError`` saying how to fix it.
         """
-        from engine.schedules import Schedule, build_schedule, validate
-
-        if isinstance(precision, str) and precision not in PRECISIONS:
-            asked = [x for x in PRECISIONS if x in precision.lower()]
-            extra = (f"; {' and '.join(asked)} cannot be combined: choose one (bf16 needs no "
-                     "loss scaling; fp16 uses dynamic loss scaling)") if len(asked) > 1 else ""
-            raise ValueError(f"precision must be one of {PRECISIONS} (exactly one), got "
-                             f"{precision!r}{extra}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS} (exactly one, as a "
-                             f"string), got {precision!r}")
-        if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        check_precision(precision)
+        check_nonfinite(nonfinite)
         if not (isinstance(comm_timeout_s, (int, float)) and comm_timeout_s > 0):
             raise ValueError(f"comm_timeout_s must be a positive number of seconds, got "
                              f"{comm_timeout_s!r}")
         if int(data_parallel) < 1:
             raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
-        v = virtual_stages if not isinstance(schedule, Schedule) else schedule.virtual_stages
-        n_chunks = len(stage_ranges)
-        if n_chunks == 0:
-            raise ValueError("stage_ranges is empty; pass one (start, stop) layer range per "
-                             "chunk, e.g. partitioner.partition(...).stage_ranges")
-        if n_chunks > num_layers:
-            raise ValueError(f"{n_chunks} stage ranges for a model of {num_layers} layers: every "
-                             f"chunk needs at least one layer; use at most {num_layers} stages "
-                             "(x virtual_stages)")
-        if n_chunks % v:
-            raise ValueError(f"{n_chunks} stage ranges is not a multiple of virtual_stages={v}; "
-                             "pass num_stages x virtual_stages ranges")
-        p = n_chunks // v
-        check_stage_ranges(stage_ranges, num_layers, n_chunks)
-        if isinstance(schedule, Schedule):
-            sched = schedule
-            if sched.num_stages != p or sched.microbatches != microbatches:
-                raise ValueError(f"schedule is for {sched.num_stages} stages x "
-                                 f"{sched.microbatches} microbatches, the pipeline has {p} x "
-                                 f"{microbatches}")
-        else:
-            sched = build_schedule(schedule, p, microbatches, v, max_inflight=max_inflight)
-        validate(sched)
+        sched = _check_layout(num_layers, stage_ranges, schedule, microbatches, virtual_stages,
+                              max_inflight)
+        p = sched.num_stages
         if world_size is not None and world_size != p * data_parallel:
             raise ValueError(f"{world_size} processes cannot run {p} stages x {data_parallel} "
                              f"replicas; start {p * data_parallel} (launch(fn, "
@@ -250,32 +269,9 @@ class Pipeline:
                              f"({data_parallel}) x microbatches ({microbatches}); use a batch "
                              f"size that is a multiple of {per}")
         if optimizer is not None:
-            from engine.optim import check_grad_accum_dtype, resolve_backend
-            resolve_backend(optimizer, precision)
-            check_grad_accum_dtype(getattr(optimizer, "grad_accum_dtype", "fp32"), precision)
-            if optimizer.name not in ("sgd", "adam", "adamw"):
-                raise ValueError(f"optimizer name must be sgd, adam or adamw, got "
-                                 f"{optimizer.name!r}")
-            if int(optimizer.zero_stage) not in (0, 1, 2):
-                raise ValueError(f"zero_stage={optimizer.zero_stage} is not supported; use 0, 1 "
-                                 "or 2 (ZeRO-3 partitions parameters, which a pipeline stage "
-                                 "needs whole; every schedule works with 0, 1 and 2)")
+            check_optimizer_config(optimizer, precision)
             if int(optimizer.zero_stage) == 2:
-                for a, b in ties:
-                    la, lb = (str(t).partition(".")[0] for t in (a, b))
-                    if not (la.isdigit() and lb.isdigit()):
-                        continue  # malformed: Pipeline's tie setup says how to write it
-                    la, lb = int(la), int(lb)
-                    if not (la < num_layers and lb < num_layers):
-                        continue
-                    owner = [sched.rank_of(next(c for c, (x, y) in enumerate(stage_ranges)
-                                                if x <= layer < y)) for layer in (la, lb)]
-                    if owner[0] != owner[1]:
-                        raise ValueError(
-                            f"zero_stage=2 cannot be used with {a} tied to {b} across pipeline "
-                            f"stages {owner[0]} and {owner[1]}: their gradients are summed "
-                            "between stages before the step, but ZeRO-2 shards gradients "
-                            "during backward; use zero_stage=1, or untie")
+                _check_zero2_ties(ties, num_layers, stage_ranges, sched)
         return sched
 
     # ---- setup helpers -------------------------------------------------------------------------

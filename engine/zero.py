@@ -57,7 +57,8 @@ replica holds the whole fp32 master) and this module averages the accumulated fp
 the replicas before the step. DeepSpeed refuses fp16 weights on a CPU without fp16 support;
 use ``bf16`` or ``fp16-autocast`` there.
 
-fp16 (either kind) uses this module's dynamic loss scaler (the engine's only one):
+fp16 (either kind) uses the engine's one dynamic loss scaler (``engine.optim.LossScaler``, shared
+with the torch backend):
 ``scale_loss`` multiplies by the current scale, DeepSpeed is told the scale
 (``override_loss_scale``; its own scaler is static and never used) so it unscales before
 clipping, and the scale halves after a skipped step (never below 1) and doubles after
@@ -96,13 +97,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from engine import choices
 from engine.footprint import zero_bucket_elements
-from engine.optim import (PRECISIONS, check_grad_accum_dtype, loss_scaled, lr_at,
-                          weight_dtype)
+from engine.optim import (LossScaler, NonFiniteError, check_optimizer_config, lr_at,
+                          make_torch_optimizer, weight_dtype)
 
 __all__ = ["DeepSpeedStageOptimizer", "ZeroMpu"]
-
-_OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 class ZeroMpu:
@@ -165,22 +165,24 @@ class DeepSpeedStageOptimizer:
                                       pipeline_group=pp, microbatches=4, precision="bf16")
     """
 
+    backend = "deepspeed"
+    accepts_gradient_edges = False  # DeepSpeed's hooks filter backward roots by requires_grad
+
     def __init__(self, config: Any, module: nn.Module, *, dp_group: Any, pipeline_group: Any,
-                 microbatches: int, precision: str, total_steps: int | None = None,
-                 nonfinite: str = "raise", norm_skip: Iterable[str] = ()) -> None:
+                 microbatches: int, precision: str, nonfinite: str = "raise",
+                 norm_skip: Iterable[str] = ()) -> None:
         norm_skip = set(norm_skip)
         _check_arguments(config, module, precision, nonfinite, microbatches, norm_skip,
                          dp_group, pipeline_group)
         self.config, self.module = config, module
         self.name, self.zero_stage = str(config.name).lower(), int(config.zero_stage)
         self.microbatches, self.precision = int(microbatches), precision
-        self.total_steps, self.nonfinite = total_steps, nonfinite
+        self.nonfinite = nonfinite
         self.dp_group, self.pipeline_group = dp_group, pipeline_group
         self.grad_clip = float(config.grad_clip) if config.grad_clip else 0.0
-        self.low = weight_dtype(precision) != torch.float32     # 16-bit weights, fp32 masters
-        self.scaled = loss_scaled(precision)
-        self.grad_accum_dtype = check_grad_accum_dtype(
-            getattr(config, "grad_accum_dtype", "fp32"), precision)
+        self.low = choices.weight_bytes(precision) < 4          # 16-bit weights, fp32 masters
+        self.scaled = choices.loss_scaled(precision)
+        self.grad_accum_dtype = getattr(config, "grad_accum_dtype", "fp32")
         # DeepSpeed's ZeRO / bf16 optimizer wraps the torch one (else: ZeRO-0, fp32 weights)
         self._wrapped = self.zero_stage > 0 or self.low
         self._params = [p for p in module.parameters() if p.requires_grad]
@@ -196,10 +198,7 @@ class DeepSpeedStageOptimizer:
             # norm (its own pipeline engine's mechanism for tied weights).
             p.ds_pipe_replicated = id(p) in self._norm_skip
 
-        # fp16 dynamic loss scale (torch.amp.GradScaler's defaults).
-        self.loss_scale = 2.0 ** 16 if self.scaled else 1.0
-        self.growth_interval = 2000
-        self._good_steps = 0
+        self.scaler = LossScaler(self.scaled)   # the engine's one fp16 loss scaler
         self._applied_steps = 0
         self._last_norm: float | None = None
         self._last_overflow = False
@@ -207,6 +206,11 @@ class DeepSpeedStageOptimizer:
         if self._wrapped and self.scaled:
             self._ds_opt.override_loss_scale(self.loss_scale)
         self._set_lr(lr_at(config, 0))
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self.scaler.scale
 
     # ------------------------------------------------------------------ construction helpers
     def _ds_config(self) -> dict:
@@ -242,7 +246,7 @@ class DeepSpeedStageOptimizer:
 
         if self.low and self.precision == "fp16":
             _check_fp16_supported()
-        base = self._make_torch_optimizer()
+        base = make_torch_optimizer(self.config, self._params)
         if not self._wrapped:
             base.step = self._wrap_plain_step(base.step)  # type: ignore[method-assign]
         # ZeRO-0 with 16-bit weights: ZeRO-1's machinery over a one-rank group, reduced here.
@@ -267,15 +271,6 @@ class DeepSpeedStageOptimizer:
         self._hp_grad = {} if groups is None else {
             id(p): (i, j) for i, g in enumerate(self._ds_opt.bf16_groups) for j, p in enumerate(g)}
         self._fill_accum = bool(getattr(self._ds_opt, "use_grad_accum_attribute", False))
-
-    def _make_torch_optimizer(self) -> torch.optim.Optimizer:
-        c = self.config
-        if self.name == "sgd":
-            return torch.optim.SGD(self._params, lr=c.lr, momentum=c.momentum,
-                                   weight_decay=c.weight_decay, fused=True)
-        cls = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
-        return cls(self._params, lr=c.lr, betas=tuple(c.betas), eps=c.eps,
-                   weight_decay=c.weight_decay, fused=True)
 
     def _wrap_plain_step(self, inner_step):
         """ZeRO-0: DeepSpeed all-reduced the full grads; add overflow skip, unscale and clipping."""
@@ -396,7 +391,6 @@ class DeepSpeedStageOptimizer:
                 p.grad = None
         self._update_loss_scale(overflow)
         if overflow and not self.scaled and self.nonfinite == "raise":
-            from engine.optim import NonFiniteError
             raise NonFiniteError(
                 f"non-finite gradient at optimizer step {self._attempts - 1} (found by the global "
                 "check over all stages and replicas; rank "
@@ -503,8 +497,7 @@ class DeepSpeedStageOptimizer:
             if entry:
                 per_param[self._names[id(p)]] = entry
         return {"optimizer": self.name, "state": per_param, "steps": self._applied_steps,
-                "attempts": self._attempts, "loss_scale": float(self.loss_scale),
-                "good_steps": self._good_steps}
+                "attempts": self._attempts, **self.scaler.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Load state from either backend's ``state_dict()`` (any split or replica count).
@@ -534,8 +527,7 @@ class DeepSpeedStageOptimizer:
         self._applied_steps = steps
         self._attempts = int(sd.get("attempts", steps))
         self._set_step_counters(steps)
-        self.loss_scale = float(sd.get("loss_scale", self.loss_scale))
-        self._good_steps = int(sd.get("good_steps", 0))
+        self.scaler.load_state_dict(sd)
         if self._wrapped and self.scaled:
             self._ds_opt.override_loss_scale(self.loss_scale)
         self._set_lr(lr_at(self.config, self._applied_steps))
@@ -547,17 +539,8 @@ class DeepSpeedStageOptimizer:
             g["lr"] = lr
 
     def _update_loss_scale(self, overflow: bool) -> None:
-        if not self.scaled:
-            return
-        if overflow:
-            self.loss_scale = max(self.loss_scale / 2.0, 1.0)
-            self._good_steps = 0
-        else:
-            self._good_steps += 1
-            if self._good_steps >= self.growth_interval:
-                self.loss_scale *= 2.0
-                self._good_steps = 0
-        if self._wrapped:
+        self.scaler.update(overflow)
+        if self._wrapped and self.scaled:
             self._ds_opt.override_loss_scale(self.loss_scale)
 
     def _inner(self) -> torch.optim.Optimizer:
@@ -604,13 +587,13 @@ class DeepSpeedStageOptimizer:
         groups = self._base.param_groups if not self._wrapped else self._ds_opt.param_groups
         for g in groups:
             g["lr"] = 0.0
-        scale, self.loss_scale = self.loss_scale, 1.0
+        scale, self.scaler.scale = self.scaler.scale, 1.0
         if self._wrapped and self.scaled:
             self._ds_opt.override_loss_scale(1.0)
         zero = sum((p * 0.0).sum() for p in self._params)
         self.backward([zero])
         self.engine.step()
-        self.loss_scale = scale
+        self.scaler.scale = scale
         with torch.no_grad():
             for p, s in zip(self._params, saved):
                 p.copy_(s)
@@ -620,16 +603,10 @@ def _check_arguments(config: Any, module: nn.Module, precision: str, nonfinite: 
                      microbatches: int, norm_skip: set[str], dp_group: Any,
                      pipeline_group: Any) -> None:
     """Refuse what this backend cannot run, before DeepSpeed is imported."""
-    if nonfinite not in ("raise", "skip"):
-        raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is not supported; use one of {PRECISIONS}")
-    if str(config.name).lower() not in _OPTIMIZERS:
-        raise ValueError(f"optimizer {config.name!r} is not supported; use one of {_OPTIMIZERS}")
+    choices.check_nonfinite(nonfinite)
+    choices.check_precision(precision)
+    check_optimizer_config(config, precision)
     stage = int(config.zero_stage)
-    if stage not in (0, 1, 2):
-        raise ValueError(f"zero_stage={stage} is not supported; use 0, 1 or 2 "
-                         "(ZeRO-3 partitions parameters, which a pipeline stage needs whole)")
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     if norm_skip and stage == 2:

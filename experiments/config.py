@@ -24,6 +24,11 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from engine.choices import BACKENDS, NONFINITE, OPTIMIZERS, PRECISIONS
+from engine.schedules import SCHEDULES
+from experiments.fields import choice_text, get_field
+from partitioner.planner import METHODS
+
 __all__ = [
     "CONF_DIR",
     "compose_config",
@@ -97,17 +102,18 @@ def _choice(name: str, values: tuple[str, ...]) -> type[Choice]:
     return enum
 
 
-ScheduleName = _choice("ScheduleName", ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv"))
-PartitionMethod = _choice("PartitionMethod", ("optimal", "uniform", "parameters", "greedy"))
+# The engine's and the partitioner's choices, read from where they are defined.
+ScheduleName = _choice("ScheduleName", SCHEDULES)
+PartitionMethod = _choice("PartitionMethod", METHODS)
 ProfileMode = _choice("ProfileMode", ("measure", "analytic"))
-OptimizerName = _choice("OptimizerName", ("sgd", "adam", "adamw"))
-OptimizerBackend = _choice("OptimizerBackend", ("auto", "torch", "deepspeed"))
-Precision = _choice("Precision", ("fp32", "bf16", "fp16"))
+OptimizerName = _choice("OptimizerName", OPTIMIZERS)
+OptimizerBackend = _choice("OptimizerBackend", BACKENDS)
+Precision = _choice("Precision", PRECISIONS)
 LoggerMode = _choice("LoggerMode", ("offline", "online", "disabled"))
 MLPProfile = _choice("MLPProfile", ("uniform", "ramp", "hourglass"))
 HFArch = _choice("HFArch", ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox"))
 Device = _choice("Device", ("auto", "cpu", "cuda"))
-NonFinite = _choice("NonFinite", ("raise", "skip"))
+NonFinite = _choice("NonFinite", NONFINITE)
 
 
 # --------------------------------------------------------------------------- model
@@ -178,9 +184,9 @@ class PipelineConfig:
     """`pipeline`: how the model is pipelined and replicated."""
 
     stages: int = 2  # pipeline ranks (p)
-    schedule: ScheduleName = ScheduleName["1f1b"]  # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | zbv
+    schedule: ScheduleName = ScheduleName["1f1b"]  # one of engine.schedules.SCHEDULES (gpipe, 1f1b, ...)
     microbatches: int = 4  # microbatches per step per replica (m)
-    virtual_stages: int = 1  # model chunks per rank (v); >= 2 with interleaved-1f1b, 2 with zbv
+    virtual_stages: int = 1  # model chunks per rank (v); the schedule says which (>= 2: interleaved-1f1b, 2: zbv)
     data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel
     activation_checkpointing: bool = False  # recompute each chunk's forward during backward
     comm_timeout_s: float = 60.0  # a point-to-point transfer waiting longer than this fails the job
@@ -198,6 +204,7 @@ class PartitionerConfig:
     warmup: int = 2  # measure: untimed repeats before timing
     device_spec: Optional[str] = None  # analytic: device preset (partitioner.DEVICE_PRESETS, e.g. h100); null = this CPU
     link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs; null = free transfers
+    fixed_costs: bool = True  # measure: charge the runtime's fixed costs (per action, message, step) measured on this machine (cached; CPU runs)
 
 
 @dataclass
@@ -291,9 +298,7 @@ class BenchConfig:
     systems: List[str] = field(
         default_factory=lambda: ["single", "pipeshard", "torch-pipelining", "deepspeed"]
     )  # systems to run
-    schedules: List[str] = field(
-        default_factory=lambda: ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
-    )  # pipeshard / torch schedules to run
+    schedules: List[str] = field(default_factory=lambda: list(SCHEDULES))  # pipeshard / torch schedules to run
     methods: List[str] = field(default_factory=lambda: ["optimal", "uniform", "parameters"])  # splits compared
     timeout_s: float = 600.0  # per-system limit
     rounds: int = 1  # repeat every system this many times in alternating order (pools timings)
@@ -433,31 +438,7 @@ def parse_memory_limit(value: Any) -> int | list[int] | None:
     return parse_size(value)
 
 
-def get_field(cfg: Any, path: str, default: Any = None) -> Any:
-    """`cfg` at a dotted path, for a DictConfig, a dataclass or a nested dict (`default` if absent).
-
-    >>> get_field({"pipeline": {"stages": 2}}, "pipeline.stages")
-    2
-    """
-    node = cfg
-    for key in path.split("."):
-        if node is None:
-            return default
-        if isinstance(node, dict):
-            node = node.get(key, default)
-        elif isinstance(node, DictConfig):
-            node = node.get(key, default)
-        else:
-            node = getattr(node, key, default)
-    return node
-
-
 _get = get_field
-
-
-def choice_text(value: Any) -> str:
-    """A choice (Enum member or string) as its plain text: `choice_text(ScheduleName["1f1b"]) == "1f1b"`."""
-    return str(value.value) if isinstance(value, Enum) else str(value)
 
 
 def count_pipeline_layers(model: Any) -> int:
@@ -517,26 +498,44 @@ def optimizer_kwargs(cfg: Any) -> dict:
 def validate_config(cfg: Any) -> None:
     """Cross-field checks run before any worker starts; raises `ConfigError` saying how to fix it.
 
-    Works on a composed `DictConfig`, a `Config` dataclass or a nested dict.
+    Works on a composed `DictConfig`, a `Config` dataclass or a nested dict. The schedule,
+    precision, optimizer and ZeRO rules are the engine's (`engine.schedules`, `engine.choices`);
+    this function names the config keys that break them.
     """
-    p = _get(cfg, "pipeline")
-    stages = int(_get(p, "stages"))
-    micro = int(_get(p, "microbatches"))
-    virtual = int(_get(p, "virtual_stages", 1))
-    dp = int(_get(p, "data_parallel", 1))
-    schedule = choice_text(_get(p, "schedule"))
-    batch = int(_get(cfg, "train.batch_size"))
+    _check_counts(cfg)
+    _check_batch(cfg)
+    _check_schedule(cfg)
+    _check_layers(cfg)
+    _check_precision(cfg)
+    _check_memory_limit(cfg)
+    _check_optimizer(cfg)
+    _check_model_and_data(cfg)
+    for key in ("train.log_every", "train.eval_every", "checkpoint.every_steps"):
+        value = _get(cfg, key)
+        if value is not None and int(value) < 0:
+            raise ConfigError(f"{key}={value}; it must be >= 0 (0 turns it off)")
 
+
+def _layout(cfg: Any) -> tuple[int, int, int, int]:
+    """(stages, microbatches, virtual stages, replicas) of `pipeline`."""
+    p = _get(cfg, "pipeline")
+    return (int(_get(p, "stages")), int(_get(p, "microbatches")), int(_get(p, "virtual_stages", 1)),
+            int(_get(p, "data_parallel", 1)))
+
+
+def _check_counts(cfg: Any) -> None:
+    stages, micro, virtual, dp = _layout(cfg)
     for key, value in (("pipeline.stages", stages), ("pipeline.microbatches", micro),
                        ("pipeline.virtual_stages", virtual), ("pipeline.data_parallel", dp),
-                       ("train.batch_size", batch), ("train.steps", int(_get(cfg, "train.steps", 1)))):
+                       ("train.batch_size", int(_get(cfg, "train.batch_size"))),
+                       ("train.steps", int(_get(cfg, "train.steps", 1)))):
         if value < 1:
             raise ConfigError(f"{key}={value}; it must be at least 1")
 
-    schedules = [m.value for m in ScheduleName]
-    if schedule not in schedules:
-        raise ConfigError(f"pipeline.schedule={schedule!r}; choose one of {schedules}")
-    per_step = dp * micro
+
+def _check_batch(cfg: Any) -> None:
+    _, micro, _, dp = _layout(cfg)
+    batch, per_step = int(_get(cfg, "train.batch_size")), dp * micro
     if batch % per_step:
         fixed = max(per_step, round(batch / per_step) * per_step)
         raise ConfigError(
@@ -544,33 +543,27 @@ def validate_config(cfg: Any) -> None:
             f"pipeline.microbatches={micro} microbatches; set train.batch_size to a multiple of {per_step} "
             f"(e.g. train.batch_size={fixed}) or change pipeline.microbatches"
         )
-    if schedule == "interleaved-1f1b":
-        if virtual < 2:
-            raise ConfigError(
-                f"pipeline.schedule=interleaved-1f1b needs pipeline.virtual_stages >= 2 (got {virtual}); "
-                "set pipeline.virtual_stages=2, or use pipeline.schedule=1f1b"
-            )
-        if micro % stages:
-            fixed = max(stages, round(micro / stages) * stages)
-            raise ConfigError(
-                f"pipeline.schedule=interleaved-1f1b needs pipeline.microbatches ({micro}) to be a multiple of "
-                f"pipeline.stages ({stages}); set pipeline.microbatches={fixed}"
-            )
-    elif schedule == "zbv":
-        if virtual != 2:
-            raise ConfigError(
-                f"pipeline.schedule=zbv runs 2 model chunks per rank in a V (got pipeline.virtual_stages={virtual}); "
-                "set pipeline.virtual_stages=2"
-            )
-    elif virtual != 1:
-        raise ConfigError(
-            f"pipeline.virtual_stages={virtual} only works with pipeline.schedule=interleaved-1f1b; "
-            f"set pipeline.virtual_stages=1 or pipeline.schedule=interleaved-1f1b"
-        )
 
-    model = _get(cfg, "model")
-    layers = count_pipeline_layers(model)
-    chunks = stages * virtual
+
+def _check_schedule(cfg: Any) -> None:
+    """The schedule's own rules (`engine.schedules.build_schedule`), with the config keys named."""
+    from engine.schedules import SCHEDULES, build_schedule
+
+    stages, micro, virtual, _ = _layout(cfg)
+    schedule = choice_text(_get(cfg, "pipeline.schedule"))
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule={schedule!r}; choose one of {list(SCHEDULES)}")
+    try:
+        build_schedule(schedule, stages, micro, virtual)
+    except ValueError as err:
+        raise ConfigError(
+            f"pipeline.schedule={schedule} cannot run pipeline.stages={stages}, pipeline.microbatches="
+            f"{micro}, pipeline.virtual_stages={virtual}: {err}") from None
+
+
+def _check_layers(cfg: Any) -> None:
+    stages, _, virtual, _ = _layout(cfg)
+    layers, chunks = count_pipeline_layers(_get(cfg, "model")), stages * virtual
     if layers < chunks:
         raise ConfigError(
             f"the model has {layers} pipeline layers but pipeline.stages x pipeline.virtual_stages = {chunks} "
@@ -578,14 +571,19 @@ def validate_config(cfg: Any) -> None:
             f"or a deeper model"
         )
 
-    precision = choice_text(_get(cfg, "precision", "fp32"))
-    precisions = [m.value for m in Precision]
-    if precision not in precisions:
-        asked = [x for x in precisions if x in precision.lower()]
-        both = (f"; {' and '.join(asked)} cannot be combined (one compute precision per run: bf16 needs no "
-                "loss scaling, fp16 uses dynamic loss scaling)") if len(asked) > 1 else ""
-        raise ConfigError(f"precision={precision!r}; choose exactly one of {precisions} (e.g. precision=bf16){both}")
 
+def _check_precision(cfg: Any) -> None:
+    from engine.choices import PRECISIONS, precision_problem
+
+    precision = choice_text(_get(cfg, "precision", "fp32"))
+    problem = precision_problem(precision)
+    if problem is not None:
+        raise ConfigError(f"precision={precision!r}; choose exactly one of {list(PRECISIONS)} "
+                          f"(e.g. precision=bf16); {problem}")
+
+
+def _check_memory_limit(cfg: Any) -> None:
+    stages = _layout(cfg)[0]
     try:
         limit = parse_memory_limit(_get(cfg, "partitioner.memory_limit"))
     except ConfigError as err:
@@ -596,21 +594,30 @@ def validate_config(cfg: Any) -> None:
             f"give one size for all stages or exactly {stages} comma-separated sizes"
         )
 
+
+def _check_optimizer(cfg: Any) -> None:
+    from engine.choices import ZERO_STAGES, resolve_backend
+
     zero = int(_get(cfg, "optimizer.zero_stage", 0))
-    if zero not in (0, 1, 2):
+    if zero not in ZERO_STAGES:
         raise ConfigError(f"optimizer.zero_stage={zero}; choose 0 (off), 1 (optimizer state) or 2 (+ gradients)")
     if float(_get(cfg, "optimizer.lr", 1.0)) <= 0:
         raise ConfigError("optimizer.lr must be positive, e.g. optimizer.lr=3e-3")
-    if choice_text(_get(cfg, "optimizer.backend", "auto")) == "torch" and zero > 0:
+    try:
+        resolve_backend(choice_text(_get(cfg, "optimizer.backend", "auto")), zero)
+    except ValueError:
         raise ConfigError(
             f"optimizer.zero_stage={zero} needs DeepSpeed; set optimizer.backend=auto (or deepspeed), "
             "or optimizer.zero_stage=0"
-        )
+        ) from None
 
+
+def _check_model_and_data(cfg: Any) -> None:
+    model, stages = _get(cfg, "model"), _layout(cfg)[0]
     model_name = choice_text(_get(model, "name"))
     facts = pretrained_facts(model)
     tied = facts["tie"] if facts else bool(_get(model, "tie_embeddings", model_name in HF_MODELS))
-    if zero == 2 and tied and stages > 1:
+    if int(_get(cfg, "optimizer.zero_stage", 0)) == 2 and tied and stages > 1:
         raise ConfigError(
             f"optimizer.zero_stage=2 cannot be used with model.tie_embeddings=true over pipeline.stages={stages}: "
             "the embedding (first stage) and the head (last stage) share a weight whose gradients are summed "
@@ -629,11 +636,6 @@ def validate_config(cfg: Any) -> None:
         dim, heads = int(_get(model, "dim")), int(_get(model, "heads"))
         if dim % heads:
             raise ConfigError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
-
-    for key in ("train.log_every", "train.eval_every", "checkpoint.every_steps"):
-        value = _get(cfg, key)
-        if value is not None and int(value) < 0:
-            raise ConfigError(f"{key}={value}; it must be >= 0 (0 turns it off)")
 
 
 def _check_pretrained(model: Any, facts: dict, data_name: str) -> None:

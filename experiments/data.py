@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 import sysconfig
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from experiments.fields import get_field as _get
 
 __all__ = ["Dataset", "TextDataset", "SyntheticTokens", "SyntheticFeatures", "make_dataset", "read_corpus"]
 
@@ -162,12 +164,6 @@ class SyntheticFeatures:
     def eval_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Held-out features and labels (a stream disjoint from training, same teacher)."""
         return self._batch(self.seed + self.offset, _EVAL, index, batch_size)
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
 
 
 def make_dataset(cfg: Any) -> Dataset:

@@ -139,7 +139,7 @@ def main() -> None:
     import hydra
 
     from experiments.config import CONF_DIR, register_configs
-    from experiments.train import refuse_bad_input
+    from experiments.app import refuse_bad_input
 
     register_configs()
 

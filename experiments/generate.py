@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from experiments.config import HF_MODELS, ConfigError, count_pipeline_layers, to_plain_dict
-from experiments.config import get_field as _get
+from experiments.fields import get_field as _get
 
 __all__ = ["GenerateJob", "read_prompts", "stage_split", "token_ids", "generate_worker",
            "single_process_generate", "run", "main"]
@@ -268,7 +268,7 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
 
 def main() -> None:
     """The Hydra entry point (`python -m experiments.generate [overrides]`)."""
-    from experiments.train import hydra_entry
+    from experiments.app import hydra_entry
 
     hydra_entry(run)
 

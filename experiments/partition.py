@@ -24,9 +24,11 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from experiments.config import choice_text as _text
-from experiments.config import get_field as _get
+from experiments.app import hydra_entry
 from experiments.config import validate_config
+from experiments.fields import choice_text as _text
+from experiments.fields import get_field as _get
+from experiments.wiring import make_plan, profile_model
 
 __all__ = ["compare_plans", "comparison_rows", "format_comparison", "run", "main", "COMPARISON_FILE"]
 
@@ -39,7 +41,6 @@ def compare_plans(cfg: Any, spec: Any = None, prof: Any = None) -> dict[str, Any
     import partitioner
 
     from experiments.models import build_model
-    from experiments.train import make_plan, profile_model
 
     spec = spec if spec is not None else build_model(_get(cfg, "model"))
     prof = prof if prof is not None else profile_model(cfg, spec)
@@ -114,7 +115,6 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
     import partitioner
 
     from experiments.models import build_model
-    from experiments.train import profile_model
 
     validate_config(cfg)
     run_dir = Path(run_dir)
@@ -145,8 +145,6 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
 
 def main() -> None:
     """The Hydra entry point (`python -m experiments.partition [overrides]`)."""
-    from experiments.train import hydra_entry
-
     hydra_entry(run)
 
 

@@ -1,17 +1,17 @@
-"""Run tracking: `metrics.jsonl`, Weights & Biases, a progress bar and plots.
+"""Run tracking: `metrics.jsonl`, Weights & Biases and a progress bar.
 
 One `Tracker` per job, created on the rank that owns the loss (other ranks pass
 `enabled=False` and get a no-op). `metrics.jsonl` in the run directory gets one JSON object per
-step with `step`, `loss`, `step_time_s`, `samples_per_s`, `tokens_per_s`, per-stage figures as
-lists (`stage_<name>`, index = pipeline stage) and any extra keys; W&B gets the same metrics,
-the resolved config, the plan as a table, pictures and a summary. `wandb` and `matplotlib`
-are imported only when used.
+step with `step`, `loss`, `step_time_s`, `samples_per_s`, `tokens_per_s`, per-pipeline-rank
+figures as lists (`rank_<name>`, index = pipeline rank) and any extra keys; W&B gets the same
+metrics (`rank/<name>/<j>`), the resolved config, the plan as a table (one row per stage, i.e.
+model chunk), pictures and a summary. `wandb` is imported only when used.
 
 Example:
     >>> with Tracker(run_dir, config={"lr": 1e-3}, mode="disabled") as tracker:   # doctest: +SKIP
     ...     tracker.log_step(0, loss=5.5, step_time_s=0.2, batch_size=16, tokens_per_sample=128,
-    ...                      stages=[{"forward_s": 0.03}, {"forward_s": 0.05}])
-    >>> read_metrics(run_dir / "metrics.jsonl")[0]["stage_forward_s"]                # doctest: +SKIP
+    ...                      ranks=[{"forward_s": 0.03}, {"forward_s": 0.05}])
+    >>> read_metrics(run_dir / "metrics.jsonl")[0]["rank_forward_s"]                 # doctest: +SKIP
     [0.03, 0.05]
 """
 
@@ -20,23 +20,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 __all__ = [
     "Tracker",
     "ProgressBar",
     "read_metrics",
-    "plot_loss",
     "plan_rows",
-    "OfflineRun",
-    "read_offline_run",
     "METRICS_FILE",
+    "RANK_PREFIX",
 ]
 
 METRICS_FILE = "metrics.jsonl"
+RANK_PREFIX = "rank_"  # per-pipeline-rank lists in metrics.jsonl (named stage_ before; see README)
 
 
 def _jsonable(value: Any) -> Any:
@@ -56,11 +53,11 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _transpose_stages(stages: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+def _transpose_ranks(ranks: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     keys: list[str] = []
-    for stage in stages:
-        keys += [k for k in stage if k not in keys]
-    return {f"stage_{k}": [stage.get(k) for stage in stages] for k in keys}
+    for rank in ranks:
+        keys += [k for k in rank if k not in keys]
+    return {f"{RANK_PREFIX}{k}": [rank.get(k) for rank in ranks] for k in keys}
 
 
 def plan_rows(plan: Any) -> list[dict[str, Any]]:
@@ -149,13 +146,13 @@ class Tracker:
         step_time_s: float,
         batch_size: int,
         tokens_per_sample: int = 1,
-        stages: Sequence[Mapping[str, Any]] | None = None,
+        ranks: Sequence[Mapping[str, Any]] | None = None,
         **extra: Any,
     ) -> dict[str, Any]:
         """Record one step; returns the JSON object written to `metrics.jsonl`.
 
-        `stages`: one mapping per pipeline stage (e.g. forward_s, backward_s, idle_fraction,
-        peak_activation_bytes); written as lists `stage_<key>` and to W&B as `stage/<key>/<j>`.
+        `ranks`: one mapping per pipeline rank (e.g. forward_s, backward_s, idle_fraction,
+        peak_activation_bytes); written as lists `rank_<key>` and to W&B as `rank/<key>/<j>`.
         """
         samples_per_s = batch_size / step_time_s if step_time_s > 0 else float("nan")
         record: dict[str, Any] = {
@@ -165,8 +162,8 @@ class Tracker:
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * tokens_per_sample,
         }
-        if stages:
-            record.update(_transpose_stages(stages))
+        if ranks:
+            record.update(_transpose_ranks(ranks))
         record.update(extra)
         record = _jsonable(record)
         if not self.enabled:
@@ -175,12 +172,12 @@ class Tracker:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self.run is not None:
-            flat = {k: v for k, v in record.items() if not k.startswith("stage_") and k != "step"}
+            flat = {k: v for k, v in record.items() if not k.startswith(RANK_PREFIX) and k != "step"}
             for key, values in record.items():
-                if key.startswith("stage_") and isinstance(values, list):
+                if key.startswith(RANK_PREFIX) and isinstance(values, list):
                     for j, v in enumerate(values):
                         if isinstance(v, (int, float)):
-                            flat[f"stage/{key[6:]}/{j}"] = v
+                            flat[f"rank/{key[len(RANK_PREFIX):]}/{j}"] = v
             self.run.log({k: v for k, v in flat.items() if v is not None and not isinstance(v, (list, dict))},
                          step=int(step))
         return record
@@ -250,32 +247,6 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_loss(records: Iterable[Mapping[str, Any]], path: str | os.PathLike, title: str = "") -> Path:
-    """Save a loss-vs-step PNG (training loss, and `eval_loss` points where present)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    records = list(records)
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    steps = [r["step"] for r in records if r.get("loss") is not None]
-    ax.plot(steps, [r["loss"] for r in records if r.get("loss") is not None], label="train loss", lw=1)
-    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out loss", ms=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
 class ProgressBar:
     """A rich progress bar showing step, loss and throughput (no-op when disabled).
 
@@ -326,115 +297,3 @@ class ProgressBar:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-# --------------------------------------------------------------------------- offline run reader
-@dataclass
-class OfflineRun:
-    """What an offline W&B run recorded: its config, history rows (one per logged step) and summary."""
-
-    path: Path
-    config: dict[str, Any] = field(default_factory=dict)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
-
-
-_HEADER = b":W&B"
-_BLOCK = 32768
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def _records(data: bytes) -> Iterable[bytes]:
-    """Split W&B's transaction log (LevelDB log format after a 7-byte ':W&B' header) into records."""
-    if not data.startswith(_HEADER):
-        raise ValueError("not a W&B run file (missing the ':W&B' header)")
-    pos, pending = 7, b""
-    while pos + 7 <= len(data):
-        if _BLOCK - pos % _BLOCK < 7:  # block trailer too short for a header: skip the padding
-            pos += _BLOCK - pos % _BLOCK
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind == _FULL:
-            yield chunk
-        elif kind == _FIRST:
-            pending = chunk
-        elif kind == _MIDDLE:
-            pending += chunk
-        elif kind == _LAST:
-            yield pending + chunk
-            pending = b""
-        elif kind == 0 and length == 0:  # zero padding at the end of a block
-            pos += _BLOCK - pos % _BLOCK if pos % _BLOCK else 0
-        else:
-            raise ValueError(f"corrupt W&B run file: record type {kind} at byte {pos}")
-
-
-def _item_value(item: Any) -> Any:
-    if item.value_json:
-        return json.loads(item.value_json)
-    for name in ("number", "integer", "boolean", "text", "json"):
-        try:
-            if item.HasField(name):
-                value = getattr(item, name)
-                return json.loads(value) if name == "json" else value
-        except ValueError:  # field absent in this protobuf version
-            continue
-    return None
-
-
-def _item_key(item: Any) -> str:
-    return "/".join(item.nested_key) if item.nested_key else item.key
-
-
-def _parse_run_file(path: Path) -> tuple[OfflineRun, bool]:
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    run = OfflineRun(path=path)
-    complete = False
-    try:
-        raws = list(_records(path.read_bytes()))
-    except ValueError:  # a record still being written
-        return run, False
-    for raw in raws:
-        record = pb.Record()
-        record.ParseFromString(raw)
-        kind = record.WhichOneof("record_type")
-        if kind in ("config", "run"):
-            updates = record.config.update if kind == "config" else record.run.config.update
-            for item in updates:
-                key = _item_key(item)
-                if key != "_wandb":
-                    run.config[key] = _item_value(item)
-        elif kind == "history":
-            run.history.append({_item_key(item): _item_value(item) for item in record.history.item})
-        elif kind == "summary":
-            for item in record.summary.update:
-                run.summary[_item_key(item)] = _item_value(item)
-        elif kind == "exit":
-            complete = True
-    return run, complete
-
-
-def read_offline_run(path: str | os.PathLike, *, wait_s: float = 30.0) -> OfflineRun:
-    """Read an offline run's `.wandb` file back (a run directory, its `wandb/` folder or the file).
-
-    Uses the record protobufs that ship with wandb (`wandb.proto.wandb_internal_pb2`). wandb's
-    service process may still be writing for a moment after `finish()` returns, so this waits up
-    to `wait_s` seconds for the run's exit record, then returns what is there.
-    """
-    import time
-
-    path = Path(path)
-    if path.is_dir():
-        found = sorted(p for p in path.rglob("*.wandb") if "latest-run" not in p.parts)
-        if not found:
-            raise FileNotFoundError(f"no .wandb file under {path}; was the run logged with logger.mode=offline?")
-        path = found[-1]
-    deadline = time.monotonic() + wait_s
-    while True:
-        run, complete = _parse_run_file(path)
-        if complete or time.monotonic() >= deadline:
-            return run
-        time.sleep(0.05)

@@ -13,7 +13,7 @@ Importing this package pulls in numpy only; torch is imported when profiling, an
 engine's simulator when a plan is predicted.
 """
 
-from .costs import LayerCost, Profile
+from .costs import FixedCosts, LayerCost, Profile
 from .devices import DEVICE_PRESETS, DeviceSpec, get_device_spec, measure_cpu_spec
 from .memory import SCHEDULES, inflight_per_chunk, static_factor
 from .plan import PartitionError, Plan
@@ -21,6 +21,6 @@ from .planner import METHODS, partition
 from .profile import profile
 
 __all__ = [
-    "LayerCost", "Profile", "profile", "partition", "Plan", "PartitionError", "DeviceSpec", "DEVICE_PRESETS",
+    "LayerCost", "Profile", "FixedCosts", "profile", "partition", "Plan", "PartitionError", "DeviceSpec", "DEVICE_PRESETS",
     "get_device_spec", "measure_cpu_spec", "SCHEDULES", "METHODS", "inflight_per_chunk", "static_factor",
 ]

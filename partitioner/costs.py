@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LayerCost", "Profile"]
+__all__ = ["LayerCost", "Profile", "FixedCosts"]
 
 
 @dataclass(frozen=True)
@@ -90,17 +90,53 @@ class JsonMixin:
         return cls.from_dict(json.loads(s))  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True)
+class FixedCosts:
+    """What the runtime adds to compute on one machine, charged by the plan's prediction.
+
+    Measured once per machine by ``engine.overhead.measure_fixed_costs`` (its dict gives these
+    fields) on a model whose layers cost almost nothing:
+
+    - ``action_s``: per compute action (F, B, I, W): dispatch, posting transfers, bookkeeping;
+    - ``message_latency_s``: per point-to-point message, on top of bytes / link rate;
+    - ``link_bytes_per_s``: the link's rate (used when ``partition`` is given no link);
+    - ``step_s``: per optimizer step (zero_grad, the loss all-reduce, an empty update);
+    - ``optimizer_s_per_byte``: seconds per parameter byte of the update, per optimizer name.
+
+    >>> FixedCosts(action_s=2e-4, optimizer_s_per_byte={"sgd": 3e-10}).optimizer_s("sgd", 4e6)
+    0.0012
+    """
+
+    action_s: float = 0.0
+    message_latency_s: float = 0.0
+    link_bytes_per_s: float | None = None
+    step_s: float = 0.0
+    optimizer_s_per_byte: dict[str, float] = field(default_factory=dict)
+
+    def optimizer_s(self, optimizer: str, param_bytes: float) -> float:
+        """Seconds of one ``optimizer`` update of ``param_bytes`` bytes of parameters."""
+        return float(self.optimizer_s_per_byte.get(optimizer.lower(), 0.0)) * float(param_bytes)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FixedCosts":
+        """From ``engine.overhead.measure_fixed_costs``'s dict (extra keys are ignored)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
 @dataclass
 class Profile(JsonMixin):
     """An ordered list of :class:`LayerCost` plus how it was obtained.
 
     ``dtype`` is the parameter/activation dtype of the profile (it sets bytes per parameter
-    for the optimizer-state model); ``meta`` is free-form provenance (device, mode, ...).
+    for the optimizer-state model); ``meta`` is free-form provenance (device, mode, ...);
+    ``fixed``: the runtime's fixed costs on the machine (None: compute only).
     """
 
     layers: list[LayerCost]
     dtype: str = "float32"
     meta: dict[str, Any] = field(default_factory=dict)
+    fixed: FixedCosts | None = None
 
     def __post_init__(self) -> None:
         self.layers = list(self.layers)
@@ -121,7 +157,10 @@ class Profile(JsonMixin):
         return sum(lc.param_bytes for lc in self.layers) // self.itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "meta": self.meta, "layers": [asdict(lc) for lc in self.layers]}
+        d = {"dtype": self.dtype, "meta": self.meta, "layers": [asdict(lc) for lc in self.layers]}
+        if self.fixed is not None:
+            d["fixed"] = asdict(self.fixed)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Profile":
@@ -132,7 +171,9 @@ class Profile(JsonMixin):
             if extra:
                 raise ValueError(f"layer {i}: unknown LayerCost fields {sorted(extra)}; known: {sorted(known)}")
             layers.append(LayerCost(**row))
-        return cls(layers=layers, dtype=d.get("dtype", "float32"), meta=dict(d.get("meta", {})))
+        fixed = FixedCosts.from_dict(d["fixed"]) if d.get("fixed") else None
+        return cls(layers=layers, dtype=d.get("dtype", "float32"), meta=dict(d.get("meta", {})),
+                   fixed=fixed)
 
 
 

@@ -16,16 +16,16 @@ Example::
 
 from __future__ import annotations
 
+from engine.choices import OPTIMIZERS, ZERO_STAGES
 from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule, chunk_ranks
 
 __all__ = ["static_factor", "inflight_per_chunk", "inflight_from_schedule", "rank_totals",
            "OPTIMIZER_STATE_BYTES", "SCHEDULES"]
 
-# Optimizer state in bytes per parameter (kept in fp32).
+# Optimizer state in bytes per parameter (kept in fp32), for each of engine.choices.OPTIMIZERS.
 OPTIMIZER_STATE_BYTES: dict[str, int] = {
     "adamw": 8, "adam": 8,            # exp_avg + exp_avg_sq
     "sgd": 0,                         # plain SGD
-    "sgd-momentum": 4, "momentum": 4,  # momentum buffer
 }
 
 
@@ -39,8 +39,8 @@ def static_factor(itemsize: int, optimizer: str = "adamw", zero_stage: int = 1, 
     """
     opt = optimizer.lower()
     if opt not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE_BYTES)}")
-    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {list(OPTIMIZERS)}")
+    if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage must be 0, 1 or 2 (got {zero_stage}); stage 3 shards weights, "
                          "which a pipeline stage keeps whole")
     if data_parallel < 1:

@@ -34,11 +34,15 @@ class Plan(JsonMixin):
     ``stage_activation_bytes`` (saved-for-backward bytes at the peak), ``stage_inflight``,
     ``stage_recompute``. Per rank: ``rank_memory_bytes``, ``rank_fits``.
 
-    ``step_s`` / ``bubble_fraction``: from ``engine.simulate`` on these costs (see
-    ``predicted_by``). ``lower_bound_s``: a lower bound on the step of this schedule for any
+    ``step_s`` / ``bubble_fraction``: from :meth:`simulate` (``engine.simulate`` on these
+    costs; see ``predicted_by``). ``lower_bound_s``: a lower bound on the step of this schedule for any
     split, using ``bottleneck_lower_bound_s = max(largest layer, total / chunks)`` (gpipe and
     1f1b: ``(m - 1) * that + total``; other schedules: ``max(m * per-rank bound, total)``).
-    ``gap = step_s / lower_bound_s - 1``.
+    ``gap = step_s / lower_bound_s - 1``. ``max_inflight``: zb-h2's memory knob as planned
+    (None: the schedule's default). Fixed costs of the runtime (``partitioner.FixedCosts``, from
+    the profile): ``action_s`` is charged on every compute action, ``boundary_comm_s`` includes the
+    per-message latency, and ``step_fixed_s`` (per step) plus the slowest rank's optimizer update
+    (``rank_optimizer_s``) are added to the simulated schedule.
     """
 
     stage_ranges: list[tuple[int, int]]
@@ -59,6 +63,7 @@ class Plan(JsonMixin):
     fits: bool = True
     memory_limit_bytes: list[int] | None = None
     link_bytes_per_s: float | None = None
+    max_inflight: int | None = None
     bottleneck_lower_bound_s: float = 0.0
     closed_form_step_s: float = 0.0
     predicted_by: str = "engine.simulate"
@@ -69,6 +74,9 @@ class Plan(JsonMixin):
     stage_backward_s: list[float] = field(default_factory=list)
     stage_weight_s: list[float] = field(default_factory=list)
     boundary_comm_s: list[float] = field(default_factory=list)
+    action_s: float = 0.0
+    step_fixed_s: float = 0.0
+    rank_optimizer_s: list[float] = field(default_factory=list)
     rank_memory_bytes: list[int] = field(default_factory=list)
     rank_fits: list[bool] = field(default_factory=list)
     layer_names: list[str] = field(default_factory=list)
@@ -102,6 +110,52 @@ class Plan(JsonMixin):
     def stage_layers(self) -> list[int]:
         """Number of layers per chunk."""
         return [b - a for a, b in self.stage_ranges]
+
+    def rank_of(self, chunk: int) -> int:
+        """The pipeline rank that runs model chunk ``chunk`` (the schedule's placement)."""
+        return self.chunk_ranks[chunk]
+
+    def per_rank(self, values: Sequence[float]) -> list[float]:
+        """Per-chunk ``values`` summed per pipeline rank (the chunks a rank runs)."""
+        out = [0.0] * self.num_stages
+        for r, x in zip(self.chunk_ranks, values):
+            out[r] += x
+        return out
+
+    # -- prediction -------------------------------------------------------------------
+    def simulate(self, forward_s: Sequence[float] | None = None,
+                 backward_s: Sequence[float] | None = None) -> Any:
+        """The predicted timeline of one step's schedule: ``engine.simulate`` of this plan's
+        schedule on its per-chunk costs (``stage_forward_s``, ``stage_backward_s`` with
+        recomputation, ``stage_weight_s``, ``boundary_comm_s``), each compute action charged
+        ``action_s`` more. ``forward_s`` / ``backward_s`` replace the compute costs (e.g.
+        measured ones) and keep the rest. The one place a plan's timeline is predicted: the
+        planner, the training run's timeline pictures and the benchmark's predictions all call
+        it; :meth:`predicted_step_s` adds what a step costs beyond its schedule.
+
+        >>> res = plan.simulate()                         # doctest: +SKIP
+        >>> res.step_s, res.bubble_fraction; res.to_png("timeline.png")
+        """
+        from engine.schedules import SCHEDULE_INFO, build_schedule
+        from engine.simulate import simulate
+
+        a = self.action_s
+        f = [x + a for x in (self.stage_forward_s if forward_s is None else forward_s)]
+        b = list(self.stage_backward_s if backward_s is None else backward_s)
+        w = [min(x, y) for x, y in zip(self.stage_weight_s or b, b)]
+        if SCHEDULE_INFO[self.schedule].splits_backward:   # I and W: two actions
+            b, w = [x + 2 * a for x in b], [x + a for x in w]
+        else:
+            b, w = [x + a for x in b], [x + a for x in w]
+        sched = build_schedule(self.schedule, self.num_stages, self.microbatches, self.virtual_stages,
+                               max_inflight=self.max_inflight)
+        comm = self.boundary_comm_s if len(f) > 1 and self.boundary_comm_s else 0.0
+        return simulate(sched, f, b, weight_s=w, comm_s=comm)
+
+    def predicted_step_s(self, schedule_s: float) -> float:
+        """A whole step from its schedule's simulated time: plus the per-step fixed cost and the
+        slowest rank's optimizer update (ranks update after the step's loss all-reduce)."""
+        return schedule_s + self.step_fixed_s + max(self.rank_optimizer_s or [0.0])
 
     # -- JSON -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

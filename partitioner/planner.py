@@ -13,26 +13,27 @@ more forward when it recomputes) + twice its outgoing boundary transfer (activat
 gradient back) when ``link_bytes_per_s`` is given, and a stage's memory is its static state
 plus in-flight activations for the schedule plus boundary buffers (see ``memory.py``). The
 plan's ``step_s`` and ``bubble_fraction`` then come from ``engine.simulate`` on the same
-costs. For ``virtual_stages > 1`` with loop placement (interleaved-1f1b) the search runs over
-the ``p * v`` chunks: it is exact for the largest chunk time under the per-chunk limit ``rank
-limit / v``, a sufficient condition for the rank to fit (a split that fits only by giving one
-chunk of a rank more than 1/v of its memory is not found); the reported rank memory is the
-exact sum of its chunks. For the V placement (zbv, rank r holds chunks r and 2p-1-r) the
-search is exact for the rank's time and memory, each the sum of its two chunks
-(:func:`partitioner.vsplit.optimal_v_split`). Which rank runs which chunk comes from
+costs (:meth:`Plan.simulate`). For ``virtual_stages > 1`` with loop placement
+(interleaved-1f1b) the search runs over the ``p * v`` chunks: it is exact for the largest chunk
+time under the per-chunk limit ``rank limit / v``, a sufficient condition for the rank to fit (a
+split that fits only by giving one chunk of a rank more than 1/v of its memory is not found); the
+reported rank memory is the exact sum of its chunks. For the V placement (zbv, rank r holds
+chunks r and 2p-1-r) the search is exact for the rank's time and memory, each the sum of its two
+chunks (:func:`partitioner.vsplit.optimal_v_split`). Which rank runs which chunk comes from
 ``engine.schedules`` (``chunk_ranks``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from .costs import Profile
-from engine.schedules import SCHEDULE_INFO, chunk_ranks
+from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks
 
+from .costs import FixedCosts, Profile
 from .memory import SCHEDULES, inflight_from_schedule, inflight_per_chunk, rank_totals, static_factor
 from .plan import PartitionError, Plan
 from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optimal_split, parameter_split,
@@ -43,9 +44,70 @@ __all__ = ["partition", "METHODS"]
 
 METHODS: tuple[str, ...] = ("optimal", "uniform", "parameters", "greedy")
 
+_BASELINE_NOTES = {
+    "uniform": "uniform: equal layer counts (Megatron); memory limits not used to choose",
+    "parameters": "parameters: balanced parameter bytes (DeepSpeed's default); memory limits not used to choose",
+    "greedy": "greedy: torchgpipe block-partition local search on time; memory limits not used to choose",
+}
+
 
 def _gib(x: float) -> str:
     return f"{x / 2**30:.3f} GiB"
+
+
+@dataclass
+class _Problem:
+    """One partitioning problem: per-layer cost arrays, the layout and the memory caps."""
+
+    p: int
+    m: int
+    v: int
+    schedule: str
+    max_inflight: int | None                  # zb-h2's memory knob (None: its default)
+    ckpt: str                                 # "off" | "on" | "auto"
+    link: float | None
+    f: np.ndarray                             # forward seconds per layer
+    b: np.ndarray                             # backward seconds per layer
+    w: np.ndarray                             # weight-gradient seconds per layer
+    static: np.ndarray                        # parameter + gradient + optimizer bytes per layer
+    act: np.ndarray
+    out: np.ndarray
+    shared: np.ndarray
+    comm_layer: np.ndarray                    # transfer seconds of a cut after each layer
+    inflight: list[int]                       # microbatches held per chunk
+    rank_caps: list[float] | None
+    names: list[str]
+    param: np.ndarray                         # parameter bytes per layer
+    fixed: FixedCosts | None                  # the runtime's fixed costs (None: compute only)
+
+    @property
+    def n(self) -> int:
+        return len(self.f)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The rank of each chunk (the schedule's placement)."""
+        return chunk_ranks(self.schedule, self.p, self.v)
+
+    @property
+    def vee(self) -> bool:
+        return SCHEDULE_INFO[self.schedule].placement == "v"
+
+    @property
+    def k(self) -> int:
+        return self.p * self.v
+
+    @property
+    def cut_time(self) -> np.ndarray:
+        return np.concatenate([[0.0], 2 * self.comm_layer[:-1], [0.0]])
+
+    @property
+    def chunk_caps(self) -> list[float] | None:
+        return None if self.rank_caps is None else [self.rank_caps[r] / self.v for r in self.ranks]
+
+    @property
+    def common(self) -> dict[str, Any]:
+        return dict(static=self.static, act=self.act, out=self.out, inflight=self.inflight, shared=self.shared)
 
 
 def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", microbatches: int,
@@ -59,185 +121,237 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     or a baseline ("uniform", "parameters", "greedy"; baselines ignore the limits when
     choosing, and the plan reports whether each rank fits). ``activation_checkpointing``:
     False, True (every stage recomputes) or "auto" (a stage recomputes only where the exact
-    search needs it to fit). ``max_inflight``: zb-h2's bound on the microbatches a rank holds
-    (its memory knob). Raises :class:`PartitionError` when no split fits, naming the smallest
+    search needs it to fit). ``simulate``: predict the step with :meth:`Plan.simulate` (else
+    the closed form). ``max_inflight``: zb-h2's bound on the microbatches a rank holds (its
+    memory knob). Raises :class:`PartitionError` when no split fits, naming the smallest
     limit (or the stage count) that would.
     """
     p, m, v = int(num_stages), int(microbatches), int(virtual_stages)
+    ckpt = _check_arguments(profile, p, m, v, schedule, method, link_bytes_per_s, activation_checkpointing,
+                            max_inflight)
+    notes: list[str] = []
+    if link_bytes_per_s is None and profile.fixed is not None:
+        link_bytes_per_s = profile.fixed.link_bytes_per_s
+    prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, link_bytes_per_s,
+                    static_factor(profile.itemsize, optimizer, zero_stage, data_parallel),
+                    _rank_caps(memory_limit_bytes, p), simulate, notes)
+    if method == "optimal":
+        bounds, recompute = _optimal(prob, notes)
+    else:
+        bounds, recompute = _baseline(method, prob, notes)
+    _note_recompute(recompute, ckpt, notes)
+    plan = _plan(prob, bounds, recompute, notes, method=method, data_parallel=data_parallel,
+                 zero_stage=zero_stage, optimizer=optimizer, max_inflight=max_inflight)
+    if simulate:
+        _predict(plan, prob)
+    return plan
+
+
+def _check_arguments(profile: Profile, p: int, m: int, v: int, schedule: str, method: str,
+                     link: float | None, activation_checkpointing: Any, max_inflight: int | None) -> str:
+    """Refuse bad arguments (the schedule's own rules come from ``engine.schedules``); returns
+    the checkpointing mode ``"off"``, ``"on"`` or ``"auto"``."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; use one of {SCHEDULES}")
-    if schedule == "interleaved-1f1b" and v < 2:
-        raise ValueError("interleaved-1f1b needs virtual_stages >= 2; use schedule='1f1b' for one chunk per rank")
-    info = SCHEDULE_INFO[schedule]
-    if info.chunks_per_rank is not None and v != info.chunks_per_rank:
-        raise ValueError(f"schedule={schedule!r} runs {info.chunks_per_rank} chunk(s) per rank; pass "
-                         f"virtual_stages={info.chunks_per_rank} (got {v})")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"num_stages, microbatches and virtual_stages must be >= 1 (got {p}, {m}, {v})")
-    if link_bytes_per_s is not None and link_bytes_per_s <= 0:
+    build_schedule(schedule, p, m, v, max_inflight=max_inflight)  # e.g. interleaving needs v >= 2
+    if link is not None and link <= 0:
         raise ValueError("link_bytes_per_s must be > 0 (or None for free transfers)")
     ckpt = {False: "off", True: "on", "off": "off", "on": "on", "auto": "auto"}.get(activation_checkpointing)
     if ckpt is None:
         raise ValueError(f"activation_checkpointing must be False, True or 'auto', got {activation_checkpointing!r}")
-    n = len(profile)
-    k = p * v
+    n, k = len(profile), p * v
     if k > n:
-        most = n // v
         raise PartitionError(
             f"{p} stages x {v} chunks need at least {k} layers but the profile has {n}; "
-            f"use at most {most} stages" + (f" (or fewer virtual stages)" if v > 1 else "")
+            f"use at most {n // v} stages" + (" (or fewer virtual stages)" if v > 1 else "")
             + f": the model has {n} layers")
+    return ckpt
 
-    L = profile.layers
-    f = np.array([c.forward_s for c in L])
-    b = np.array([c.backward_s for c in L])
-    w = np.array([c.weight_s for c in L])
-    sf = static_factor(profile.itemsize, optimizer, zero_stage, data_parallel)
-    static = np.array([c.param_bytes for c in L], dtype=np.float64) * sf
-    act = np.array([c.activation_bytes for c in L], dtype=np.float64)
-    out = np.array([c.output_bytes for c in L], dtype=np.float64)
-    shared = np.array([c.shared_input_bytes for c in L], dtype=np.float64)
-    comm_layer = out / link_bytes_per_s if link_bytes_per_s else np.zeros(n)
-    cut_time = np.concatenate([[0.0], 2 * comm_layer[:-1], [0.0]])
-    inflight = inflight_per_chunk(schedule, p, m, v, max_inflight=max_inflight)
-    ranks = chunk_ranks(schedule, p, v)
-    vee = info.placement == "v"
-    inflight_src = "closed form"
-    if simulate:
-        try:
-            from engine.schedules import build_schedule
-        except ImportError:
-            pass
-        else:  # what the engine will run
-            inflight = inflight_from_schedule(build_schedule(schedule, p, m, v, max_inflight=max_inflight))
-            inflight_src = "engine schedule"
 
-    rank_caps: list[float] | None
+def _rank_caps(memory_limit_bytes: "float | Sequence[float] | None", p: int) -> list[float] | None:
+    """The memory limit per rank (None: no limit)."""
     if memory_limit_bytes is None:
-        rank_caps = None
-    elif np.ndim(memory_limit_bytes) == 0:
-        rank_caps = [float(memory_limit_bytes)] * p
+        return None
+    if np.ndim(memory_limit_bytes) == 0:
+        caps = [float(memory_limit_bytes)] * p  # type: ignore[arg-type]
     else:
-        rank_caps = [float(x) for x in memory_limit_bytes]  # type: ignore[union-attr]
-        if len(rank_caps) != p:
-            raise ValueError(f"memory_limit_bytes has {len(rank_caps)} entries; give one number or {p} (one per rank)")
-    if rank_caps is not None and min(rank_caps) <= 0:
+        caps = [float(x) for x in memory_limit_bytes]  # type: ignore[union-attr]
+        if len(caps) != p:
+            raise ValueError(f"memory_limit_bytes has {len(caps)} entries; give one number or {p} (one per rank)")
+    if min(caps) <= 0:
         raise ValueError("memory_limit_bytes must be > 0")
-    chunk_caps = None if rank_caps is None else [rank_caps[ranks[c]] / v for c in range(k)]
-    notes: list[str] = [f"in-flight microbatches per stage {inflight} (from the {inflight_src})"]
-    common = dict(static=static, act=act, out=out, inflight=inflight, shared=shared)
+    return caps
 
-    recompute = [ckpt == "on"] * k
-    if method == "optimal":
-        try:
-            if vee:   # exact on ranks: each rank's time and memory sum its two chunks
-                bounds, _, var = optimal_v_split(f + b, p, caps=rank_caps, cut_time=cut_time, recompute_time=f,
-                                                 checkpointing=ckpt, return_variants=True, **common)
-            else:
-                bounds, _, var = optimal_split(f + b, k, caps=chunk_caps, cut_time=cut_time, recompute_time=f,
-                                               checkpointing=ckpt, return_variants=True, **common)
-        except Infeasible as e:
-            raise PartitionError(_infeasible_message(e, n, p, v, rank_caps, chunk_caps, ckpt, f, schedule, m,
-                                                     common, max_inflight)) from None
-        if ckpt == "auto":
-            recompute = [bool(x) for x in var]
-        notes.append("optimal: exact min-bottleneck contiguous split"
-                     + (" under the memory limits" if rank_caps else " (no memory limit given)")
-                     + ("; among equal bottlenecks, the smallest sum of stage times" if link_bytes_per_s or ckpt == "auto"
-                        else "; among equal bottlenecks, later stages take as many layers as allowed"))
-        if vee:
-            notes.append("zbv: exact over ranks (V placement: rank r holds chunks r and 2p-1-r; the largest rank "
-                         "time under each rank's limit)")
-        elif v > 1 and rank_caps:
-            notes.append(f"interleaved: each chunk limited to rank limit / {v} (sufficient, not necessary, for the rank to fit)")
+
+def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflight: int | None, ckpt: str,
+             link: float | None, static_per_param_byte: float, rank_caps: list[float] | None, simulate: bool,
+             notes: list[str]) -> _Problem:
+    """The profile as arrays, with the schedule's in-flight microbatches per chunk."""
+    L = profile.layers
+    out = np.array([c.output_bytes for c in L], dtype=np.float64)
+    latency = profile.fixed.message_latency_s if profile.fixed is not None else 0.0
+    comm_layer = (out / link if link else np.zeros(len(L))) + latency
+    if simulate:  # what the engine will run
+        sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)
+        inflight, source = inflight_from_schedule(sched), "engine schedule"
     else:
-        if method == "uniform":
-            bounds = uniform_split(n, k)
-        elif method == "parameters":
-            bounds = parameter_split(static, k)
+        inflight, source = inflight_per_chunk(schedule, p, m, v, max_inflight=max_inflight), "closed form"
+    notes.append(f"in-flight microbatches per stage {inflight} (from the {source})")
+    return _Problem(
+        p=p, m=m, v=v, schedule=schedule, max_inflight=max_inflight, ckpt=ckpt, link=link,
+        f=np.array([c.forward_s for c in L]), b=np.array([c.backward_s for c in L]),
+        w=np.array([c.weight_s for c in L]),
+        static=np.array([c.param_bytes for c in L], dtype=np.float64) * static_per_param_byte,
+        act=np.array([c.activation_bytes for c in L], dtype=np.float64), out=out,
+        shared=np.array([c.shared_input_bytes for c in L], dtype=np.float64),
+        comm_layer=comm_layer, inflight=inflight, rank_caps=rank_caps, names=[c.name for c in L],
+        param=np.array([c.param_bytes for c in L], dtype=np.float64), fixed=profile.fixed)
+
+
+def _optimal(prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], list[bool]]:
+    """The exact min-bottleneck split under the memory caps (and where to recompute, for auto)."""
+    try:
+        if prob.vee:  # exact on ranks: each rank's time and memory sum its two chunks
+            bounds, _, var = optimal_v_split(prob.f + prob.b, prob.p, caps=prob.rank_caps, cut_time=prob.cut_time,
+                                             recompute_time=prob.f, checkpointing=prob.ckpt, return_variants=True,
+                                             **prob.common)
         else:
-            bounds = greedy_split(f + b, k)
-        notes.append({"uniform": "uniform: equal layer counts (Megatron); memory limits not used to choose",
-                      "parameters": "parameters: balanced parameter bytes (DeepSpeed's default); memory limits not used to choose",
-                      "greedy": "greedy: torchgpipe block-partition local search on time; memory limits not used to choose"}[method])
-        if ckpt == "auto" and chunk_caps is not None:
-            _, mem_plain = split_costs(bounds, time=f + b, cut_time=cut_time, **common)
-            recompute = [bool(mem_plain[c] > chunk_caps[c]) for c in range(k)]
+            bounds, _, var = optimal_split(prob.f + prob.b, prob.k, caps=prob.chunk_caps, cut_time=prob.cut_time,
+                                           recompute_time=prob.f, checkpointing=prob.ckpt, return_variants=True,
+                                           **prob.common)
+    except Infeasible as e:
+        raise PartitionError(_infeasible_message(e, prob)) from None
+    recompute = [bool(x) for x in var] if prob.ckpt == "auto" else [prob.ckpt == "on"] * prob.k
+    tie_break = ("; among equal bottlenecks, the smallest sum of stage times" if prob.link or prob.ckpt == "auto"
+                 else "; among equal bottlenecks, later stages take as many layers as allowed")
+    notes.append("optimal: exact min-bottleneck contiguous split"
+                 + (" under the memory limits" if prob.rank_caps else " (no memory limit given)") + tie_break)
+    if prob.vee:
+        notes.append("zbv: exact over ranks (V placement: rank r holds chunks r and 2p-1-r; the largest rank "
+                     "time under each rank's limit)")
+    elif prob.v > 1 and prob.rank_caps:
+        notes.append(f"interleaved: each chunk limited to rank limit / {prob.v} "
+                     "(sufficient, not necessary, for the rank to fit)")
+    return bounds, recompute
+
+
+def _baseline(method: str, prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], list[bool]]:
+    """A baseline split (limits not used to choose; with auto, recompute where a chunk does not fit)."""
+    if method == "uniform":
+        bounds = uniform_split(prob.n, prob.k)
+    elif method == "parameters":
+        bounds = parameter_split(prob.static, prob.k)
+    else:
+        bounds = greedy_split(prob.f + prob.b, prob.k)
+    notes.append(_BASELINE_NOTES[method])
+    caps = prob.chunk_caps
+    if prob.ckpt == "auto" and caps is not None:
+        _, mem_plain = split_costs(bounds, time=prob.f + prob.b, cut_time=prob.cut_time, **prob.common)
+        return bounds, [bool(mem_plain[c] > caps[c]) for c in range(prob.k)]
+    return bounds, [prob.ckpt == "on"] * prob.k
+
+
+def _note_recompute(recompute: list[bool], ckpt: str, notes: list[str]) -> None:
     if any(recompute):
-        idx = [c for c in range(k) if recompute[c]]
+        idx = [c for c, r in enumerate(recompute) if r]
         notes.append(f"activation checkpointing on stage(s) {idx}"
                      + (": their activations would not fit otherwise" if ckpt == "auto" else " (requested)"))
     elif ckpt == "auto":
         notes.append("activation checkpointing not needed: every stage fits without recomputation")
 
-    t_stage, mem_stage = split_costs(bounds, time=f + b, cut_time=cut_time, recompute_time=f, recompute=recompute,
-                                     **common)
-    s_idx = [a for a, _ in bounds]
-    e_idx = [e for _, e in bounds]
+
+def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], notes: list[str],
+          **settings: Any) -> Plan:
+    """The plan of a split: per-chunk costs and memory, per-rank fit, the closed-form step."""
+    p = prob.p
+    t_stage, mem_stage = split_costs(bounds, time=prob.f + prob.b, cut_time=prob.cut_time,
+                                     recompute_time=prob.f, recompute=recompute, **prob.common)
     sum_of = lambda arr: [float(arr[a:e].sum()) for a, e in bounds]  # noqa: E731
-    f_c, b_c, w_c = sum_of(f), sum_of(b), sum_of(w)
+    f_c, b_c, w_c = sum_of(prob.f), sum_of(prob.b), sum_of(prob.w)
     b_c = [bb + (ff if r else 0.0) for bb, ff, r in zip(b_c, f_c, recompute)]
-    act_c = [inflight[c] * (act[s_idx[c]:e_idx[c]].sum() + (shared[s_idx[c]] if s_idx[c] > 0 else 0.0))
-             if not recompute[c]
-             else inflight[c] * (out[s_idx[c] - 1] if s_idx[c] > 0 else 0.0) + act[s_idx[c]:e_idx[c]].sum()
-             for c in range(k)]
-    comm_b = [float(comm_layer[e - 1]) for e in e_idx[:-1]]
-    rank_mem = [float(x) for x in rank_totals(list(mem_stage), schedule, p, v)]
-    rank_fits = [True] * p if rank_caps is None else [rank_mem[r] <= rank_caps[r] * (1 + 1e-12) for r in range(p)]
-
-    # closed form: sum of stage work + (m - 1) * bottleneck (exact for gpipe / 1f1b with
-    # equal stages; for other schedules only a fallback when the simulator is not used)
-    closed = float(sum(f_c) + sum(b_c) + 2 * sum(comm_b) + (m - 1) * float(np.max(t_stage)))
-    step, bubble, predicted_by = closed, 0.0, "closed form"
-    if simulate:
-        try:
-            from engine.schedules import build_schedule
-            from engine.simulate import simulate as _simulate
-        except ImportError as e:  # the engine is optional for the partitioner
-            notes.append(f"engine.simulate unavailable ({e}); step from the closed form")
-        else:
-            sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)
-            res = _simulate(sched, forward_s=f_c, backward_s=b_c, weight_s=[min(x, y) for x, y in zip(w_c, b_c)],
-                            comm_s=comm_b if k > 1 else 0.0)
-            step, bubble, predicted_by = res.step_s, res.bubble_fraction, "engine.simulate"
-            if res.peak_inflight != rank_totals(inflight, schedule, p, v):  # pragma: no cover
-                notes.append(f"warning: simulator's peak in-flight {res.peak_inflight} differs from the memory model "
-                             f"{rank_totals(inflight, schedule, p, v)}")
-
-    total = float((f + b).sum())
-    lb_b = max(float((f + b).max()), total / k)
-    if info.chunks_per_rank == 1:
-        lower = pipeline_lower_bound(f + b, k, m, carried=f if info.splits_backward else None)
-    else:
-        lower = max(m * max(float((f + b).max()), total / p), total)
-    if rank_caps is not None and not all(rank_fits):
+    act_c = [_held_activation_bytes(prob, a, e, prob.inflight[c], recompute[c]) for c, (a, e) in enumerate(bounds)]
+    comm_b = [float(prob.comm_layer[e - 1]) for _, e in bounds[:-1]]
+    rank_mem = [float(x) for x in rank_totals(list(mem_stage), prob.schedule, p, prob.v)]
+    caps = prob.rank_caps
+    rank_fits = [True] * p if caps is None else [rank_mem[r] <= caps[r] * (1 + 1e-12) for r in range(p)]
+    if caps is not None and not all(rank_fits):
         bad = [r for r in range(p) if not rank_fits[r]]
         notes.append(f"does NOT fit on rank(s) {bad}: predicted {[_gib(rank_mem[r]) for r in bad]} "
-                     f"> limit {[_gib(rank_caps[r]) for r in bad]}")
+                     f"> limit {[_gib(caps[r]) for r in bad]}")
+    # closed form: sum of stage work + (m - 1) * bottleneck (exact for gpipe / 1f1b with equal
+    # stages; for other schedules only a fallback when the simulator is not used)
+    closed = float(sum(f_c) + sum(b_c) + 2 * sum(comm_b) + (prob.m - 1) * float(np.max(t_stage)))
+    lower, lb_b = _lower_bound(prob)
     return Plan(
         stage_ranges=[(int(a), int(e)) for a, e in bounds], stage_time_s=[float(x) for x in t_stage],
         stage_memory_bytes=[int(math.ceil(x)) for x in mem_stage], bottleneck_s=float(np.max(t_stage)),
-        step_s=float(step), bubble_fraction=float(bubble), lower_bound_s=float(lower), schedule=schedule,
-        num_stages=p, microbatches=m, virtual_stages=v, data_parallel=data_parallel, zero_stage=zero_stage,
-        optimizer=optimizer, method=method, fits=all(rank_fits),
-        memory_limit_bytes=None if rank_caps is None else [int(x) for x in rank_caps],
-        link_bytes_per_s=link_bytes_per_s, bottleneck_lower_bound_s=lb_b, closed_form_step_s=closed,
-        predicted_by=predicted_by, stage_activation_bytes=[int(math.ceil(x)) for x in act_c],
-        stage_inflight=list(inflight), stage_recompute=list(recompute), stage_forward_s=f_c, stage_backward_s=b_c,
-        stage_weight_s=w_c, boundary_comm_s=comm_b, rank_memory_bytes=[int(math.ceil(x)) for x in rank_mem],
-        rank_fits=rank_fits, layer_names=[c.name for c in L], notes=notes,
-    )
+        step_s=closed, bubble_fraction=0.0, lower_bound_s=float(lower), schedule=prob.schedule,
+        num_stages=p, microbatches=prob.m, virtual_stages=prob.v, fits=all(rank_fits),
+        memory_limit_bytes=None if caps is None else [int(x) for x in caps],
+        link_bytes_per_s=prob.link, bottleneck_lower_bound_s=lb_b, closed_form_step_s=closed,
+        predicted_by="closed form", stage_activation_bytes=[int(math.ceil(x)) for x in act_c],
+        stage_inflight=list(prob.inflight), stage_recompute=list(recompute), stage_forward_s=f_c,
+        stage_backward_s=b_c, stage_weight_s=w_c, boundary_comm_s=comm_b,
+        rank_memory_bytes=[int(math.ceil(x)) for x in rank_mem], rank_fits=rank_fits,
+        layer_names=prob.names, notes=notes, **_fixed_fields(prob, bounds, settings), **settings)
 
 
-def _infeasible_message(err: Exception, n: int, p: int, v: int, rank_caps, chunk_caps, ckpt: str, f, schedule: str,
-                        m: int, common: dict[str, Any], max_inflight: int | None = None) -> str:
+def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[str, Any]) -> dict[str, Any]:
+    """The plan's fixed-cost fields: per action, per step, and each rank's optimizer update
+    (its parameters, sharded over the replicas from ZeRO-1 on)."""
+    fixed = prob.fixed
+    if fixed is None:
+        return {}
+    shard = settings["data_parallel"] if settings["zero_stage"] >= 1 else 1
+    param_c = [float(prob.param[a:e].sum()) / shard for a, e in bounds]
+    per_rank = [float(x) for x in rank_totals(param_c, prob.schedule, prob.p, prob.v)]
+    return {"action_s": fixed.action_s, "step_fixed_s": fixed.step_s,
+            "rank_optimizer_s": [fixed.optimizer_s(settings["optimizer"], x) for x in per_rank]}
+
+
+def _held_activation_bytes(prob: _Problem, a: int, e: int, inflight: int, recompute: bool) -> float:
+    """Saved-for-backward bytes a chunk holds at its peak (a recomputing chunk keeps its inputs)."""
+    if recompute:
+        return inflight * (prob.out[a - 1] if a > 0 else 0.0) + prob.act[a:e].sum()
+    return inflight * (prob.act[a:e].sum() + (prob.shared[a] if a > 0 else 0.0))
+
+
+def _lower_bound(prob: _Problem) -> tuple[float, float]:
+    """(lower bound on the step over every split, lower bound on the bottleneck)."""
+    t = prob.f + prob.b
+    total = float(t.sum())
+    lb_b = max(float(t.max()), total / prob.k)
+    info = SCHEDULE_INFO[prob.schedule]
+    if info.chunks_per_rank == 1:
+        lower = pipeline_lower_bound(t, prob.k, prob.m, carried=prob.f if info.splits_backward else None)
+    else:
+        lower = max(prob.m * max(float(t.max()), total / prob.p), total)
+    return lower, lb_b
+
+
+def _predict(plan: Plan, prob: _Problem) -> None:
+    """Replace the closed-form step with :meth:`Plan.simulate`'s (what the engine will run)."""
+    res = plan.simulate()
+    plan.step_s, plan.bubble_fraction = plan.predicted_step_s(res.step_s), res.bubble_fraction
+    plan.predicted_by = "engine.simulate" + (" + fixed costs" if prob.fixed is not None else "")
+    held = rank_totals(prob.inflight, prob.schedule, prob.p, prob.v)
+    if list(res.peak_inflight) != held:  # pragma: no cover - the two models agree by construction
+        plan.notes.append(f"warning: simulator's peak in-flight {res.peak_inflight} differs from the memory "
+                          f"model {held}")
+
+
+def _infeasible_message(err: Exception, prob: _Problem) -> str:
+    n, p, v, rank_caps, chunk_caps = prob.n, prob.p, prob.v, prob.rank_caps, prob.chunk_caps
+    ckpt, f, schedule, m, common = prob.ckpt, prob.f, prob.schedule, prob.m, prob.common
     k = p * v
     if chunk_caps is None:
         return str(err)
-    if SCHEDULE_INFO[schedule].placement == "v":
-        return _infeasible_v_message(n, p, rank_caps, ckpt, f, schedule, m, common)
+    if prob.vee:
+        return _infeasible_v_message(prob)
     scalar = len(set(rank_caps)) == 1
     if scalar:
         need, _ = min_memory_scale(k, n, recompute_time=f, checkpointing=ckpt, **common)
@@ -247,13 +361,7 @@ def _infeasible_message(err: Exception, n: int, p: int, v: int, rank_caps, chunk
                f"({_gib(need_rank)})")
         if v > 1:
             msg += f" (with each chunk held to the rank limit / {v})"
-        # more stages lower the per-stage memory; find the first count that fits
-        for p2 in range(p + 1, min(n // v, 4 * p) + 1):
-            inf2 = inflight_per_chunk(schedule, p2, m, v)
-            if fits_any(p2 * v, n, static=common["static"], act=common["act"], out=common["out"], inflight=inf2,
-                        shared=common["shared"], caps=rank_caps[0] / v, recompute_time=f, checkpointing=ckpt):
-                msg += f", or use {p2} stages"
-                break
+        msg += _more_stages(prob)
     else:
         scale, _ = min_memory_scale(k, n, caps=chunk_caps, recompute_time=f, checkpointing=ckpt, **common)
         need = [math.ceil(c * scale) for c in rank_caps]
@@ -264,17 +372,29 @@ def _infeasible_message(err: Exception, n: int, p: int, v: int, rank_caps, chunk
     return msg
 
 
-def _infeasible_v_message(n: int, p: int, rank_caps, ckpt: str, f, schedule: str, m: int,
-                          common: dict[str, Any]) -> str:
+def _more_stages(prob: _Problem) -> str:
+    """", or use N stages" for the first stage count that fits one scalar limit (more stages
+    lower the per-stage memory), or nothing."""
+    n, p, v, cap, c = prob.n, prob.p, prob.v, prob.rank_caps[0], prob.common  # type: ignore[index]
+    for p2 in range(p + 1, min(n // v, 4 * p) + 1):
+        inf2 = inflight_per_chunk(prob.schedule, p2, prob.m, v)
+        if fits_any(p2 * v, n, static=c["static"], act=c["act"], out=c["out"], inflight=inf2,
+                    shared=c["shared"], caps=cap / v, recompute_time=prob.f, checkpointing=prob.ckpt):
+            return f", or use {p2} stages"
+    return ""
+
+
+def _infeasible_v_message(prob: _Problem) -> str:
     """The smallest limit that fits a V split (each rank: the sum of its two chunks)."""
-    scalar = len(set(rank_caps)) == 1
-    base = None if scalar else rank_caps
-    scale, _ = min_v_memory_scale(n, p, caps=base, recompute_time=f, checkpointing=ckpt, **common)
+    n, p, rank_caps = prob.n, prob.p, prob.rank_caps
+    scalar = len(set(rank_caps)) == 1  # type: ignore[arg-type]
+    scale, _ = min_v_memory_scale(n, p, caps=None if scalar else rank_caps, recompute_time=prob.f,
+                                  checkpointing=prob.ckpt, **prob.common)
     if scalar:
         need = math.ceil(scale)
         return (f"no V split of {n} layers over {p} ranks ({2 * p} chunks) fits {int(rank_caps[0])} bytes "
-                f"({_gib(rank_caps[0])}) per rank with {schedule}, m={m}; the smallest memory_limit_bytes that "
-                f"works is {need} ({_gib(need)})")
+                f"({_gib(rank_caps[0])}) per rank with {prob.schedule}, m={prob.m}; the smallest memory_limit_bytes "
+                f"that works is {need} ({_gib(need)})")
     need = [math.ceil(c * scale) for c in rank_caps]
     return (f"no V split of {n} layers over {p} ranks fits the per-rank limits {[int(c) for c in rank_caps]}; "
             f"scaling them by {scale:.4f} works: memory_limit_bytes={need}")

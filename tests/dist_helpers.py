@@ -18,14 +18,9 @@ Example::
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Callable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from engine.launch import WorkerError, launch  # noqa: E402
+from engine.launch import WorkerError, launch
 
 __all__ = ["run_workers", "WorkerError", "DEFAULT_TIMEOUT_S"]
 

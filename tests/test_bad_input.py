@@ -19,8 +19,8 @@ from torch import nn
 from engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from engine.optim import OptimizerConfig, resolve_backend
 from engine.runtime import Pipeline
-from engine.schedules import build_schedule
-from experiments.config import CONF_DIR, ConfigError, validate_config
+from engine.schedules import SCHEDULES, build_schedule
+from experiments.config import ConfigError, validate_config
 from partitioner import LayerCost, PartitionError, Profile, partition, profile
 
 LAYERS = 6                     # model=gpt with model.layers=4 has 4 + 2 pipeline layers
@@ -29,12 +29,10 @@ GOOD = [(0, 2), (2, 4), (4, 6)]
 
 # ---- helpers --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def base_cfg():
+def base_cfg(compose_cfg):
     """The default experiment, composed once, with a small model (4 blocks -> 6 layers)."""
-    from hydra import compose, initialize_config_dir
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["model.layers=4", "pipeline.stages=2",
-                                           "pipeline.microbatches=4", "train.batch_size=16"])
+    cfg = compose_cfg("model.layers=4", "pipeline.stages=2", "pipeline.microbatches=4",
+                      "train.batch_size=16")
     validate_config(cfg)                    # the base is valid: each test breaks one thing
     return OmegaConf.to_container(cfg, resolve=True)
 
@@ -51,10 +49,9 @@ def _cfg(base: dict, **dotted) -> dict:
 
 
 def _compose_error(override: str) -> str:
-    from hydra import compose, initialize_config_dir
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        with pytest.raises(Exception) as info:
-            compose("config", overrides=[override])
+    from experiments.config import compose_config
+    with pytest.raises(Exception) as info:
+        compose_config(override)
     return f"{info.value}\n{info.value.__cause__}"
 
 
@@ -80,8 +77,7 @@ def test_more_stages_than_layers(base_cfg):
 
 
 def test_unknown_schedule_lists_valid_ones(base_cfg):
-    from engine.schedules import SCHEDULES
-    valid = ", ".join(SCHEDULES)
+    valid = ", ".join(SCHEDULES)                                          # gpipe, 1f1b, ...
     assert valid.startswith("gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv")
     assert (f"Invalid value '1f1f', expected one of [{valid}]"
             in _compose_error("pipeline.schedule=1f1f"))                  # Hydra: enum choices
@@ -107,10 +103,11 @@ def test_batch_not_divisible_by_replicas_times_microbatches(base_cfg):
 
 def test_interleaving_needs_virtual_stages_and_microbatch_multiple(base_cfg):
     inter = dict(pipeline__schedule="interleaved-1f1b")
-    with pytest.raises(ConfigError, match="needs pipeline.virtual_stages >= 2"):
+    with pytest.raises(ConfigError, match=r"pipeline.schedule=interleaved-1f1b cannot run .*"
+                                          r"pipeline.virtual_stages=1: .*needs virtual_stages >= 2"):
         validate_config(_cfg(base_cfg, pipeline__virtual_stages=1, **inter))
-    with pytest.raises(ConfigError, match=r"multiple of pipeline.stages \(2\); set "
-                                          r"pipeline.microbatches=4"):
+    with pytest.raises(ConfigError, match=r"pipeline.stages=2, pipeline.microbatches=3, .*"
+                                          r"multiple of num_stages .*use m=2 or 4"):
         validate_config(_cfg(base_cfg, pipeline__virtual_stages=2, pipeline__microbatches=3,
                              train__batch_size=12, **inter))
     with pytest.raises(ValueError, match="needs virtual_stages >= 2"):
@@ -219,7 +216,6 @@ def test_checkpoint_from_another_model(tmp_path):
 
 
 def test_pretrained_directory_that_cannot_be_loaded(base_cfg, tmp_path):
-    pytest.importorskip("transformers")
     hf = {"name": "hf", "arch": "llama", "layers": 2, "dim": 32, "heads": 4, "vocab": 256, "seq_len": 16,
           "dropout": 0.0, "tie_embeddings": True, "kv_heads": None, "intermediate": None}
     with pytest.raises(ConfigError, match="is not a directory; give the folder that "
@@ -236,7 +232,6 @@ def test_pretrained_directory_that_cannot_be_loaded(base_cfg, tmp_path):
 
 
 def test_generation_prompts_and_export_input():
-    pytest.importorskip("transformers")
     from experiments.export_hf import resolve_checkpoint
     from experiments.generate import read_prompts
 

@@ -29,7 +29,7 @@ def _mlp(cfg: Any) -> ModelSpec:
 
 
 def _hf(cfg: Any) -> ModelSpec:
-    from experiments.models.hf import build_hf
+    from experiments.models.hf_build import build_hf
 
     return build_hf(cfg)
 

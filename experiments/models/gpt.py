@@ -17,23 +17,18 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments.fields import get_field as _field
 from experiments.models.spec import ModelSpec, compose, count_params
 
 __all__ = ["lm_spec", "GPTEmbedding", "GPTBlock", "GPTHead", "build_gpt", "lm_loss", "random_tokens", "compose"]
 
 _INIT_STD = 0.02
-
-
-def _field(cfg: Any, name: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
 
 
 class GPTEmbedding(nn.Module):

@@ -11,7 +11,7 @@ GPT-NeoX and their many look-alikes share one adapter. The pipeline layers are:
     n + 1    HFHead            final norm + LM head -> logits [b, t, vocab]
 
 Ways in:
-    * `build_hf(cfg)`: layer factories. With `cfg.pretrained` (a `save_pretrained` directory)
+    * `experiments.models.hf_build.build_hf(cfg)`: layer factories. With `cfg.pretrained` (a `save_pretrained` directory)
       each factory builds its layer on the meta device and loads only that layer's tensors from
       the safetensors files (`experiments.models.hf_load`); otherwise it builds a random layer of
       the family `cfg.arch`, initialised by the model class's own `_init_weights`.
@@ -33,14 +33,12 @@ import inspect
 import json
 import logging
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from experiments.models.gpt import lm_spec
-from experiments.models.spec import ModelSpec
+from experiments.fields import get_field as _field
 
 __all__ = [
     "ARCHS",
@@ -48,7 +46,6 @@ __all__ = [
     "HFTokenEmbedding",
     "HFBlock",
     "HFHead",
-    "build_hf",
     "hf_config",
     "config_from_json",
     "discover_layout",
@@ -79,12 +76,6 @@ INCOMPATIBLE = {
 }
 
 log = logging.getLogger(__name__)
-
-
-def _field(cfg: Any, name: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
 
 
 def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None = None
@@ -419,41 +410,3 @@ def hf_config(cfg: Any) -> Any:
             kwargs["num_key_value_heads"] = int(kv_heads) if kv_heads else heads
     return AutoConfig.for_model(arch, vocab_size=vocab, tie_word_embeddings=tie, use_cache=False,
                                 attn_implementation="sdpa", **kwargs)
-
-
-def _tie_pair(num_layers: int) -> tuple[str, str]:
-    return ("0.wte.weight", f"{num_layers + 1}.lm_head.weight")
-
-
-def build_hf(cfg: Any) -> ModelSpec:
-    """Layer factories for a Hugging Face causal LM: from `cfg.pretrained` (a save_pretrained
-    directory; each factory loads only its own tensors) or random weights of family `cfg.arch`.
-
-    Fields: pretrained, arch, layers, dim, heads, vocab, seq_len, dropout, tie_embeddings,
-    kv_heads, intermediate (the size fields are ignored with `pretrained`, which brings its own).
-    """
-    from experiments.models.hf_cache import HFCachedChunk
-
-    pretrained = _field(cfg, "pretrained", None)
-    seq_len = int(_field(cfg, "seq_len", 128))
-    if pretrained:
-        from experiments.models.hf_load import load_hf_layer, pretrained_config_json
-
-        config_json = pretrained_config_json(str(pretrained))
-        config = config_from_json(config_json)
-        _, lay = meta_reference(config_json)
-        factories = [partial(load_hf_layer, str(pretrained), i) for i in range(lay.num_layers + 2)]
-        name = f"hf-{lay.model_type}-{str(pretrained).rstrip('/').split('/')[-1]}"
-    else:
-        config = hf_config(cfg)
-        config_json = config.to_json_string(use_diff=False)
-        _, lay = meta_reference(config_json)
-        factories = [partial(build_hf_layer, lay.model_type, config_json, i) for i in range(lay.num_layers + 2)]
-        name = f"hf-{lay.model_type}-L{lay.num_layers}-d{_field(cfg, 'dim', 128)}"
-    n = lay.num_layers
-    ties = [_tie_pair(n)] if getattr(config, "tie_word_embeddings", False) else []
-    spec = lm_spec(factories, ties, seq_len=seq_len, vocab=config.vocab_size, name=name,
-                   arch=lay.model_type, hf_config_json=config_json,
-                   pretrained=str(pretrained) if pretrained else None)
-    spec.cached_chunk = HFCachedChunk
-    return spec

@@ -19,23 +19,18 @@ Example:
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments.fields import get_field as _field
 from experiments.models.spec import ModelSpec, compose, count_params
 
 __all__ = ["MLPBlock", "MLPHead", "build_mlp", "width_profile", "classification_loss", "compose"]
 
 PROFILES = ("uniform", "ramp", "hourglass")
-
-
-def _field(cfg: Any, name: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
 
 
 def width_profile(depth: int, width: int, profile: str = "uniform", ratio: float = 4.0) -> list[int]:

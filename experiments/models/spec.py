@@ -73,14 +73,12 @@ def count_params(layers: list[LayerFactory], ties: list[tuple[str, str]] = ()) -
 
 
 def compose(layers: list[LayerFactory], seed: int = 0) -> nn.Sequential:
-    """Build every layer the way the engine does (layer i under `manual_seed(seed + i)`), in one module.
+    """Build every layer the way the engine does (`engine.stage.build_layers`), in one module.
 
     The single-process reference for a pipelined model. Tied parameters are not shared here.
 
     >>> model = compose([lambda: nn.Linear(2, 2)], seed=0)
     """
-    built = []
-    for i, factory in enumerate(layers):
-        torch.manual_seed(seed + i)
-        built.append(factory())
-    return nn.Sequential(*built)
+    from engine.stage import build_layers
+
+    return nn.Sequential(*build_layers(layers, 0, len(layers), seed))

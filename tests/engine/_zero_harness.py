@@ -1,25 +1,23 @@
 """Test harness for engine.zero: a hand-written tiny pipeline x data-parallel mesh on gloo.
 
-World = p * d ranks, rank = replica * p + pipeline_rank (the runtime's layout). Each rank holds
+World = p * d ranks on ``engine.mesh.Mesh`` (rank = replica * p + pipeline_rank). Each rank holds
 chunks c with c % p == its pipeline rank (v chunks per rank for the interleaved layout) and runs
-GPipe order by hand (isend / blocking recv). The reference is one process on the whole batch.
+GPipe order by hand (isend / blocking recv). The reference is one process on the whole batch
+(``problems.reference``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-ROOT = str(Path(__file__).resolve().parents[2])
-if ROOT not in sys.path:  # the repo root, for `import engine` in spawned workers too
-    sys.path.insert(0, ROOT)
+from engine.mesh import Mesh
+from problems import batches, ranges, reference as _reference
 
 DIMS = [(6, 8), (8, 8), (8, 8), (8, 3)]
 GLOBAL_BATCH = 8
@@ -38,22 +36,7 @@ def make_layer(i: int) -> nn.Module:
 
 
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7 + step)
-    return torch.randn(GLOBAL_BATCH, DIMS[0][0], generator=g), torch.randn(GLOBAL_BATCH, DIMS[-1][1], generator=g)
-
-
-def chunk_ranges(num_chunks: int) -> list[tuple[int, int]]:
-    n = len(DIMS)
-    assert n % num_chunks == 0
-    k = n // num_chunks
-    return [(c * k, (c + 1) * k) for c in range(num_chunks)]
-
-
-def torch_optimizer(cfg: Any, params) -> torch.optim.Optimizer:
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
-    return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return batches(step, seed=7, batch=GLOBAL_BATCH, in_dim=DIMS[0][0], out_dim=DIMS[-1][1])
 
 
 def reference(cfg: Any, steps: int | list[int], autocast: torch.dtype | None = None) -> dict:
@@ -62,63 +45,14 @@ def reference(cfg: Any, steps: int | list[int], autocast: torch.dtype | None = N
     ``steps``: a count, or the list of data steps whose updates are applied (a skipped step's
     data is left out).
     """
-    from engine.optim import lr_at as _lr_at
-
-    model = nn.Sequential(*[make_layer(i) for i in range(len(DIMS))])
-    opt = torch_optimizer(cfg, model.parameters())
-    losses, norms = [], []
-    for applied, s in enumerate(range(steps) if isinstance(steps, int) else steps):
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(cfg, applied)
-        x, y = data(s)
-        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-            out = model(x)
-        loss = nn.functional.mse_loss(out.float(), y)
-        opt.zero_grad()
-        loss.backward()
-        if cfg.grad_clip:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
-        else:
-            norms.append(float(torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
-        opt.step()
-        losses.append(loss.item())
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    state_numel = sum(p.numel() for p in model.parameters())
-    return {"losses": losses, "norms": norms, "params": params, "numel": state_numel}
-
-
-@dataclass
-class Mesh:
-    p: int
-    d: int
-    rank: int
-    pp_group: Any = None
-    dp_group: Any = None
-    pp_ranks: list[int] = field(default_factory=list)
-
-    @property
-    def prank(self) -> int:
-        return self.rank % self.p
-
-    @property
-    def replica(self) -> int:
-        return self.rank // self.p
+    factories = [functools.partial(make_layer, i) for i in range(len(DIMS))]
+    ref = _reference(factories, data, cfg, steps, autocast=autocast)
+    ref["numel"] = sum(p.numel() for p in ref["model"].parameters())
+    return ref
 
 
 def build_mesh(p: int, d: int) -> Mesh:
-    rank = dist.get_rank()
-    mesh = Mesh(p, d, rank)
-    for r in range(d):  # every rank must create every group, in the same order
-        ranks = [r * p + j for j in range(p)]
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            mesh.pp_group, mesh.pp_ranks = g, ranks
-    for j in range(p):
-        ranks = [r * p + j for r in range(d)]
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            mesh.dp_group = g
-    return mesh
+    return Mesh(p, d)
 
 
 class Stage:
@@ -126,8 +60,8 @@ class Stage:
 
     def __init__(self, mesh: Mesh, virtual: int) -> None:
         self.mesh = mesh
-        self.ranges = chunk_ranges(mesh.p * virtual)
-        self.mine = [c for c in range(len(self.ranges)) if c % mesh.p == mesh.prank]
+        self.ranges = ranges(len(DIMS), mesh.num_stages * virtual)
+        self.mine = [c for c in range(len(self.ranges)) if c % mesh.num_stages == mesh.pipeline_rank]
         self.chunks = {c: nn.Sequential(*[make_layer(i) for i in range(*self.ranges[c])]) for c in self.mine}
         self.module = nn.ModuleList([self.chunks[c] for c in self.mine])
 
@@ -148,10 +82,10 @@ def pipeline_step(opt: Any, stage: Stage, step: int, *, split_backward: bool = F
     mesh, ranges, m = stage.mesh, stage.ranges, microbatches
     C = len(ranges)
     x, y = data(step)
-    per = GLOBAL_BATCH // mesh.d
+    per = GLOBAL_BATCH // mesh.data_parallel
     xs = x[mesh.replica * per:(mesh.replica + 1) * per].chunk(m)
     ys = y[mesh.replica * per:(mesh.replica + 1) * per].chunk(m)
-    peer = lambda c: mesh.pp_ranks[c % mesh.p]  # noqa: E731
+    peer = mesh.global_rank  # of a chunk's pipeline rank, in this replica
     inputs, outputs, scaled, losses, sends = {}, {}, {}, [], []
     for c in range(C):
         if c not in stage.chunks:
@@ -202,13 +136,12 @@ def pipeline_step(opt: Any, stage: Stage, step: int, *, split_backward: bool = F
     skipped, norm = opt.step()
     loss = torch.tensor([sum(losses) / m if losses else 0.0], dtype=torch.float64)
     dist.all_reduce(loss)  # only the last-stage ranks contribute
-    return {"loss": loss.item() / mesh.d, "skipped": skipped, "norm": norm, "lr": opt.lr()}
+    return {"loss": loss.item() / mesh.data_parallel, "skipped": skipped, "norm": norm, "lr": opt.lr()}
 
 
 # ---------------------------------------------------------------------------- spawning
 def spawn(fn: Callable, world: int, *args: Any) -> list[Any]:
     """Run fn(*args) on `world` gloo ranks (tests/dist_helpers.run_workers); per-rank results."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dist_helpers import run_workers
 
     return run_workers(fn, world, *args, timeout_s=600)
@@ -226,7 +159,7 @@ def run_case(case: dict) -> dict:
     mesh = case["mesh"]
     stage = Stage(mesh, case.get("virtual", 1))
     opt = DeepSpeedStageOptimizer(make_config(**case["cfg"]), stage.module, dp_group=mesh.dp_group,
-                                  pipeline_group=mesh.pp_group, microbatches=2,
+                                  pipeline_group=mesh.pipeline_group, microbatches=2,
                                   precision=case.get("precision", "fp32"),
                                   nonfinite=case.get("nonfinite", "raise"))
     poison_step = case.get("poison_step")
@@ -243,7 +176,7 @@ def run_case(case: dict) -> dict:
             break
         scales.append(opt.loss_scale)
     return {"results": results, "params": _snapshot(stage), "state_bytes": opt.optimizer_state_bytes(),
-            "scales": scales, "stage_numel": sum(p.numel() for p in stage.module.parameters())}
+            "scales": scales, "scaler": type(opt.scaler).__name__, "stage_numel": sum(p.numel() for p in stage.module.parameters())}
 
 
 def run_resume(case: dict) -> dict:
@@ -251,7 +184,7 @@ def run_resume(case: dict) -> dict:
     from engine.zero import DeepSpeedStageOptimizer
 
     mesh = case["mesh"]
-    kw = dict(dp_group=mesh.dp_group, pipeline_group=mesh.pp_group, microbatches=2, precision="fp32")
+    kw = dict(dp_group=mesh.dp_group, pipeline_group=mesh.pipeline_group, microbatches=2, precision="fp32")
     stage = Stage(mesh, 1)
     opt = DeepSpeedStageOptimizer(make_config(**case["cfg"]), stage.module, **kw)
     for s in range(2):
@@ -297,8 +230,7 @@ def _resume_layer(i: int) -> nn.Module:
 
 
 def _resume_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(8, 8, generator=g), torch.randn(8, 3, generator=g)
+    return batches(step, seed=100, batch=8, in_dim=8, out_dim=3)
 
 
 def runtime_resume_job(p: int, d: int, zero: int, steps: int, save_dir: str | None,

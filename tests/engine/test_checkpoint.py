@@ -207,7 +207,6 @@ def test_keep_last_and_resave(tmp_path):
 
 WRITER = textwrap.dedent("""
     import os, sys, time
-    sys.path.insert(0, {root!r})
     import torch
     import engine.checkpoint as ck
     root, kill_at = sys.argv[1], int(sys.argv[2])
@@ -230,8 +229,9 @@ WRITER = textwrap.dedent("""
 def test_writer_killed_mid_checkpoint_leaves_previous_loadable(tmp_path, kill_at, after):
     root = tmp_path / "ckpt"
     script = tmp_path / "writer.py"
-    script.write_text(WRITER.format(root=str(ROOT)))
-    proc = subprocess.Popen([sys.executable, str(script), str(root), str(kill_at)])
+    script.write_text(WRITER.format())  # (the template escapes its braces)
+    proc = subprocess.Popen([sys.executable, str(script), str(root), str(kill_at)],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
     signal_file = tmp_path / "signal"
     deadline = time.time() + 120
     while not signal_file.exists():
@@ -266,9 +266,8 @@ def test_zero_run_resumes_resplit_and_equals_uninterrupted(tmp_path, zero_before
     (and with another backend): the third step equals the uninterrupted run's. With bf16 weights
     the checkpoint holds the fp32 masters, which the resumed run continues from (compared as
     masters; the microbatch size stays 2, so every 16-bit gradient is the same)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from dist_helpers import run_workers
     from _zero_harness import runtime_resume_job
+    from dist_helpers import run_workers
 
     kw = dict(timeout_s=300)
     full = run_workers(runtime_resume_job, 4, 2, 2, zero_before, 3, None, None, "1f1b", 1,

@@ -2,16 +2,13 @@
 changes, gradients without a header, and bounded waits that name the peer."""
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist_helpers import run_workers  # noqa: E402
+from dist_helpers import run_workers
 
-from engine.comm import Spec, flatten, spec_of  # noqa: E402
+from engine.comm import Spec, flatten, spec_of
 
 
 def test_header_round_trip():

@@ -10,13 +10,11 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist_helpers import WorkerError, run_workers  # noqa: E402
+from dist_helpers import WorkerError, run_workers
 
 STAGES, LAYERS, MICRO, DIM = 3, 6, 3, 8
 RANGES = [(0, 2), (2, 4), (4, 6)]

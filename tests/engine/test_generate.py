@@ -6,18 +6,15 @@ tied to the head across the first and last rank; plus the sampling, padding and 
 from __future__ import annotations
 
 import ast
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist_helpers import run_workers  # noqa: E402
+from dist_helpers import run_workers
 
-from engine.generate import (Generator, SamplingConfig, check_prompts, filter_logits, left_pad,  # noqa: E402
+from engine.generate import (Generator, SamplingConfig, check_prompts, filter_logits, left_pad,
                              sample_next, trim_at_eos)
 
 V, D = 40, 16

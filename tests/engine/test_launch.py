@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist_helpers import WorkerError, run_workers  # noqa: E402
+from dist_helpers import WorkerError, run_workers
 
 
 def _rank_times(k):
@@ -100,8 +99,6 @@ def _graceful(pid_dir):
 
 
 _SCRIPT = """
-import sys
-sys.path[:0] = {paths!r}
 from test_launch import _graceful
 from engine import launch
 if __name__ == "__main__":
@@ -135,9 +132,10 @@ def test_signal_to_launcher_stops_workers(tmp_path, sig, group):
     script = tmp_path / "job.py"
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    script.write_text(_SCRIPT.format(paths=[here, root], pid_dir=str(pid_dir)))
+    script.write_text(_SCRIPT.format(pid_dir=str(pid_dir)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), root]))
     proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     deadline = time.monotonic() + 60
     pid_files = lambda: [f for f in pid_dir.iterdir() if f.name.isdigit()]  # noqa: E731
     while len(pid_files()) < 2 and time.monotonic() < deadline:

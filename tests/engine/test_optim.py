@@ -3,19 +3,17 @@ averaging, non-finite policy, fp16 loss scaling, bf16 training, name-keyed state
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist_helpers import run_workers  # noqa: E402
+from dist_helpers import run_workers
 
-from engine.mesh import Mesh  # noqa: E402
-from engine.optim import (NonFiniteError, OptimizerConfig, TorchStageOptimizer,  # noqa: E402
-                          lr_at, make_optimizer, resolve_backend)
+from engine.mesh import Mesh
+from engine.optim import (LossScaler, NonFiniteError, OptimizerConfig,
+                          TorchStageOptimizer, lr_at, resolve_backend)
+from engine.backend import make_optimizer
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -78,6 +76,40 @@ def test_nonfinite_policy_and_fp16_scaling():
     assert o16.step() == (True, None) and o16.loss_scale == scale / 2
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
     assert float(o16.scale_loss(torch.tensor(1.0))) == scale / 2 / 2   # x scale / m
+
+
+def test_one_loss_scaler_halves_to_a_floor_of_one_and_grows():
+    s = LossScaler(enabled=True, init_scale=8.0, growth_interval=3)
+    for want in (4.0, 2.0, 1.0, 1.0, 1.0):       # halves on overflow, never below 1.0
+        s.update(overflow=True)
+        assert s.scale == want
+    for _ in range(2):
+        s.update(overflow=False)
+    assert s.scale == 1.0 and s.good_steps == 2
+    s.update(overflow=False)                     # a clean interval doubles it
+    assert s.scale == 2.0 and s.good_steps == 0
+    s.update(overflow=False)
+    s.update(overflow=True)                      # an overflow restarts the interval
+    assert s.scale == 1.0 and s.good_steps == 0
+    restored = LossScaler(enabled=True)
+    restored.load_state_dict(s.state_dict())
+    assert (restored.scale, restored.good_steps) == (s.scale, s.good_steps)
+    off = LossScaler(enabled=False)
+    off.update(overflow=True)
+    assert off.scale == 1.0
+
+
+def test_torch_backend_loss_scale_stops_at_one():
+    # Both backends use LossScaler (the DeepSpeed one is checked in test_zero): a run of
+    # overflows lowers the torch backend's scale to the same floor as DeepSpeed's, not to 0.
+    m = nn.ModuleDict({"0": nn.Linear(2, 2)})
+    o16 = _opt(m, precision="fp16-autocast")
+    assert isinstance(o16.scaler, LossScaler)
+    for _ in range(20):
+        for p in m.parameters():
+            p.grad = torch.full_like(p, float("inf"))
+        assert o16.step() == (True, None)
+    assert o16.loss_scale == 1.0
 
 
 def _dp_and_norm():

@@ -8,15 +8,14 @@ Several layouts share one spawned job to keep the suite fast.
 """
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist_helpers import run_workers  # noqa: E402
+from dist_helpers import run_workers
+from engine.optim import OptimizerConfig
+from problems import batches, ranges, reference
 
 SEED = 7
 LR, MOMENTUM = 0.05, 0.9
@@ -64,20 +63,7 @@ TIES = [("3.lin.bias", "4.0.bias")]   # both (9,)
 
 
 def _data(step: int):
-    g = torch.Generator().manual_seed(1000 + step)
-    n = BATCHES[step]
-    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
-
-
-def _ranges(chunks: int) -> list[tuple[int, int]]:
-    # unequal ranges: the first chunks get the extra layers
-    base, extra = divmod(N_LAYERS, chunks)
-    out, start = [], 0
-    for c in range(chunks):
-        stop = start + base + (1 if c < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
+    return batches(step, seed=1000, batch=BATCHES, in_dim=6, out_dim=3)
 
 
 def _worker(cases):
@@ -88,7 +74,7 @@ def _worker(cases):
     out = []
     for case in cases:
         v = case.get("v", 1)
-        pipe = Pipeline(_factories(), case.get("ranges") or _ranges(case["p"] * v),
+        pipe = Pipeline(_factories(), case.get("ranges") or ranges(N_LAYERS, case["p"] * v),
                         loss_fn=nn.functional.mse_loss, schedule=case["schedule"],
                         microbatches=case["m"], virtual_stages=v,
                         data_parallel=case.get("d", 1), seed=SEED,
@@ -110,25 +96,11 @@ def _worker(cases):
 
 
 def _reference(tie=False):
-    from engine.stage import build_layers
-
-    model = nn.Sequential(*build_layers(_factories(), 0, N_LAYERS, SEED))
-    if tie:
-        model[4][0].bias = model[3].lin.bias
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    losses, grads = [], []
-    for step in range(len(BATCHES)):
-        x, y = _data(step)
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = reference(_factories(), _data, OptimizerConfig(name="sgd", lr=LR, momentum=MOMENTUM),
+                    len(BATCHES), seed=SEED, ties=TIES if tie else ())
     with torch.no_grad():
-        ev = nn.functional.mse_loss(model(_data(0)[0]), _data(0)[1]).item()
-    return {"losses": losses, "grads": grads, "params": params, "eval": ev}
+        ref["eval"] = nn.functional.mse_loss(ref["model"](_data(0)[0]), _data(0)[1]).item()
+    return ref
 
 
 REF: dict = {}

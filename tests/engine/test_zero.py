@@ -113,6 +113,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank(other, zero):
         assert [s["skipped"] for s in r["results"]] == [False, True, False]
         assert r["results"][1]["norm"] is None
         assert r["scales"] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
+        assert r["scaler"] == "LossScaler"   # the engine's one scaler, shared with torch's
     # The forward ran in fp32 here, so scaling by a power of two is exact: the surviving updates
     # must equal a single process that applied the data of steps 0 and 2 only.
     _assert_params(per_rank, reference(make_config(**case["cfg"]), [0, 2]))

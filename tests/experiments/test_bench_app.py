@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.bench import _default_experiment
+from experiments.bench.__main__ import _default_experiment
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.layers=2", "model.dim=16", "model.heads=2", "model.vocab=32", "model.seq_len=8",

@@ -8,7 +8,6 @@ from omegaconf import OmegaConf
 
 from experiments.config import (
     CONF_DIR,
-    compose_config,
     Config,
     ConfigError,
     GPTConfig,
@@ -24,16 +23,13 @@ from experiments.config import (
 )
 
 
-def _compose(*overrides: str):
-    return compose_config(*overrides)
-
 
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def test_default_config_has_the_documented_keys_and_values():
-    cfg = _compose()
+def test_default_config_has_the_documented_keys_and_values(compose_cfg):
+    cfg = compose_cfg()
     validate_config(cfg)
     assert cfg.pipeline.stages == 2 and cfg.pipeline.schedule == "1f1b"
     assert cfg.model.name == "gpt" and cfg.data.name == "text"
@@ -53,27 +49,27 @@ def test_default_config_has_the_documented_keys_and_values():
 
 
 @pytest.mark.parametrize("group", ["model", "pipeline", "partitioner", "optimizer", "data", "logger"])
-def test_every_group_option_composes(group):
+def test_every_group_option_composes(compose_cfg, group):
     options = _options(group)
     assert options, f"conf/{group} has no options"
     for option in options:
         extra = ["data=synthetic"] if (group, option) == ("model", "mlp") else []
         if (group, option) == ("data", "synthetic"):
             extra = []
-        cfg = _compose(f"{group}={option}", *extra)
+        cfg = compose_cfg(f"{group}={option}", *extra)
         validate_config(cfg)
 
 
-def test_model_options_have_their_schema_types():
-    assert OmegaConf.get_type(_compose("model=gpt").model) is GPTConfig
-    assert OmegaConf.get_type(_compose("model=mlp", "data=synthetic").model) is MLPConfig
-    llama = _compose("model=hf_llama")
+def test_model_options_have_their_schema_types(compose_cfg):
+    assert OmegaConf.get_type(compose_cfg("model=gpt").model) is GPTConfig
+    assert OmegaConf.get_type(compose_cfg("model=mlp", "data=synthetic").model) is MLPConfig
+    llama = compose_cfg("model=hf_llama")
     assert OmegaConf.get_type(llama.model) is HFModelConfig and llama.model.arch == "llama"
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
-def test_every_experiment_preset_composes_and_validates(preset):
-    cfg = _compose(f"experiment={preset}")
+def test_every_experiment_preset_composes_and_validates(compose_cfg, preset):
+    cfg = compose_cfg(f"experiment={preset}")
     validate_config(cfg)
     assert cfg.name == preset  # presets are global packages: they set top-level keys
 
@@ -82,8 +78,8 @@ def test_presets_exist():
     assert {"smoke", "gpt_small", "mlp_profile", "bench"} <= set(_options("experiment"))
 
 
-def test_overrides_reach_typed_fields():
-    cfg = _compose("pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2", "precision=bf16",
+def test_overrides_reach_typed_fields(compose_cfg):
+    cfg = compose_cfg("pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2", "precision=bf16",
                    "partitioner.memory_limit=24GiB", "optimizer=sgd", "optimizer.lr=0.5")
     validate_config(cfg)
     assert cfg.pipeline.schedule is ScheduleName["interleaved-1f1b"]
@@ -104,9 +100,9 @@ def test_overrides_reach_typed_fields():
         ["model=transformer"],                   # unknown option
     ],
 )
-def test_bad_keys_and_types_fail_at_composition(overrides):
+def test_bad_keys_and_types_fail_at_composition(compose_cfg, overrides):
     with pytest.raises(ConfigCompositionException):
-        _compose(*overrides)
+        compose_cfg(*overrides)
 
 
 @pytest.mark.parametrize(
@@ -115,9 +111,9 @@ def test_bad_keys_and_types_fail_at_composition(overrides):
      "partitioner.profile=guess", "optimizer.name=lamb", "precision=fp8", "logger.mode=on",
      "model=mlp,model.profile=diamond"],
 )
-def test_bad_choice_fails_at_composition(override):
+def test_bad_choice_fails_at_composition(compose_cfg, override):
     with pytest.raises(ConfigCompositionException):
-        _compose(*override.split(","))
+        compose_cfg(*override.split(","))
 
 
 @pytest.mark.parametrize(
@@ -125,12 +121,12 @@ def test_bad_choice_fails_at_composition(override):
     [
         (["train.batch_size=10"], "train.batch_size to a multiple of 4"),
         (["pipeline.data_parallel=2", "train.batch_size=12"], "multiple of 8"),
-        (["pipeline.schedule=interleaved-1f1b"], "pipeline.virtual_stages=2"),
+        (["pipeline.schedule=interleaved-1f1b"], "pass virtual_stages=2"),
         (["pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2", "pipeline.stages=3",
-          "pipeline.microbatches=4", "train.batch_size=12"], "pipeline.microbatches=3"),
-        (["pipeline.virtual_stages=2"], "pipeline.virtual_stages=1"),
-        (["pipeline.schedule=zbv"], "set pipeline.virtual_stages=2"),
-        (["pipeline.schedule=zb-h2", "pipeline.virtual_stages=2"], "pipeline.virtual_stages=1"),
+          "pipeline.microbatches=4", "train.batch_size=12"], "use m=3 or 6"),
+        (["pipeline.virtual_stages=2"], "pass virtual_stages=1"),
+        (["pipeline.schedule=zbv"], "pass virtual_stages=2"),
+        (["pipeline.schedule=zb-h2", "pipeline.virtual_stages=2"], "pass virtual_stages=1"),
         (["pipeline.stages=7"], "pipeline.stages<=6"),
         (["pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=4"], "fewer stages"),
         (["partitioner.memory_limit='24 GB GB'"], "e.g. 24GiB"),
@@ -144,16 +140,16 @@ def test_bad_choice_fails_at_composition(override):
         (["optimizer.lr=0"], "optimizer.lr=3e-3"),
     ],
 )
-def test_validate_config_rejects_with_a_remedy(overrides, remedy):
-    cfg = _compose(*overrides)
+def test_validate_config_rejects_with_a_remedy(compose_cfg, overrides, remedy):
+    cfg = compose_cfg(*overrides)
     with pytest.raises(ConfigError) as err:
         validate_config(cfg)
     assert remedy in str(err.value)
     assert isinstance(err.value, ValueError)
 
 
-def test_validate_config_checks_precision_outside_hydra():
-    cfg = to_plain_dict(_compose())
+def test_validate_config_checks_precision_outside_hydra(compose_cfg):
+    cfg = to_plain_dict(compose_cfg())
     cfg["precision"] = "fp16,bf16"
     with pytest.raises(ConfigError, match="exactly one"):
         validate_config(cfg)
@@ -184,17 +180,17 @@ def test_parse_memory_limit_forms():
     assert parse_memory_limit("1MiB,2MiB") == [2**20, 2 * 2**20]
 
 
-def test_count_pipeline_layers():
-    assert count_pipeline_layers(_compose().model) == 4 + 2
-    assert count_pipeline_layers(_compose("model=mlp", "data=synthetic", "model.depth=5").model) == 7
+def test_count_pipeline_layers(compose_cfg):
+    assert count_pipeline_layers(compose_cfg().model) == 4 + 2
+    assert count_pipeline_layers(compose_cfg("model=mlp", "data=synthetic", "model.depth=5").model) == 7
     assert count_pipeline_layers({"name": "mlp", "widths": [1, 2, 3], "depth": 99}) == 5
-    assert count_pipeline_layers(_compose("model=hf_gpt2", "model.layers=3").model) == 5
+    assert count_pipeline_layers(compose_cfg("model=hf_gpt2", "model.layers=3").model) == 5
 
 
-def test_every_engine_schedule_is_a_config_choice():
+def test_every_engine_schedule_is_a_config_choice(compose_cfg):
     from engine.schedules import SCHEDULE_INFO
 
     assert [m.value for m in ScheduleName] == list(SCHEDULE_INFO)
     for name, info in SCHEDULE_INFO.items():
-        cfg = _compose(f"pipeline.schedule={name}", f"pipeline.virtual_stages={info.virtual_stages(2)}")
+        cfg = compose_cfg(f"pipeline.schedule={name}", f"pipeline.virtual_stages={info.virtual_stages(2)}")
         validate_config(cfg)

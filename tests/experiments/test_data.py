@@ -86,15 +86,10 @@ def test_synthetic_tokens_and_features():
     assert not torch.equal(f, f2)
 
 
-def test_make_dataset_from_composed_configs():
-    from hydra import compose, initialize_config_dir
-
-    from experiments.config import CONF_DIR
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        text_cfg = compose("config", overrides=["data.max_bytes=100000", "model.seq_len=24"])
-        synth_cfg = compose("config", overrides=["data=synthetic", "model.vocab=1000"])
-        mlp_cfg = compose("config", overrides=["model=mlp", "data=synthetic"])
+def test_make_dataset_from_composed_configs(compose_cfg):
+    text_cfg = compose_cfg("data.max_bytes=100000", "model.seq_len=24")
+    synth_cfg = compose_cfg("data=synthetic", "model.vocab=1000")
+    mlp_cfg = compose_cfg("model=mlp", "data=synthetic")
     assert isinstance(make_dataset(text_cfg), TextDataset)
     assert make_dataset(text_cfg).train_batch(0, 2)[0].shape == (2, 24)
     assert isinstance(make_dataset(synth_cfg), SyntheticTokens)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.tracking import read_metrics, read_offline_run
+from experiments.tracking import read_metrics
+from wandb_offline import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[2]
 # Tiny, deterministic layout (the uniform split does not depend on timings).
@@ -62,13 +63,13 @@ def test_default_like_job_writes_metrics_plan_and_offline_wandb(tmp_path):
             assert key in r, key
         assert math.isfinite(r["loss"]) and r["step_time_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 128)
-    gathered = [r for r in records if "stage_forward_s" in r]
+    gathered = [r for r in records if "rank_forward_s" in r]
     assert [r["step"] for r in gathered] == [1, 4, 8]  # first step, every log_every, last
     for r in gathered:
         for key in ("forward_s", "backward_s", "idle_fraction", "peak_activation_bytes",
                     "optimizer_state_bytes", "predicted_peak_activation_bytes"):
-            assert len(r[f"stage_{key}"]) == 2, key
-        assert all(b > 0 for b in r["stage_peak_activation_bytes"])
+            assert len(r[f"rank_{key}"]) == 2, key
+        assert all(b > 0 for b in r["rank_peak_activation_bytes"])
         assert len(r["optimizer_state_bytes"]) == 2  # per rank
     assert "eval_loss" in records[-1] and math.isfinite(records[-1]["eval_loss"])
     losses = [r["loss"] for r in records]
@@ -81,7 +82,7 @@ def test_default_like_job_writes_metrics_plan_and_offline_wandb(tmp_path):
     assert wb.config["pipeline"]["schedule"] == "1f1b" and wb.config["train"]["steps"] == 8
     logged = [h for h in wb.history if "loss" in h]
     assert [h["loss"] for h in logged] == pytest.approx(losses)
-    assert any("stage/predicted_peak_activation_bytes/1" in h for h in wb.history)
+    assert any("rank/predicted_peak_activation_bytes/1" in h for h in wb.history)
     assert wb.summary["final_loss"] == pytest.approx(losses[-1])
 
 

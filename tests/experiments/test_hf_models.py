@@ -19,13 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from _hf_tiny import ARCHS, VOCAB, hf_generate, prompts, reference, save_tiny
 
-from _hf_tiny import ARCHS, VOCAB, hf_generate, prompts, reference, save_tiny  # noqa: E402
-
-from engine.generate import Generator, SamplingConfig, filter_logits, left_pad  # noqa: E402
-from experiments.models import build_model, compose  # noqa: E402
-from experiments.models.hf_cache import HFCachedChunk, position_ids  # noqa: E402
+from engine.generate import Generator, SamplingConfig, filter_logits, left_pad
+from experiments.models import build_model, compose
+from experiments.models.hf_cache import HFCachedChunk, position_ids
 
 torch.set_num_threads(1)
 TOL = dict(rtol=1e-5, atol=1e-5)

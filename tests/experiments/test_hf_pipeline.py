@@ -24,11 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist_helpers import run_workers  # noqa: E402
-from _hf_tiny import VOCAB, hf_generate, prompts, reference, save_tiny  # noqa: E402
+from _hf_tiny import VOCAB, hf_generate, prompts, reference, save_tiny
+from dist_helpers import run_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ("llama", "qwen2", "gpt2")

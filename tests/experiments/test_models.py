@@ -129,7 +129,7 @@ def test_unknown_model_names_the_choices():
 
 
 # --------------------------------------------------------------------------- Hugging Face adapter
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402,F401 - a required test dependency: a broken install fails here
 
 HF = {"layers": 2, "dim": 32, "heads": 4, "vocab": 300, "seq_len": 16, "dropout": 0.0}
 
@@ -190,16 +190,11 @@ def test_hf_factories_use_hf_initialisation():
             assert torch.all(p == 1)
 
 
-def test_hf_configs_from_hydra_compose():
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    from experiments.config import CONF_DIR
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        for option in ("hf_gpt2", "hf_llama", "gpt"):
-            cfg = hydra_compose("config", overrides=[f"model={option}", "model.layers=1", "model.dim=32"])
-            spec = build_model(cfg.model)
-            assert len(spec.layers) == 3
-            assert compose(spec.layers)(spec.example_input(1)).shape == (1, cfg.model.seq_len, cfg.model.vocab)
-        cfg = hydra_compose("config", overrides=["model=mlp", "data=synthetic", "model.depth=2"])
-        assert len(build_model(cfg.model).layers) == 4
+def test_hf_configs_from_hydra_compose(compose_cfg):
+    for option in ("hf_gpt2", "hf_llama", "gpt"):
+        cfg = compose_cfg(f"model={option}", "model.layers=1", "model.dim=32")
+        spec = build_model(cfg.model)
+        assert len(spec.layers) == 3
+        assert compose(spec.layers)(spec.example_input(1)).shape == (1, cfg.model.seq_len, cfg.model.vocab)
+    cfg = compose_cfg("model=mlp", "data=synthetic", "model.depth=2")
+    assert len(build_model(cfg.model).layers) == 4

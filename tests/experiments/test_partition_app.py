@@ -9,18 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from experiments.config import CONF_DIR
 from experiments.partition import COMPARISON_FILE, comparison_rows, format_comparison, run
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ["optimal", "uniform", "parameters", "greedy"]
 
-
-def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 def test_cli_prints_all_four_methods_and_saves_plan_and_comparison(tmp_path):
@@ -45,10 +39,10 @@ def test_cli_prints_all_four_methods_and_saves_plan_and_comparison(tmp_path):
     assert plan["stage_ranges"] == rows["optimal"]["stage_ranges"]
 
 
-def test_infeasible_limit_names_the_fix_and_still_compares_the_baselines(tmp_path):
+def test_infeasible_limit_names_the_fix_and_still_compares_the_baselines(compose_cfg, tmp_path):
     import partitioner
 
-    cfg = _compose("experiment=smoke", "partitioner.memory_limit=4KiB", "partitioner.repeats=1")
+    cfg = compose_cfg("experiment=smoke", "partitioner.memory_limit=4KiB", "partitioner.repeats=1")
     with pytest.raises(partitioner.PartitionError, match="smallest memory_limit_bytes"):
         run(cfg, tmp_path)
     comparison = json.loads((tmp_path / COMPARISON_FILE).read_text())

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.tracking import ProgressBar, Tracker, plan_rows, plot_loss, read_metrics, read_offline_run
+from experiments.tracking import ProgressBar, Tracker, plan_rows, read_metrics
+from wandb_offline import plot_loss, read_offline_run
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +30,7 @@ class _Plan:  # the attributes of partitioner.Plan that the tracker reads
 def _log_steps(tracker: Tracker, n: int = 3) -> None:
     for step in range(n):
         tracker.log_step(step, loss=5.0 - step, step_time_s=0.5, batch_size=16, tokens_per_sample=128,
-                         stages=[{"forward_s": 0.1, "idle_fraction": 0.3}, {"forward_s": 0.2 + step}],
+                         ranks=[{"forward_s": 0.1, "idle_fraction": 0.3}, {"forward_s": 0.2 + step}],
                          lr=0.01 * (step + 1))
 
 
@@ -41,8 +42,8 @@ def test_metrics_jsonl_fields(tmp_path):
     first = records[0]
     assert first["loss"] == 5.0 and first["step_time_s"] == 0.5
     assert first["samples_per_s"] == pytest.approx(32.0) and first["tokens_per_s"] == pytest.approx(32.0 * 128)
-    assert records[2]["stage_forward_s"] == [0.1, 2.2]
-    assert first["stage_idle_fraction"] == [0.3, None]  # a figure one stage did not report
+    assert records[2]["rank_forward_s"] == [0.1, 2.2]
+    assert first["rank_idle_fraction"] == [0.3, None]  # a figure one rank did not report
     assert records[1]["lr"] == pytest.approx(0.02)
     assert not (tmp_path / "wandb").exists()  # disabled: no W&B files
 
@@ -68,7 +69,7 @@ def test_offline_run_is_written_and_reads_back(tmp_path):
     steps = [row for row in run.history if "loss" in row]
     assert [row["loss"] for row in steps] == [5.0, 4.0, 3.0]
     assert [row["_step"] for row in steps] == [0, 1, 2]
-    assert steps[2]["stage/forward_s/1"] == pytest.approx(2.2)
+    assert steps[2]["rank/forward_s/1"] == pytest.approx(2.2)
     assert steps[0]["tokens_per_s"] == pytest.approx(4096.0)
     assert run.summary["final_loss"] == 3.0
     assert run.summary["plan/step_s"] == 1.5

@@ -2,8 +2,6 @@ import pytest
 
 from partitioner import LayerCost, Profile, partition
 
-pytest.importorskip("deepspeed")
-
 
 @pytest.mark.slow
 def test_deepspeed_pipeline_module_uses_the_plan_boundaries():

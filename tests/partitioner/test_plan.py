@@ -122,7 +122,7 @@ def test_closed_form_agrees_with_simulator_for_equal_stages():
 
 
 def test_memory_model_matches_engine_schedules():
-    build = pytest.importorskip("engine.schedules").build_schedule
+    from engine.schedules import build_schedule as build
     for p, m in ((2, 4), (4, 8), (4, 2), (3, 6)):
         for sched in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
             assert inflight_per_chunk(sched, p, m) == inflight_from_schedule(build(sched, p, m)), (sched, p, m)
@@ -293,3 +293,40 @@ def test_import_partitioner_is_light():
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])
+def test_plan_simulate_is_the_prediction_and_takes_measured_costs(schedule, v):
+    import pickle
+
+    from engine.schedules import build_schedule
+    from engine.simulate import simulate
+
+    plan = partition(uneven_profile(), 2, schedule=schedule, microbatches=4, virtual_stages=v,
+                     link_bytes_per_s=1e9)
+    res = plan.simulate()
+    assert plan.predicted_by == "engine.simulate"
+    assert (res.step_s, res.bubble_fraction) == (plan.step_s, plan.bubble_fraction)
+    # the same as simulating the plan's schedule on its per-chunk costs by hand
+    w = [min(a, b) for a, b in zip(plan.stage_weight_s, plan.stage_backward_s)]
+    by_hand = simulate(build_schedule(schedule, 2, 4, v), plan.stage_forward_s, plan.stage_backward_s,
+                       weight_s=w, comm_s=plan.boundary_comm_s)
+    assert by_hand.step_s == res.step_s and by_hand.timeline == res.timeline
+    # a plan that crossed to a worker (pickled) or was read back from JSON predicts the same
+    for copy in (pickle.loads(pickle.dumps(plan)), Plan.from_json(plan.to_json())):
+        assert copy.simulate().step_s == res.step_s
+    # measured compute costs replace the plan's; twice the compute, longer step
+    slow = plan.simulate(forward_s=[2 * f for f in plan.stage_forward_s],
+                         backward_s=[2 * b for b in plan.stage_backward_s])
+    assert slow.step_s > res.step_s
+    assert plan.per_rank([1.0] * plan.num_chunks) == [float(v)] * 2
+    assert [plan.rank_of(c) for c in range(plan.num_chunks)] == [c % 2 for c in range(2 * v)]
+    assert partition(uneven_profile(), 2, schedule=schedule, microbatches=4, virtual_stages=v,
+                     simulate=False).predicted_by == "closed form"
+
+
+def test_optimizer_state_table_covers_the_engine_optimizers():
+    from engine.choices import OPTIMIZERS
+    from partitioner.memory import OPTIMIZER_STATE_BYTES
+
+    assert set(OPTIMIZER_STATE_BYTES) == set(OPTIMIZERS)

@@ -1,4 +1,4 @@
-"""experiments.train's pure parts: the config turns into arguments the partitioner and engine accept."""
+"""experiments.wiring: the config turns into arguments the partitioner and engine accept."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import inspect
 
 import pytest
 
-from experiments.config import ConfigError, compose_config
+import engine
+import partitioner
+from experiments.config import ConfigError
 from experiments.models import build_model
-from experiments.train import (
+from experiments.wiring import (
     checkpoint_root,
     engine_optimizer_kwargs,
     make_plan,
@@ -23,20 +25,16 @@ from experiments.train import (
 )
 
 
-def _compose(*overrides: str):
-    return compose_config(*overrides)
 
-
-def test_names_and_sizes():
-    cfg = _compose("pipeline.data_parallel=2", "train.batch_size=32", "pipeline.schedule=zb-h1")
+def test_names_and_sizes(compose_cfg):
+    cfg = compose_cfg("pipeline.data_parallel=2", "train.batch_size=32", "pipeline.schedule=zb-h1")
     assert microbatch_size(cfg) == 4 and world_size(cfg) == 4
     assert run_name(cfg) == "default-zb-h1-p2-d2"
-    assert run_name(_compose("logger.run_name=mine")) == "mine"
+    assert run_name(compose_cfg("logger.run_name=mine")) == "mine"
 
 
-def test_partition_kwargs_are_plain_and_accepted_by_partition():
-    partitioner = pytest.importorskip("partitioner")
-    cfg = _compose("experiment=smoke", "partitioner.memory_limit=1GiB", "partitioner.profile=analytic")
+def test_partition_kwargs_are_plain_and_accepted_by_partition(compose_cfg):
+    cfg = compose_cfg("experiment=smoke", "partitioner.memory_limit=1GiB", "partitioner.profile=analytic")
     kwargs = partition_kwargs(cfg)
     assert kwargs["schedule"] == "1f1b" and type(kwargs["schedule"]) is str
     assert kwargs["memory_limit_bytes"] == 2**30
@@ -47,9 +45,8 @@ def test_partition_kwargs_are_plain_and_accepted_by_partition():
     assert plan.stage_ranges[0][0] == 0 and plan.stage_ranges[-1][1] == len(spec.layers)
 
 
-def test_pipeline_and_optimizer_kwargs_match_the_engine_signatures():
-    engine = pytest.importorskip("engine")
-    cfg = _compose("precision=bf16", "optimizer=sgd")
+def test_pipeline_and_optimizer_kwargs_match_the_engine_signatures(compose_cfg):
+    cfg = compose_cfg("precision=bf16", "optimizer=sgd")
     spec = build_model(cfg.model)
     kwargs = pipeline_kwargs(cfg, [(0, 3), (3, 6)], ties=spec.ties)
     params = inspect.signature(engine.Pipeline.__init__).parameters
@@ -59,9 +56,9 @@ def test_pipeline_and_optimizer_kwargs_match_the_engine_signatures():
     assert opt.name == "sgd" and opt.momentum == 0.9 and isinstance(opt.betas, tuple)
 
 
-def test_pipeline_kwargs_validates_first():
+def test_pipeline_kwargs_validates_first(compose_cfg):
     with pytest.raises(ConfigError, match="multiple of 4"):
-        pipeline_kwargs(_compose("train.batch_size=6"), [(0, 3), (3, 6)])
+        pipeline_kwargs(compose_cfg("train.batch_size=6"), [(0, 3), (3, 6)])
 
 
 def _fake_checkpoint(root, step: int) -> None:
@@ -71,33 +68,32 @@ def _fake_checkpoint(root, step: int) -> None:
     (root / "latest").write_text(d.name)
 
 
-def test_checkpoint_root_and_resume_modes(tmp_path):
+def test_checkpoint_root_and_resume_modes(compose_cfg, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = _compose("experiment=smoke")
+    cfg = compose_cfg("experiment=smoke")
     assert checkpoint_root(cfg, run_dir) == run_dir / "checkpoints"
-    assert checkpoint_root(_compose(f"checkpoint.dir={tmp_path / 'elsewhere'}"), run_dir) == tmp_path / "elsewhere"
+    assert checkpoint_root(compose_cfg(f"checkpoint.dir={tmp_path / 'elsewhere'}"), run_dir) == tmp_path / "elsewhere"
     assert resume_checkpoint(cfg, run_dir) is None  # default true, but nothing to resume yet
     _fake_checkpoint(run_dir / "checkpoints", 2)
     _fake_checkpoint(run_dir / "checkpoints", 4)
     assert resume_checkpoint(cfg, run_dir) == run_dir / "checkpoints" / "step_000004"
-    assert resume_checkpoint(_compose("checkpoint.resume=true"), run_dir).name == "step_000004"
-    assert resume_checkpoint(_compose("checkpoint.resume=false"), run_dir) is None
+    assert resume_checkpoint(compose_cfg("checkpoint.resume=true"), run_dir).name == "step_000004"
+    assert resume_checkpoint(compose_cfg("checkpoint.resume=false"), run_dir) is None
     other = tmp_path / "other" / "checkpoints"
     _fake_checkpoint(other, 7)
-    assert resume_checkpoint(_compose(f"checkpoint.resume={other}"), run_dir) == other / "step_000007"
-    assert resume_checkpoint(_compose(f"checkpoint.resume={other / 'step_000007'}"), run_dir).name == "step_000007"
+    assert resume_checkpoint(compose_cfg(f"checkpoint.resume={other}"), run_dir) == other / "step_000007"
+    assert resume_checkpoint(compose_cfg(f"checkpoint.resume={other / 'step_000007'}"), run_dir).name == "step_000007"
     with pytest.raises(ConfigError, match="holds no complete checkpoint"):
-        resume_checkpoint(_compose(f"checkpoint.resume={tmp_path / 'nothing'}"), run_dir)
+        resume_checkpoint(compose_cfg(f"checkpoint.resume={tmp_path / 'nothing'}"), run_dir)
 
 
-def test_make_plan_and_plan_matches():
-    pytest.importorskip("partitioner")
-    cfg = _compose("experiment=smoke", "partitioner.method=uniform", "partitioner.profile=analytic",
+def test_make_plan_and_plan_matches(compose_cfg):
+    cfg = compose_cfg("experiment=smoke", "partitioner.method=uniform", "partitioner.profile=analytic",
                    "partitioner.device_spec=h100")
     spec = build_model(cfg.model)
     plan = make_plan(cfg, spec)
     assert plan.stage_ranges == [(0, 2), (2, 4)] and plan.method == "uniform"
     assert plan_matches(plan, cfg, len(spec.layers))
-    assert not plan_matches(plan, _compose("experiment=smoke", "partitioner.method=uniform", "pipeline.stages=3"), 4)
-    assert not plan_matches(plan, _compose("experiment=smoke", "partitioner.method=optimal"), 4)
+    assert not plan_matches(plan, compose_cfg("experiment=smoke", "partitioner.method=uniform", "pipeline.stages=3"), 4)
+    assert not plan_matches(plan, compose_cfg("experiment=smoke", "partitioner.method=optimal"), 4)
     assert make_plan(cfg, spec, method="greedy").method == "greedy"

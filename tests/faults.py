@@ -1,10 +1,10 @@
-"""Fault injection for the harness tests: a layer that fails and a worker that hangs.
+"""Fault injection for the benchmark tests: a layer that fails and a worker that hangs.
 
-Kept importable (not in a test file) because spawned workers must unpickle them by module path.
+A module of its own (not a test file) because spawned workers unpickle them by module path.
 
 Example::
 
-    from experiments.peers.faults import FailingLayer
+    from faults import FailingLayer
     layers = [..., functools.partial(FailingLayer, "boom")]   # raises in forward
 """
 
@@ -29,6 +29,6 @@ class FailingLayer(nn.Module):
         raise RuntimeError(self.message)
 
 
-def hang_worker(rank: int, world_size: int, seconds: float) -> None:
-    """Sleeps ``seconds`` (to test the harness timeout)."""
+def hang_worker(seconds: float) -> None:
+    """Sleeps ``seconds`` (to test a launch timeout)."""
     time.sleep(seconds)

@@ -9,8 +9,8 @@ times ``train_step``. Same SGD on the global-batch mean loss as the other rows. 
 
 Example::
 
-    from experiments.peers.pipeshard_pp import run_pipeshard
-    from experiments.peers.spec import tiny_spec
+    from experiments.bench.pipeshard_pp import run_pipeshard
+    from experiments.bench.spec import tiny_spec
 
     run_pipeshard(tiny_spec(stages=2), "zb-h1")["step_s"]
 """
@@ -20,14 +20,11 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
-from experiments.peers.common import make_row, timed_loop
-from experiments.peers.harness import spawn_workers
-from experiments.peers.spec import BenchSpec
+from experiments.bench.measure import launch_fresh, make_row, timed_loop
+from experiments.bench.spec import BenchSpec
+from experiments.wiring import schedule_chunks
 
-__all__ = ["PIPESHARD_SCHEDULES", "run_pipeshard", "median_stats", "STAT_KEYS"]
-
-# name -> model chunks per rank
-PIPESHARD_SCHEDULES: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1}
+__all__ = ["run_pipeshard", "median_stats", "STAT_KEYS"]
 
 
 # StepResult.stats figures kept per rank (median over the timed steps).
@@ -45,15 +42,16 @@ def median_stats(stats: Sequence[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def _worker(rank: int, world_size: int, spec: BenchSpec, schedule: str, return_params: bool,
-            options: dict[str, Any]) -> dict[str, Any]:
+def _worker(spec: BenchSpec, schedule: str, return_params: bool, options: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
     from engine import OptimizerConfig, Pipeline
 
-    v = PIPESHARD_SCHEDULES[schedule]
+    v = schedule_chunks(schedule)
     pipe = Pipeline(spec.layers, spec.ranges_for(v), loss_fn=spec.loss_fn, schedule=schedule,
                     microbatches=spec.microbatches, virtual_stages=v,
                     optimizer=OptimizerConfig(name="sgd", lr=spec.lr), seed=spec.seed, **options)
-    is_last = rank == world_size - 1
+    is_last = dist.get_rank() == dist.get_world_size() - 1
     stats: list[dict[str, Any]] = []
 
     def step(inputs: Any, targets: Any) -> float | None:
@@ -62,7 +60,7 @@ def _worker(rank: int, world_size: int, spec: BenchSpec, schedule: str, return_p
         stats.append(res.stats)
         return res.loss if is_last else None
 
-    result = timed_loop(spec, step, rank=rank)
+    result = timed_loop(spec, step)
     result["stats"] = median_stats(stats[spec.warmup:])
     # diagnostics come from the warm-up steps (the timed ones do not run them)
     result["stats"].update({k: v for k, v in median_stats(stats[:max(1, spec.warmup)]).items()
@@ -80,12 +78,11 @@ def run_pipeshard(spec: BenchSpec, schedule: str = "1f1b", *, return_params: boo
 
     ``options`` go to ``engine.Pipeline`` (e.g. ``recv_lookahead``).
     """
-    if schedule not in PIPESHARD_SCHEDULES:
-        raise ValueError(f"unknown pipeshard schedule {schedule!r}; choose from {list(PIPESHARD_SCHEDULES)}")
+    v = schedule_chunks(schedule)  # an unknown schedule fails here, naming the ones there are
     p = spec.num_stages
-    results = spawn_workers(_worker, p, spec, schedule, return_params, options, timeout_s=timeout_s)
+    results = launch_fresh(_worker, p, spec, schedule, return_params, options, timeout_s=timeout_s)
     row = make_row("pipeshard", schedule, spec, results, stages=p, microbatches=spec.microbatches,
-                   virtual_stages=PIPESHARD_SCHEDULES[schedule])
-    row["stage_ranges"] = [list(r) for r in spec.ranges_for(PIPESHARD_SCHEDULES[schedule])]
+                   virtual_stages=v)
+    row["stage_ranges"] = [list(r) for r in spec.ranges_for(v)]
     row["stats"] = [r["stats"] for r in results]  # per rank: medians of StepResult.stats
     return row

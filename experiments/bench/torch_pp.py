@@ -19,8 +19,8 @@ per rank in a V: rank r holds chunks r and 2p - 1 - r).
 
 Example::
 
-    from experiments.peers.torch_pp import run_torch_pipelining
-    from experiments.peers.spec import tiny_spec
+    from experiments.bench.torch_pp import run_torch_pipelining
+    from experiments.bench.spec import tiny_spec
 
     run_torch_pipelining(tiny_spec(stages=2), "1f1b")["step_s"]
 """
@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
-from experiments.peers.common import make_row, named_params, timed_loop
-from experiments.peers.harness import spawn_workers
-from experiments.peers.spec import BenchSpec, build_chunk
+from experiments.bench.measure import launch_fresh, make_row, named_params, timed_loop
+from experiments.bench.spec import BenchSpec, build_chunk
 
 __all__ = ["TORCH_SCHEDULES", "run_torch_pipelining", "chunk_to_rank"]
 
@@ -57,10 +56,11 @@ def chunk_to_rank(num_ranks: int, num_chunks: int, style: str) -> list[int]:
     return [chunk_rank(style, num_ranks, c) for c in range(num_chunks)]
 
 
-def _torch_worker(rank: int, world_size: int, spec: BenchSpec, schedule: str,
-                  return_params: bool) -> dict[str, Any]:
+def _torch_worker(spec: BenchSpec, schedule: str, return_params: bool) -> dict[str, Any]:
+    import torch.distributed as dist
     from torch.distributed import pipelining
 
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     cls_name, v, style = TORCH_SCHEDULES[schedule]
     ranges = spec.ranges_for(v)
     placement = chunk_to_rank(world_size, len(ranges), style)
@@ -83,7 +83,7 @@ def _torch_worker(rank: int, world_size: int, spec: BenchSpec, schedule: str,
         opt.step()
         return float(torch.stack(losses).detach().mean()) if losses else None
 
-    result = timed_loop(spec, step, rank=rank)
+    result = timed_loop(spec, step)
     if return_params:
         result["params"] = named_params(modules)
     return result
@@ -95,7 +95,7 @@ def run_torch_pipelining(spec: BenchSpec, schedule: str = "1f1b", *, return_para
     if schedule not in TORCH_SCHEDULES:
         raise ValueError(f"unknown torch schedule {schedule!r}; choose from {list(TORCH_SCHEDULES)}")
     p = spec.num_stages
-    results = spawn_workers(_torch_worker, p, spec, schedule, return_params, timeout_s=timeout_s)
+    results = launch_fresh(_torch_worker, p, spec, schedule, return_params, timeout_s=timeout_s)
     v = TORCH_SCHEDULES[schedule][1]
     row = make_row("torch-pipelining", schedule, spec, results, stages=p,
                    microbatches=spec.microbatches, virtual_stages=v)

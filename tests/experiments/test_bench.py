@@ -1,4 +1,4 @@
-"""Benchmark harness and peer runners at tiny size: rows, same math as a single process, failures.
+"""The benchmark's systems at tiny size: rows, same math as a single process, failures, reports.
 
 No speed assertions: the machine is shared. Multi-process runs are few and tiny (one DeepSpeed job).
 """
@@ -12,13 +12,14 @@ import time
 import pytest
 import torch
 
-from experiments import benchlib
-from experiments.benchlib import (BenchSpec, WorkerFailure, add_ideal, bar_chart, format_table,
-                                  ideal_step_s, json_rows, run_deepspeed, run_peers, run_pipeshard,
-                                  run_single, run_torch_pipelining, spawn_workers, tiny_spec)
-from experiments.peers.faults import FailingLayer, hang_worker
-from experiments.peers.spec import ResidualMLPBlock, uniform_ranges
-from experiments.peers.torch_pp import chunk_to_rank
+from engine.launch import WorkerError
+from experiments import bench
+from experiments.bench import (BenchSpec, add_ideal, bar_chart, format_table, ideal_step_s, json_rows,
+                               launch_fresh, run_deepspeed, run_peers, run_pipeshard, run_single,
+                               run_torch_pipelining, tiny_spec)
+from experiments.bench.spec import ResidualMLPBlock, uniform_ranges
+from experiments.bench.torch_pp import chunk_to_rank
+from faults import FailingLayer, hang_worker
 
 ROW_KEYS = {"system", "schedule", "stages", "microbatches", "step_s", "step_s_all", "samples_per_s",
             "peak_rss_bytes", "loss"}
@@ -75,7 +76,7 @@ def test_ideal_step_s_formula_and_add_ideal() -> None:
 
 
 def test_spec_rejects_bad_ranges_and_splits_uniformly() -> None:
-    assert uniform_ranges(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert uniform_ranges(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]  # the partitioner's uniform rule
     with pytest.raises(ValueError, match="cover"):
         BenchSpec(layers=[ResidualMLPBlock] * 4, loss_fn=torch.nn.functional.mse_loss,
                   batches=lambda s: (None, None), stage_ranges=[(0, 2), (2, 3)], microbatches=2)
@@ -107,12 +108,12 @@ def test_table_and_chart_show_rows_and_errors(tmp_path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# ---- harness ---------------------------------------------------------------------------------
+# ---- start ---------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_harness_times_out() -> None:
-    with pytest.raises(WorkerFailure, match="timed out"):
-        spawn_workers(hang_worker, 1, 60.0, timeout_s=3)
+def test_a_hung_run_times_out() -> None:
+    with pytest.raises(WorkerError, match="timed out"):
+        launch_fresh(hang_worker, 1, 60.0, timeout_s=3)
 
 
 # ---- runners -----------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def test_a_failing_run_becomes_an_error_row() -> None:
     assert "unknown torch schedule" in rows[1]["error"]
     assert rows[0]["step_s"] is None and "Traceback" in rows[0]["traceback"]
     assert rows[0]["error"] in format_table(rows)
-    assert benchlib.json_rows(rows)[0]["error"] == rows[0]["error"]
+    assert bench.json_rows(rows)[0]["error"] == rows[0]["error"]
 
 
 # ---- bench app helpers (pure) ---------------------------------------------------------------
@@ -193,13 +194,13 @@ def test_combine_rounds_pools_steps_and_keeps_failures() -> None:
     a = _row(1.0, [0.9, 1.0, 1.1], [10, 20], tag="a")
     b = _row(3.0, [3.0, 3.0, 3.0], [30, 5], tag="b")
     c = _row(2.0, [2.0, 2.0, 2.0], [1, 1], tag="c")
-    row = benchlib.combine_rounds([a, b, c])
+    row = bench.combine_rounds([a, b, c])
     assert row["step_s"] == 2.0 and row["step_s_rounds"] == [1.0, 3.0, 2.0] and row["rounds"] == 3
     assert row["tag"] == "c" and row["peak_rss_bytes"] == [30, 20]
     assert row["samples_per_s"] == pytest.approx(16 / 2.0)
     failed = {"system": "pipeshard", "schedule": "1f1b", "step_s": None, "error": "boom"}
-    assert benchlib.combine_rounds([failed, a])["failed_rounds"] == ["boom"]
-    assert benchlib.combine_rounds([failed])["error"] == "boom"
+    assert bench.combine_rounds([failed, a])["failed_rounds"] == ["boom"]
+    assert bench.combine_rounds([failed])["error"] == "boom"
 
 
 def test_ratios_and_markdown() -> None:
@@ -209,10 +210,10 @@ def test_ratios_and_markdown() -> None:
             dict(_row(8.0, [8.0], [1, 1]), system="deepspeed", section="systems"),
             dict(_row(9.0, [9.0], [1, 1]), section="partition", method="uniform", predicted_step_s=9.9,
                  step_error=0.1)]
-    r = benchlib.ratios(rows)
+    r = bench.ratios(rows)
     assert r["pipeshard_1f1b_over_torch_1f1b"] == pytest.approx(0.5)
     assert r["deepspeed_over_pipeshard_1f1b"] == pytest.approx(4.0)
     assert r["best_pipeshard_schedule"] == "zb-h1" and r["best_pipeshard_over_ideal"] == pytest.approx(1.5)
-    md = benchlib.format_markdown({"rows": rows, "ratios": r})
+    md = bench.format_markdown({"rows": rows, "ratios": r})
     assert "| uniform |" in md and "+10.0%" in md and "`deepspeed_over_pipeshard_1f1b`: 4.000" in md
-    assert benchlib.ratios([])["pipeshard_1f1b_over_torch_1f1b"] is None
+    assert bench.ratios([])["pipeshard_1f1b_over_torch_1f1b"] is None

@@ -12,8 +12,8 @@ Two modes, each a row with ``system="single"``:
 
 Example::
 
-    from experiments.peers.single import run_single
-    from experiments.peers.spec import tiny_spec
+    from experiments.bench.single import run_single
+    from experiments.bench.spec import tiny_spec
 
     run_single(tiny_spec(), mode="microbatched")["step_s"]
 """
@@ -24,17 +24,15 @@ from typing import Any
 
 import torch
 
-from experiments.peers.common import make_row, named_params, timed_loop
-from experiments.peers.harness import spawn_workers
-from experiments.peers.spec import BenchSpec, build_chunk
+from experiments.bench.measure import launch_fresh, make_row, named_params, timed_loop
+from experiments.bench.spec import BenchSpec, build_chunk
 
 __all__ = ["run_single", "SINGLE_MODES"]
 
 SINGLE_MODES = ("microbatched", "full-batch")
 
 
-def _single_worker(rank: int, world_size: int, spec: BenchSpec, mode: str,
-                   return_params: bool) -> dict[str, Any]:
+def _single_worker(spec: BenchSpec, mode: str, return_params: bool) -> dict[str, Any]:
     model = build_chunk(spec, 0, spec.num_layers)
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
     m = spec.microbatches if mode == "microbatched" else 1
@@ -49,7 +47,7 @@ def _single_worker(rank: int, world_size: int, spec: BenchSpec, mode: str,
         opt.step()
         return float(total / m)
 
-    result = timed_loop(spec, step, rank=rank)
+    result = timed_loop(spec, step)
     if return_params:
         result["params"] = named_params([model])
     return result
@@ -60,6 +58,6 @@ def run_single(spec: BenchSpec, *, mode: str = "microbatched", return_params: bo
     """One row: the whole model in one fresh process (see the module docstring for ``mode``)."""
     if mode not in SINGLE_MODES:
         raise ValueError(f"mode must be one of {SINGLE_MODES}, got {mode!r}")
-    results = spawn_workers(_single_worker, 1, spec, mode, return_params, timeout_s=timeout_s)
+    results = launch_fresh(_single_worker, 1, spec, mode, return_params, timeout_s=timeout_s)
     m = spec.microbatches if mode == "microbatched" else 1
     return make_row("single", mode, spec, results, stages=1, microbatches=m)

@@ -1,6 +1,6 @@
 """Predictions from pipeshard's partitioner, calibrated, and their errors against measurements.
 
-Chain: a measured per-layer profile (``experiments.peers.problem.profile_model``) ->
+Chain: a measured per-layer profile (``experiments.bench.problem.profile_model``) ->
 :func:`calibrate` (optional: one factor on every layer time so that ``m`` microbatches of
 forward + backward through all layers take what the single-process run measured; it absorbs
 what isolated layer timings miss: the optimizer step, cache effects and machine load at run
@@ -22,21 +22,27 @@ from typing import Any
 __all__ = ["calibrate", "plan_for", "prediction_fields", "relative_error"]
 
 
-def calibrate(profile: Any, single_step_s: float, microbatches: int) -> tuple[Any, float]:
-    """``(profile with every time x k, k)`` with ``k = single_step_s / (m x sum(f + b))``."""
+def calibrate(profile: Any, single_step_s: float, microbatches: int,
+              optimizer: str = "sgd") -> tuple[Any, float]:
+    """``(profile with every time x k, k)`` with ``k = (single_step_s - update) / (m x sum(f +
+    b))``, ``update`` the optimizer's step over every parameter when the profile carries fixed
+    costs (``partitioner.FixedCosts``), else 0."""
     from partitioner import Profile
 
     total = microbatches * sum(c.forward_s + c.backward_s for c in profile.layers)
-    if total <= 0 or single_step_s <= 0:
+    update = 0.0
+    if profile.fixed is not None:
+        update = profile.fixed.optimizer_s(optimizer, sum(c.param_bytes for c in profile.layers))
+    if total <= 0 or single_step_s <= update:
         return profile, 1.0
-    k = single_step_s / total
+    k = (single_step_s - update) / total
     layers = [dataclasses.replace(
         c, forward_s=c.forward_s * k, backward_s=c.backward_s * k,
         weight_grad_s=None if c.weight_grad_s is None else min(c.weight_grad_s * k, c.backward_s * k))
         for c in profile.layers]
     meta = dict(profile.meta, calibrated=True, calibration_factor=k,
                 calibration="layer times x k so that m x sum(f + b) = the measured single-process step")
-    return Profile(layers, dtype=profile.dtype, meta=meta), k
+    return Profile(layers, dtype=profile.dtype, meta=meta, fixed=profile.fixed), k
 
 
 def plan_for(profile: Any, num_stages: int, schedule: str, microbatches: int, *,
@@ -50,7 +56,7 @@ def plan_for(profile: Any, num_stages: int, schedule: str, microbatches: int, *,
                                  zero_stage=0, link_bytes_per_s=link_bytes_per_s)
     if calibration is not None:
         plan.notes.append(f"calibrated: layer times x {calibration:.3f} from the measured "
-                          "single-process step (experiments.peers.predict.calibrate)")
+                          "single-process step (experiments.bench.predict.calibrate)")
     return plan
 
 
@@ -65,8 +71,7 @@ def prediction_fields(plan: Any, row: dict[str, Any], raw_plan: Any = None) -> d
     """Prediction fields for a pipeshard row: step time and per-rank activation bytes, predicted
     (from ``plan``) next to measured (the row's ``step_s`` and engine stats), with errors."""
     p = plan.num_stages
-    pred_act = [int(sum(plan.stage_activation_bytes[c] for c in range(r, plan.num_chunks, p)))
-                for r in range(p)]
+    pred_act = [int(x) for x in plan.per_rank(plan.stage_activation_bytes)]
     stats = row.get("stats") or []
     meas_act = [int(s.get("peak_activation_bytes", 0)) for s in stats] if stats else None
     act_err = None

@@ -1,4 +1,9 @@
-"""The measurement loop every runner shares, and how per-rank results become one row.
+"""How every benchmark run is started and measured, and how per-rank results become one row.
+
+Start: `launch_fresh(fn, nprocs, *args)` runs ``fn(*args)`` on ``nprocs`` ranks with
+`engine.launch` in fresh interpreters (``start_method="spawn"``: nothing imported before, the
+same for every system), gloo, one thread per rank; a failed or hung run raises
+`engine.launch.WorkerError` (the benchmark turns it into an error row).
 
 Timing: before each step all ranks meet at a barrier, the clock starts, the system runs one
 full training step (forward, backward, optimizer), and the clock stops after a second barrier,
@@ -6,11 +11,13 @@ so a step's time is the pipeline's wall time, not one rank's share. Batches are 
 the first barrier (not timed). The first ``warmup`` steps are dropped; the row reports the
 per-step maximum over ranks, its median, and each rank's peak RSS.
 
-Example (inside a worker started by :func:`experiments.peers.harness.spawn_workers`)::
+Example::
 
-    result = timed_loop(spec, step_fn, rank=rank)   # step_fn(inputs, targets) -> loss or None
-    ...
-    row = make_row("single", "microbatched", spec, [result], stages=1, microbatches=m)
+    def _worker(spec):                                   # module level: picklable
+        result = timed_loop(spec, step_fn)               # step_fn(inputs, targets) -> loss or None
+        return result
+    results = launch_fresh(_worker, 2, spec)
+    row = make_row("single", "microbatched", spec, results, stages=1, microbatches=m)
 """
 
 from __future__ import annotations
@@ -24,11 +31,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from experiments.peers.spec import BenchSpec
+from experiments.bench.spec import BenchSpec
 
-__all__ = ["timed_loop", "make_row", "peak_rss_bytes", "named_params"]
+__all__ = ["launch_fresh", "timed_loop", "make_row", "peak_rss_bytes", "named_params"]
 
 StepFn = Callable[[Tensor, Tensor], "float | None"]
+
+
+def launch_fresh(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+    """``fn(*args)`` on ``nprocs`` fresh gloo ranks (`engine.launch`); the results by rank.
+
+    Raises `engine.launch.WorkerError` when a rank fails or the run takes over ``timeout_s``.
+    """
+    from engine.launch import launch
+
+    return launch(fn, nprocs, *args, timeout_s=timeout_s, pg_timeout_s=max(timeout_s, 10.0),
+                  backend="gloo", start_method="spawn")
 
 
 def peak_rss_bytes() -> int:
@@ -41,8 +59,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def timed_loop(spec: BenchSpec, step_fn: StepFn, *, rank: int) -> dict[str, Any]:
+def timed_loop(spec: BenchSpec, step_fn: StepFn) -> dict[str, Any]:
     """Run ``warmup + steps`` steps; return this rank's times, losses and peak RSS."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
     times: list[float] = []
     losses: list[float | None] = []
     for step in range(spec.warmup + spec.steps):

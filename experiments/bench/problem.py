@@ -11,7 +11,7 @@ harness as the peers), so a profile is taken under the same conditions as the ru
 
 Example::
 
-    from experiments.peers.problem import bench_spec, profile_model, measure_link
+    from experiments.bench.problem import bench_spec, profile_model, measure_link
     spec = bench_spec(cfg, stage_ranges=[(0, 4), (4, 8)])
     prof = profile_model(cfg)
     link = measure_link(prof.layers[3].output_bytes)
@@ -27,8 +27,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from experiments.peers.harness import spawn_workers
-from experiments.peers.spec import BenchSpec
+from experiments.bench.measure import launch_fresh
+from experiments.bench.spec import BenchSpec, uniform_ranges
 
 __all__ = ["DatasetBatches", "bench_spec", "profile_model", "measure_link", "LossLayer",
            "plain_config"]
@@ -66,7 +66,6 @@ def bench_spec(cfg: Any, stage_ranges: Sequence[tuple[int, int]] | None = None,
     ``optimizer.lr``; ``bench.steps`` timed after ``bench.warmup_steps``). ``stage_ranges``
     default to equal layer counts."""
     from experiments.models import build_model
-    from experiments.peers.spec import uniform_ranges
 
     c = plain_config(cfg)
     model = build_model(c["model"])
@@ -94,7 +93,7 @@ class LossLayer(nn.Module):
         return self.loss_fn(x, self.target)
 
 
-def _profile_worker(rank: int, world_size: int, cfg: dict, repeats: int, warmup: int) -> Any:
+def _profile_worker(cfg: dict, repeats: int, warmup: int) -> Any:
     import partitioner
     from experiments.models import build_model
     from partitioner import LayerCost, Profile
@@ -120,14 +119,15 @@ def profile_model(cfg: Any, *, repeats: int | None = None, warmup: int | None = 
     fresh single-threaded process (``partitioner.repeats`` / ``warmup`` by default)."""
     c = plain_config(cfg)
     part = c.get("partitioner", {})
-    return spawn_workers(_profile_worker, 1, c, int(repeats or part.get("repeats", 5)),
-                         int(warmup if warmup is not None else part.get("warmup", 2)),
-                         timeout_s=timeout_s)[0]
+    return launch_fresh(_profile_worker, 1, c, int(repeats or part.get("repeats", 5)),
+                        int(warmup if warmup is not None else part.get("warmup", 2)),
+                        timeout_s=timeout_s)[0]
 
 
-def _link_worker(rank: int, world_size: int, nbytes: int, repeats: int) -> float:
+def _link_worker(nbytes: int, repeats: int) -> float:
     import torch.distributed as dist
 
+    rank = dist.get_rank()
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
     peer = 1 - rank
     times = []
@@ -148,5 +148,5 @@ def _link_worker(rank: int, world_size: int, nbytes: int, repeats: int) -> float
 def measure_link(nbytes: int, *, repeats: int = 20, timeout_s: float = 120.0) -> float:
     """Bytes per second of a one-way gloo transfer of ``nbytes`` between two fresh local ranks
     (half the median round trip; latency included, so it is the effective rate at that size)."""
-    one_way = spawn_workers(_link_worker, 2, int(nbytes), repeats, timeout_s=timeout_s)[0]
+    one_way = launch_fresh(_link_worker, 2, int(nbytes), repeats, timeout_s=timeout_s)[0]
     return max(1, int(nbytes)) / max(one_way, 1e-9)

@@ -1,13 +1,14 @@
 """What every benchmark runner is given: the model, the loss, the data and the pipeline layout.
 
 A :class:`BenchSpec` is pickled into each worker process, so its callables must be picklable
-(module-level functions and classes, ``functools.partial`` of them; not lambdas). Layer ``i`` is
-built under ``torch.manual_seed(seed + i)`` by every system, so all of them start from the same
-weights whatever the split, and the same batches come from ``batches(step)``.
+(module-level functions and classes, ``functools.partial`` of them; not lambdas). Every system
+builds layer ``i`` as the engine does (``engine.stage.build_layers``: under
+``torch.manual_seed(seed + i)``), so all of them start from the same weights whatever the
+split, and the same batches come from ``batches(step)``.
 
 Example::
 
-    from experiments.peers.spec import tiny_spec
+    from experiments.bench.spec import tiny_spec
 
     spec = tiny_spec(layers=8, width=64, batch=32, stages=2, microbatches=4)
     inputs, targets = spec.batches(0)        # the global batch of step 0
@@ -94,20 +95,23 @@ def check_ranges(ranges: Sequence[Range], num_layers: int, what: str) -> None:
 
 
 def uniform_ranges(num_layers: int, parts: int) -> list[Range]:
-    """Split ``num_layers`` into ``parts`` contiguous ranges whose sizes differ by at most one."""
-    if not 1 <= parts <= num_layers:
+    """Equal layer counts, the first ranges one more: the partitioner's ``uniform`` method."""
+    from partitioner.solve import Infeasible, uniform_split
+
+    if parts < 1:
         raise ValueError(f"cannot split {num_layers} layers into {parts} non-empty parts")
-    bounds = [num_layers * k // parts for k in range(parts + 1)]
-    return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+    try:
+        return uniform_split(num_layers, parts)
+    except Infeasible as err:
+        raise ValueError(f"cannot split {num_layers} layers into {parts} non-empty parts: {err}") from None
 
 
 def build_chunk(spec: BenchSpec, start: int, stop: int) -> nn.Sequential:
-    """Layers ``start..stop-1``, each seeded by its global index, named by it (``"5.fc1.weight"``)."""
-    mods: OrderedDict[str, nn.Module] = OrderedDict()
-    for i in range(start, stop):
-        torch.manual_seed(spec.seed + i)
-        mods[str(i)] = spec.layers[i]()
-    return nn.Sequential(mods)
+    """Layers ``start..stop-1`` built as the engine builds them, named by global index (``"5.fc1.weight"``)."""
+    from engine.stage import build_layers
+
+    layers = build_layers(spec.layers, start, stop, spec.seed)
+    return nn.Sequential(OrderedDict((str(start + j), m) for j, m in enumerate(layers)))
 
 
 class ResidualMLPBlock(nn.Module):

@@ -16,8 +16,8 @@ mean microbatch loss.
 
 Example::
 
-    from experiments.peers.deepspeed_pp import run_deepspeed
-    from experiments.peers.spec import tiny_spec
+    from experiments.bench.deepspeed_pp import run_deepspeed
+    from experiments.bench.spec import tiny_spec
 
     run_deepspeed(tiny_spec(stages=2))["step_s"]
 """
@@ -33,9 +33,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from experiments.peers.common import make_row, named_params, timed_loop
-from experiments.peers.harness import spawn_workers
-from experiments.peers.spec import BenchSpec
+from engine.stage import build_layers
+
+from experiments.bench.measure import launch_fresh, make_row, named_params, timed_loop
+from experiments.bench.spec import BenchSpec
 
 __all__ = ["run_deepspeed", "deepspeed_config"]
 
@@ -56,13 +57,16 @@ def deepspeed_config(spec: BenchSpec, batch: int) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, world_size: int, spec: BenchSpec, return_params: bool) -> dict[str, Any]:
+def _worker(spec: BenchSpec, return_params: bool) -> dict[str, Any]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch.distributed as dist
+
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.WARNING)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
 
     class _SeededLayerSpec(LayerSpec):
         def __init__(self, factory: Callable[[], nn.Module], seed: int) -> None:
@@ -71,8 +75,7 @@ def _worker(rank: int, world_size: int, spec: BenchSpec, return_params: bool) ->
             self.factory, self.seed, self.global_rank = factory, seed, rank
 
         def build(self, log: bool = False) -> nn.Module:
-            torch.manual_seed(self.seed)
-            return self.factory()
+            return build_layers([self.factory], 0, 1, self.seed)[0]
 
     class _FixedPartsPipelineModule(PipelineModule):
         def __init__(self, parts: list[int], **kwargs: Any) -> None:
@@ -103,7 +106,7 @@ def _worker(rank: int, world_size: int, spec: BenchSpec, return_params: bool) ->
         loss = engine.train_batch(data_iter=data)
         return float(loss) if is_last else None
 
-    result = timed_loop(spec, step, rank=rank)
+    result = timed_loop(spec, step)
     if return_params:
         result["params"] = named_params([module])
     return result
@@ -113,7 +116,7 @@ def run_deepspeed(spec: BenchSpec, *, return_params: bool = False,
                   timeout_s: float = 900.0) -> dict[str, Any]:
     """One row: ``spec`` trained with DeepSpeed's PipelineEngine (1F1B) on p fresh ranks."""
     p = spec.num_stages
-    results = spawn_workers(_worker, p, spec, return_params, timeout_s=timeout_s)
+    results = launch_fresh(_worker, p, spec, return_params, timeout_s=timeout_s)
     row = make_row("deepspeed", "1f1b", spec, results, stages=p, microbatches=spec.microbatches)
     row["impl"] = "PipelineEngine.TrainSchedule"
     return row

@@ -9,8 +9,9 @@ batch, microbatches and stage boundaries:
    speed is measured at the boundary's message size;
 2. `single` (microbatched: the reference for `ideal_step_s`; and full-batch);
 3. the profile is calibrated from the single-process step and partitioned (`method=optimal`);
-   pipeshard runs gpipe, 1f1b, interleaved-1f1b, zb-h1 on the plans' splits, and every
-   pipeshard row carries the plan's `predicted_step_s` (engine.simulate) and predicted vs
+   pipeshard runs every schedule of `bench.schedules` (default: all of
+   `engine.schedules.SCHEDULES`) on the plans' splits, and every pipeshard row carries the
+   plan's `predicted_step_s` (`Plan.simulate`) and predicted vs
    measured peak activation bytes per rank;
 4. torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B and its
    zero-bubble schedules ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble where they run)
@@ -18,8 +19,10 @@ batch, microbatches and stage boundaries:
 5. partition quality: pipeshard 1f1b with each of `bench.methods` (optimal, uniform,
    parameters), measured (rows with `section="partition"` and `method`).
 
-Writes into the Hydra run directory: `bench.json` (`{"rows": [...], "ratios", "prediction",
-"meta", "plans", "profile"}`), `bench.png` (bar chart) and prints the tables.
+Every run is started by `engine.launch` with fresh interpreters (`start_method="spawn"`); a run
+that fails becomes a row with `error`. Writes into the Hydra run directory: `bench.json`
+(`{"rows": [...], "ratios", "prediction", "meta", "plans", "profile"}`), `bench.png` (bar
+chart) and prints the tables.
 
 Example::
 
@@ -33,19 +36,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from experiments.app import hydra_entry
+from experiments.config import validate_config
 
-from experiments.config import CONF_DIR, validate_config
-
-__all__ = ["main", "write_outputs"]
+__all__ = ["main", "run", "write_outputs"]
 
 
 def write_outputs(result: dict, out_dir: Path) -> list[Path]:
     """Write `bench.json` and `bench.png` into `out_dir`; return their paths."""
-    from experiments.benchlib import bar_chart
+    from experiments.bench.report import bar_chart
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "bench.json"
@@ -56,18 +57,16 @@ def write_outputs(result: dict, out_dir: Path) -> list[Path]:
     return [path, png]
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry point (see the module docstring)."""
-    from experiments.benchlib import format_prediction_table, format_table, run_bench
+def run(cfg: Any, run_dir: str) -> dict:
+    """The benchmark on a composed config, its tables printed and its files written to `run_dir`."""
+    from experiments.bench.report import format_prediction_table, format_table
+    from experiments.bench.run import run_bench
 
     validate_config(cfg)
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
     result = run_bench(cfg)
     result["meta"]["command"] = " ".join(["python -m experiments.bench", *sys.argv[1:]])
-    paths = write_outputs(result, out_dir)
-    rows = result["rows"]
-    m = result["meta"]
+    paths = write_outputs(result, Path(run_dir))
+    rows, m = result["rows"], result["meta"]
     title = (f"{m.get('model_name')}: batch {m['batch_size']}, {m['stages']} stages, "
              f"{m['microbatches']} microbatches, 1 thread per rank")
     print(format_table([r for r in rows if r.get("section") == "systems"], title=title))
@@ -75,6 +74,7 @@ def main(cfg: DictConfig) -> None:
     print("ratios:", json.dumps(result["ratios"], indent=1))
     print(f"load average start {m['load_avg_start']} end {m['load_avg_end']}")
     print("wrote", *map(str, paths))
+    return result
 
 
 def _default_experiment(argv: list[str]) -> list[str]:
@@ -84,6 +84,11 @@ def _default_experiment(argv: list[str]) -> list[str]:
     return [argv[0], "experiment=bench", *argv[1:]]
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The Hydra entry point (`python -m experiments.bench [overrides]`; the bench preset by default)."""
     sys.argv = _default_experiment(sys.argv)
+    hydra_entry(run)
+
+
+if __name__ == "__main__":
     main()

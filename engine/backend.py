@@ -1,0 +1,44 @@
+"""Which optimizer backend a rank gets: the torch one (``engine.optim``) or DeepSpeed ZeRO (``engine.zero``).
+
+Example::
+
+    cfg = OptimizerConfig(name="adamw", lr=1e-3, zero_stage=1)       # zero_stage > 0: DeepSpeed
+    opt = make_optimizer(cfg, nn.ModuleDict({"0": layer0}), mesh, microbatches=4)
+    opt.backward([opt.scale_loss(loss)], None)
+    skipped, grad_norm = opt.step()
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from engine.optim import (
+    OptimizerConfig,
+    StageOptimizer,
+    TorchStageOptimizer,
+    check_optimizer_config,
+)
+
+__all__ = ["make_optimizer"]
+
+
+def make_optimizer(config: OptimizerConfig, module: torch.nn.Module, mesh: Any, *,
+                   microbatches: int, precision: str = "fp32", nonfinite: str = "raise",
+                   norm_skip: Iterable[str] = ()) -> StageOptimizer:
+    """Build this rank's optimizer backend.
+
+    ``module``: this rank's layers, e.g. ``nn.ModuleDict({"3": layer3, "4": layer4})``, so that
+    parameter names are ``"<global layer>.<param name>"`` (checkpoints re-split by these names);
+    ``norm_skip``: names counted elsewhere in the global norm (the second copy of a tied
+    parameter). The DeepSpeed backend is imported only when selected.
+    """
+    if check_optimizer_config(config, precision) == "deepspeed":
+        from engine.zero import DeepSpeedStageOptimizer  # lazy: DeepSpeed is heavy
+        return DeepSpeedStageOptimizer(config, module, dp_group=mesh.dp_group,
+                                       pipeline_group=mesh.pipeline_group,
+                                       microbatches=microbatches, precision=precision,
+                                       nonfinite=nonfinite, norm_skip=norm_skip)
+    return TorchStageOptimizer(config, dict(module.named_parameters()), mesh,
+                               microbatches=microbatches, precision=precision,
+                               nonfinite=nonfinite, norm_skip=norm_skip)

@@ -1,0 +1,199 @@
+"""Whole benchmark runs: `run_peers` (systems on one spec) and `run_bench` (`python -m experiments.bench`).
+
+`run_bench(cfg)` on a composed config: the model is profiled (one fresh process) and the link
+speed measured; the splits are planned from that profile before anything runs; every job of
+the table (single, pipeshard per schedule, torch.distributed.pipelining, DeepSpeed, and
+pipeshard 1f1b on each `bench.methods` split) runs in fresh processes, `bench.rounds` times in
+alternating order; then the profile is calibrated from the single-process step and each
+pipeshard row gets its plan's prediction (`Plan.simulate` through `partitioner.partition`).
+
+Example::
+
+    rows = run_peers(tiny_spec(), systems=("single", "pipeshard"), pipeshard_schedules=("1f1b",))
+    result = run_bench(compose_config("experiment=bench"))    # {"rows", "ratios", ...}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Sequence
+
+from engine.schedules import SCHEDULES
+from experiments.bench.jobs import SINGLE_MODES, SYSTEMS, check_systems, job_table, pipeshard_key, run_jobs
+from experiments.bench.report import add_ideal, json_rows, ratios
+from experiments.bench.spec import BenchSpec
+from experiments.bench.torch_pp import TORCH_SCHEDULES
+
+__all__ = ["run_peers", "run_bench", "TORCH_FOR_PIPESHARD"]
+
+# torch.distributed.pipelining's schedules run for each pipeshard schedule asked for.
+TORCH_FOR_PIPESHARD: dict[str, tuple[str, ...]] = {
+    "gpipe": ("gpipe",), "1f1b": ("1f1b",), "interleaved-1f1b": ("interleaved-1f1b",),
+    "zb-h1": ("interleaved-zb", "zbv"), "zbv": ("zbv",),
+}
+_PREDICTION_KEYS = ("section", "schedule", "method", "step_s", "predicted_step_s", "step_error",
+                    "predicted_step_uncalibrated_s", "step_error_uncalibrated", "predicted_activation_bytes",
+                    "measured_activation_bytes", "activation_error")
+
+
+def run_peers(spec: BenchSpec, *, systems: Sequence[str] = SYSTEMS, single_modes: Sequence[str] = SINGLE_MODES,
+              pipeshard_schedules: Sequence[str] = SCHEDULES, torch_schedules: Sequence[str] = tuple(TORCH_SCHEDULES),
+              timeout_s: float = 900.0, log: Callable[[str], None] | None = print) -> list[dict[str, Any]]:
+    """Run every requested system on ``spec``, one after another, each in fresh processes.
+
+    Returns the rows (with ``ideal_step_s``), failures included as error rows.
+    """
+    systems = check_systems(systems)
+    jobs = job_table(spec, single_modes=single_modes if "single" in systems else (),
+                     pipeshard=[(s, spec) for s in pipeshard_schedules] if "pipeshard" in systems else (),
+                     torch_schedules=torch_schedules if "torch-pipelining" in systems else (),
+                     deepspeed="deepspeed" in systems, timeout_s=timeout_s)
+    return add_ideal(list(run_jobs(jobs, spec, log=log).values()))
+
+
+def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
+    """The whole ``python -m experiments.bench`` run (see the module docstring); returns
+    ``{"rows", "ratios", "prediction", "meta", "plans", "profile"}``."""
+    from experiments.bench.problem import bench_spec, plain_config
+
+    c = plain_config(cfg)
+    bc = c["bench"]
+    systems = check_systems(bc["systems"])
+    schedules = [str(s) for s in bc["schedules"]]
+    methods = [str(x) for x in (bc.get("methods") or ())]
+    rounds = max(1, int(rounds if rounds is not None else bc.get("rounds", 1)))
+    timeout = float(bc["timeout_s"])
+    meta = _meta(c, rounds)
+    prof, link = _profile_and_link(c, meta, timeout, log)
+    spec0 = bench_spec(c)
+    meta["model_name"] = spec0.name
+    raw_plans = _plans(prof, meta, schedules, methods, link)
+    spec = _spec_for_peers(spec0, raw_plans, prof, meta, link)
+    pipeshard, entries = _entries(systems, schedules, methods, spec, raw_plans)
+    jobs = job_table(spec, single_modes=SINGLE_MODES if "single" in systems else (), pipeshard=pipeshard,
+                     torch_schedules=_torch_names(schedules) if "torch-pipelining" in systems else (),
+                     deepspeed="deepspeed" in systems, timeout_s=timeout)
+    combined = run_jobs(jobs, spec, rounds=rounds, log=log)
+    plans = _calibrated_plans(prof, raw_plans, combined, meta, link)
+    rows = _rows(entries, combined, plans, raw_plans)
+    meta["load_avg_end"] = list(os.getloadavg())
+    prediction = [{k: r.get(k) for k in _PREDICTION_KEYS} for r in rows if r["system"] == "pipeshard"]
+    return {"rows": json_rows(rows), "ratios": ratios(rows), "prediction": prediction, "meta": meta,
+            "plans": {name: pl.to_dict() for name, pl in plans.items()}, "profile": prof.to_dict()}
+
+
+def _meta(c: dict, rounds: int) -> dict[str, Any]:
+    return {"load_avg_start": list(os.getloadavg()), "cpus": os.cpu_count(),
+            "stages": int(c["pipeline"]["stages"]), "microbatches": int(c["pipeline"]["microbatches"]),
+            "rounds": rounds, "batch_size": int(c["train"]["batch_size"]), "model": c["model"],
+            "torch_threads_per_rank": 1, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _profile_and_link(c: dict, meta: dict, timeout: float, log: Callable[[str], None] | None) -> tuple[Any, Any]:
+    """The measured profile, and the link speed (configured, or measured at the boundary's size)."""
+    from experiments.bench.problem import measure_link, profile_model
+
+    if log:
+        log("[bench] profiling layers (one process, one thread) ...")
+    prof = profile_model(c, timeout_s=timeout)
+    if c["partitioner"].get("fixed_costs", True):
+        from experiments.wiring import with_fixed_costs
+
+        prof = with_fixed_costs(dict(c, train=dict(c["train"], device="cpu")), prof)
+        meta["fixed_costs"] = dataclasses.asdict(prof.fixed) if prof.fixed is not None else None
+    link = c["partitioner"].get("link_bytes_per_s")
+    if link is None and meta["stages"] > 1 and prof.fixed is None:  # else the fixed costs' link
+        nbytes = max(layer.output_bytes for layer in prof.layers[:-1])
+        link = measure_link(nbytes)
+        meta["link_measured_bytes"] = nbytes
+    meta["link_bytes_per_s"] = link
+    return prof, link
+
+
+def _plans(prof: Any, meta: dict, schedules: list[str], methods: list[str], link: Any) -> dict:
+    """Splits from the (uncalibrated) profile, before anything runs: per schedule, per method."""
+    from experiments.bench.predict import plan_for
+    from experiments.wiring import schedule_chunks
+
+    p, m = meta["stages"], meta["microbatches"]
+    plans = {name: plan_for(prof, p, name, m, virtual_stages=schedule_chunks(name), link_bytes_per_s=link)
+             for name in dict.fromkeys(schedules + ["1f1b"])}
+    for method in methods:
+        plans[f"1f1b/{method}"] = plan_for(prof, p, "1f1b", m, method=method, link_bytes_per_s=link)
+    return plans
+
+
+def _spec_for_peers(spec0: BenchSpec, plans: dict, prof: Any, meta: dict, link: Any) -> BenchSpec:
+    """The spec the peers run: the 1f1b plan's split, and a 2-chunk split (a planned 2-chunk
+    schedule's, else interleaved-1f1b's) for the peers' 2-chunk schedules."""
+    from experiments.bench.predict import plan_for
+
+    p, m = meta["stages"], meta["microbatches"]
+    two = next((pl for pl in plans.values() if pl.virtual_stages == 2), None)
+    if two is None and p * 2 <= len(spec0.layers):
+        two = plan_for(prof, p, "interleaved-1f1b", m, virtual_stages=2, link_bytes_per_s=link)
+    return dataclasses.replace(spec0, stage_ranges=tuple(plans["1f1b"].stage_ranges),
+                               chunk_ranges=None if two is None else tuple(two.stage_ranges))
+
+
+def _spec_of(spec: BenchSpec, plan: Any) -> BenchSpec:
+    if plan.virtual_stages == 1:
+        return dataclasses.replace(spec, stage_ranges=tuple(plan.stage_ranges))
+    return dataclasses.replace(spec, chunk_ranges=tuple(plan.stage_ranges))
+
+
+def _torch_names(schedules: list[str]) -> list[str]:
+    return list(dict.fromkeys(t for s in schedules for t in TORCH_FOR_PIPESHARD.get(s, ())))
+
+
+def _entries(systems: list[str], schedules: list[str], methods: list[str], spec: BenchSpec,
+             plans: dict) -> tuple[list[tuple[str, BenchSpec]], list[tuple[dict, tuple, str | None]]]:
+    """The pipeshard runs, and the rows: (extra fields, job key, plan key) in report order."""
+    pipeshard: list[tuple[str, BenchSpec]] = []
+    entries: list[tuple[dict, tuple, str | None]] = []
+    if "single" in systems:
+        entries += [({"section": "systems"}, ("single", mode), None) for mode in SINGLE_MODES]
+    if "pipeshard" in systems:
+        for name in schedules:
+            pipeshard.append((name, _spec_of(spec, plans[name])))
+            entries.append(({"section": "systems", "method": "optimal"}, pipeshard_key(*pipeshard[-1]), name))
+    if "torch-pipelining" in systems:
+        entries += [({"section": "systems"}, ("torch-pipelining", name), None) for name in _torch_names(schedules)]
+    if "deepspeed" in systems:
+        entries.append(({"section": "systems"}, ("deepspeed", "1f1b"), None))
+    for method in methods:  # partition quality: same engine and schedule, only the split differs
+        pipeshard.append(("1f1b", _spec_of(spec, plans[f"1f1b/{method}"])))
+        entries.append(({"section": "partition", "method": method}, pipeshard_key(*pipeshard[-1]),
+                        f"1f1b/{method}"))
+    return pipeshard, entries
+
+
+def _calibrated_plans(prof: Any, raw_plans: dict, combined: dict, meta: dict, link: Any) -> dict:
+    """Each split re-predicted from the profile calibrated on the single-process step."""
+    from experiments.bench.predict import calibrate, plan_for
+
+    p, m = meta["stages"], meta["microbatches"]
+    single = combined.get(("single", "microbatched"), {}).get("step_s")
+    cal, factor = calibrate(prof, single, m) if single else (prof, None)
+    meta["calibration_factor"] = factor
+    plans = {}
+    for name, raw in raw_plans.items():
+        sched, _, method = name.partition("/")
+        plans[name] = plan_for(cal, p, sched, m, virtual_stages=raw.virtual_stages, method=method or "optimal",
+                               link_bytes_per_s=link, calibration=factor)
+    return plans
+
+
+def _rows(entries: list, combined: dict, plans: dict, raw_plans: dict) -> list[dict[str, Any]]:
+    from experiments.bench.predict import prediction_fields
+
+    rows = []
+    for extra, key, plan_key in entries:
+        row = dict(combined[key], **extra)
+        if plan_key is not None:
+            row.update(prediction_fields(plans[plan_key], row, raw_plans[plan_key]))
+            row["plan_matches_run"] = [list(r) for r in plans[plan_key].stage_ranges] == row.get("stage_ranges")
+        rows.append(row)
+    return add_ideal(rows)

@@ -1,0 +1,129 @@
+"""One training job, made before any worker starts: the `Job` every rank is given.
+
+`prepare_job(cfg, run_dir)` builds the model spec, finds the checkpoint to resume from (and
+refuses one written for another model), and makes the plan: the run's own `plan.json` when it
+resumes with the same layout, else a fresh profile and partition (printed, saved as
+`plan.json`). Under `torchrun` (RANK / WORLD_SIZE set) the process group is initialised first
+and rank 0 alone prepares, then broadcasts the `Job` (a measured profile is not deterministic,
+so the ranks must not each compute one).
+
+Example (what `experiments.train` does)::
+
+    job = prepare_job(cfg, run_dir)
+    results = engine.launch(run_worker, world_size(cfg), job)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from experiments.config import ConfigError, to_plain_dict
+from experiments.fields import get_field as _get
+from experiments.wiring import (check_checkpoint_model, checkpoint_root, make_plan, plan_matches,
+                                resume_checkpoint, run_name, world_size)
+
+__all__ = ["Job", "prepare_job", "under_torchrun"]
+
+
+@dataclass
+class Job:
+    """Everything a rank needs; picklable (it crosses to the workers).
+
+    config: the resolved experiment config as plain dicts (`experiments.config.to_plain_dict`).
+    plan: the `partitioner.Plan` being run (its stage ranges, and the predictions for the metrics).
+    run_dir: the shared run directory (metrics.jsonl, W&B, pictures).
+    checkpoint_root: where checkpoints go (`<run_dir>/checkpoints` by default).
+    resume_from: a complete checkpoint directory to start from, or None for a fresh start.
+    run_name: the W&B run name.
+    """
+
+    config: dict
+    plan: Any
+    run_dir: str
+    checkpoint_root: str
+    resume_from: str | None = None
+    run_name: str = "run"
+
+    @property
+    def stage_ranges(self) -> list[tuple[int, int]]:
+        return list(self.plan.stage_ranges)
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (it then is one rank of the job)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def prepare_job(cfg: Any, run_dir: Path) -> Job:
+    """The job for `cfg` in `run_dir` (see the module docstring)."""
+    return _prepare_on_rank0(cfg, run_dir) if under_torchrun() else _prepare(cfg, run_dir)
+
+
+def _plan_for(cfg: Any, spec: Any, run_dir: Path, resume: Path | None) -> Any:
+    """The run's saved plan when resuming the same layout, else a fresh one (saved)."""
+    from partitioner import Plan
+
+    plan_path = run_dir / "plan.json"
+    if resume is not None and plan_path.is_file():
+        saved = Plan.from_json(plan_path)
+        if plan_matches(saved, cfg, len(spec.layers)):
+            print(f"reusing {plan_path} (same layout as the run being resumed)", flush=True)
+            return saved
+    plan = make_plan(cfg, spec)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plan.to_json(plan_path)
+    return plan
+
+
+def _prepare(cfg: Any, run_dir: Path) -> Job:
+    """Model, resume point, plan (printed and saved)."""
+    from experiments.models import build_model
+
+    spec = build_model(_get(cfg, "model"))
+    resume = resume_checkpoint(cfg, run_dir)
+    if resume is not None:
+        check_checkpoint_model(resume, spec)
+    plan = _plan_for(cfg, spec, run_dir, resume)
+    print(f"model {spec.name}: {len(spec.layers)} pipeline layers, {spec.num_params:,} parameters", flush=True)
+    print(plan.summary(), flush=True)
+    if resume is not None:
+        print(f"resuming from {resume}", flush=True)
+    return Job(config=to_plain_dict(cfg), plan=plan, run_dir=str(run_dir),
+               checkpoint_root=str(checkpoint_root(cfg, run_dir)),
+               resume_from=str(resume) if resume else None, run_name=run_name(cfg))
+
+
+def _prepare_on_rank0(cfg: Any, run_dir: Path) -> Job:
+    """Under torchrun: initialise the process group, rank 0 prepares, every rank gets its job."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.launch import _device_backend
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world != world_size(cfg):
+        raise ConfigError(
+            f"torchrun started {world} processes but pipeline.stages x pipeline.data_parallel = "
+            f"{world_size(cfg)}; set --nnodes x --nproc-per-node to {world_size(cfg)} or change the layout")
+    if not dist.is_initialized():
+        backend = _device_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = _prepare(cfg, run_dir)
+        except Exception as exc:  # tell the other ranks instead of leaving them waiting
+            payload[0] = f"{type(exc).__name__}: {exc}"
+            dist.broadcast_object_list(payload, src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], str):
+        raise ConfigError(f"rank 0 failed to prepare the job: {payload[0]}")
+    return payload[0]

@@ -1,0 +1,61 @@
+"""`build_hf(cfg)`: a Hugging Face causal LM as a `ModelSpec` (`model=hf`, `hf_gpt2`, `hf_llama`).
+
+The top of the Hugging Face adapter: the layers and layout (`experiments.models.hf`), the
+per-layer loading from a `save_pretrained` directory (`hf_load`) and the cached chunk for
+generation (`hf_cache`) below it, so that none of them imports another in a circle.
+
+Example:
+    >>> spec = build_hf({"arch": "llama", "layers": 2, "dim": 32, "heads": 4, "vocab": 300,
+    ...                  "seq_len": 16})                              # doctest: +SKIP
+    >>> len(spec.layers)                                              # doctest: +SKIP
+    4
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from experiments.fields import get_field as _field
+from experiments.models.gpt import lm_spec
+from experiments.models.hf import build_hf_layer, config_from_json, hf_config, meta_reference
+from experiments.models.hf_cache import HFCachedChunk
+from experiments.models.spec import ModelSpec
+
+__all__ = ["build_hf"]
+
+
+def _tie_pair(num_layers: int) -> tuple[str, str]:
+    return ("0.wte.weight", f"{num_layers + 1}.lm_head.weight")
+
+
+def build_hf(cfg: Any) -> ModelSpec:
+    """Layer factories for a Hugging Face causal LM: from `cfg.pretrained` (a save_pretrained
+    directory; each factory loads only its own tensors) or random weights of family `cfg.arch`.
+
+    Fields: pretrained, arch, layers, dim, heads, vocab, seq_len, dropout, tie_embeddings,
+    kv_heads, intermediate (the size fields are ignored with `pretrained`, which brings its own).
+    """
+    pretrained = _field(cfg, "pretrained", None)
+    seq_len = int(_field(cfg, "seq_len", 128))
+    if pretrained:
+        from experiments.models.hf_load import load_hf_layer, pretrained_config_json
+
+        config_json = pretrained_config_json(str(pretrained))
+        config = config_from_json(config_json)
+        _, lay = meta_reference(config_json)
+        factories = [partial(load_hf_layer, str(pretrained), i) for i in range(lay.num_layers + 2)]
+        name = f"hf-{lay.model_type}-{str(pretrained).rstrip('/').split('/')[-1]}"
+    else:
+        config = hf_config(cfg)
+        config_json = config.to_json_string(use_diff=False)
+        _, lay = meta_reference(config_json)
+        factories = [partial(build_hf_layer, lay.model_type, config_json, i) for i in range(lay.num_layers + 2)]
+        name = f"hf-{lay.model_type}-L{lay.num_layers}-d{_field(cfg, 'dim', 128)}"
+    n = lay.num_layers
+    ties = [_tie_pair(n)] if getattr(config, "tie_word_embeddings", False) else []
+    spec = lm_spec(factories, ties, seq_len=seq_len, vocab=config.vocab_size, name=name,
+                   arch=lay.model_type, hf_config_json=config_json,
+                   pretrained=str(pretrained) if pretrained else None)
+    spec.cached_chunk = HFCachedChunk
+    return spec

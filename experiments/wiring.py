@@ -1,0 +1,255 @@
+"""The experiment config turned into what the engine and the partitioner take.
+
+Pure functions of a config (a composed `DictConfig`, a `Config` dataclass or plain dicts): the
+keyword arguments of `partitioner.profile`, `partitioner.partition`, `engine.Pipeline` and
+`engine.OptimizerConfig`, the job's sizes and names, where checkpoints go and which one a job
+resumes from, and the profile + plan of a configured model. Used by the entry points
+(`experiments.train`, `experiments.partition`, `experiments.bench`) and by the workers; it
+imports none of them.
+
+Example:
+    >>> from experiments.config import Config, GPTConfig, TextDataConfig
+    >>> cfg = Config(model=GPTConfig(), data=TextDataConfig())
+    >>> microbatch_size(cfg), world_size(cfg), run_name(cfg)
+    (4, 2, 'default-1f1b-p2')
+    >>> schedule_chunks("interleaved-1f1b"), schedule_chunks("1f1b")
+    (2, 1)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from experiments.config import ConfigError, optimizer_kwargs, parse_memory_limit, validate_config
+from experiments.fields import choice_text as _text
+from experiments.fields import get_field as _get
+
+__all__ = [
+    "microbatch_size", "world_size", "run_name", "resolve_device", "torch_dtype", "schedule_chunks",
+    "profile_kwargs", "partition_kwargs", "with_fixed_costs", "pipeline_kwargs", "engine_optimizer_kwargs",
+    "checkpoint_root", "resume_checkpoint", "check_checkpoint_model", "profile_model", "make_plan",
+    "plan_matches",
+]
+
+
+def microbatch_size(cfg: Any) -> int:
+    """Samples per microbatch: `train.batch_size / (pipeline.data_parallel * pipeline.microbatches)`."""
+    per_step = int(_get(cfg, "pipeline.data_parallel")) * int(_get(cfg, "pipeline.microbatches"))
+    return int(_get(cfg, "train.batch_size")) // per_step
+
+
+def world_size(cfg: Any) -> int:
+    """Processes the job needs: `pipeline.stages * pipeline.data_parallel`."""
+    return int(_get(cfg, "pipeline.stages")) * int(_get(cfg, "pipeline.data_parallel"))
+
+
+def run_name(cfg: Any) -> str:
+    """`logger.run_name`, or `<name>-<schedule>-p<stages>` (with `-d<replicas>` when replicated)."""
+    explicit = _get(cfg, "logger.run_name")
+    if explicit:
+        return str(explicit)
+    name = f"{_get(cfg, 'name', 'run')}-{_text(_get(cfg, 'pipeline.schedule'))}-p{_get(cfg, 'pipeline.stages')}"
+    dp = int(_get(cfg, "pipeline.data_parallel", 1))
+    return name + (f"-d{dp}" if dp > 1 else "")
+
+
+def resolve_device(cfg: Any) -> str:
+    """`train.device`, with `auto` meaning cuda when available, else cpu."""
+    device = _text(_get(cfg, "train.device", "auto"))
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def torch_dtype(cfg: Any) -> Any:
+    """The compute dtype of `precision` (fp32 -> torch.float32, bf16 -> torch.bfloat16, fp16 -> torch.float16)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[_text(_get(cfg, "precision"))]
+
+
+def schedule_chunks(schedule: str) -> int:
+    """Model chunks per rank a schedule runs with when none is asked for: its fixed number
+    (`engine.schedules.SCHEDULE_INFO`), or 2 where `virtual_stages` chooses (interleaved)."""
+    from engine.schedules import SCHEDULE_INFO, SCHEDULES
+
+    info = SCHEDULE_INFO.get(str(schedule))
+    if info is None:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    return info.virtual_stages(2)
+
+
+def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for `partitioner.profile(layers, example_input, **kwargs)`.
+
+    The example input should be one microbatch: `spec.example_input(microbatch_size(cfg))`.
+    """
+    part = _get(cfg, "partitioner")
+    mode = _text(_get(part, "profile"))
+    out: dict[str, Any] = {"mode": mode, "dtype": torch_dtype(cfg)}
+    if mode == "measure":
+        out.update(device=device or resolve_device(cfg), repeats=int(_get(part, "repeats")),
+                   warmup=int(_get(part, "warmup")))
+    else:
+        out["device_spec"] = _get(part, "device_spec")
+    return out
+
+
+def partition_kwargs(cfg: Any) -> dict[str, Any]:
+    """Keyword arguments for `partitioner.partition(profile, **kwargs)` (num_stages included)."""
+    p, opt, part = _get(cfg, "pipeline"), _get(cfg, "optimizer"), _get(cfg, "partitioner")
+    link = _get(part, "link_bytes_per_s")
+    return {
+        "num_stages": int(_get(p, "stages")),
+        "schedule": _text(_get(p, "schedule")),
+        "microbatches": int(_get(p, "microbatches")),
+        "virtual_stages": int(_get(p, "virtual_stages")),
+        "data_parallel": int(_get(p, "data_parallel")),
+        "zero_stage": int(_get(opt, "zero_stage")),
+        "optimizer": _text(_get(opt, "name")),
+        "memory_limit_bytes": parse_memory_limit(_get(part, "memory_limit")),
+        "method": _text(_get(part, "method")),
+        "link_bytes_per_s": float(link) if link is not None else None,
+        "activation_checkpointing": bool(_get(p, "activation_checkpointing")),
+    }
+
+
+def engine_optimizer_kwargs(cfg: Any) -> dict[str, Any]:
+    """Keyword arguments for `engine.OptimizerConfig` (choices as strings, betas a tuple)."""
+    return optimizer_kwargs(cfg)
+
+
+def pipeline_kwargs(cfg: Any, stage_ranges: Sequence[Sequence[int]], *, ties: Sequence[tuple[str, str]] = (),
+                    device: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for `engine.Pipeline(spec.layers, **kwargs)`, except `loss_fn` and `optimizer`.
+
+    The caller adds `loss_fn=spec.loss_fn` and `optimizer=engine.OptimizerConfig(**engine_optimizer_kwargs(cfg))`.
+    """
+    validate_config(cfg)
+    p = _get(cfg, "pipeline")
+    return {
+        "stage_ranges": [tuple(int(x) for x in r) for r in stage_ranges],
+        "schedule": _text(_get(p, "schedule")),
+        "microbatches": int(_get(p, "microbatches")),
+        "virtual_stages": int(_get(p, "virtual_stages")),
+        "data_parallel": int(_get(p, "data_parallel")),
+        "precision": _text(_get(cfg, "precision")),
+        "activation_checkpointing": bool(_get(p, "activation_checkpointing")),
+        "seed": int(_get(cfg, "train.seed")),
+        "device": device,
+        "ties": [tuple(t) for t in ties],
+        "nonfinite": _text(_get(p, "nonfinite", "raise")),
+        "comm_timeout_s": float(_get(p, "comm_timeout_s", 60.0)),
+    }
+
+
+# --------------------------------------------------------------------------- checkpoints
+def checkpoint_root(cfg: Any, run_dir: str | os.PathLike) -> Path:
+    """Where checkpoints go: `checkpoint.dir`, or `<run dir>/checkpoints`."""
+    explicit = _get(cfg, "checkpoint.dir")
+    return Path(explicit) if explicit else Path(run_dir) / "checkpoints"
+
+
+_YES = ("true", "auto", "yes", "1", "on")
+_NO = ("false", "no", "0", "off", "none", "null", "")
+
+
+def resume_checkpoint(cfg: Any, run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint a job starts from, per `checkpoint.resume`.
+
+    `true` / `auto` (default): the newest complete checkpoint under the checkpoint directory, or
+    None when there is none (fresh start). `false` / null: None. A path: that checkpoint (a step
+    directory, or a checkpoint root whose newest one is used); an error if it holds none.
+    """
+    from engine.checkpoint import MANIFEST, latest_checkpoint
+
+    value = _get(cfg, "checkpoint.resume")
+    text = "false" if value is None else str(value).strip()
+    if text.lower() in _NO:
+        return None
+    if text.lower() in _YES:
+        return latest_checkpoint(checkpoint_root(cfg, run_dir))
+    path = Path(text)
+    if (path / MANIFEST).is_file():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise ConfigError(
+            f"checkpoint.resume={text!r} holds no complete checkpoint; point it at a checkpoint "
+            "directory (e.g. <run dir>/checkpoints), or use checkpoint.resume=true to resume from "
+            "this run's own checkpoints")
+    return found
+
+
+def check_checkpoint_model(path: Path, spec: Any) -> None:
+    """Fail before any worker starts when the checkpoint is for another model (meta device)."""
+    import torch
+
+    from engine.checkpoint import MANIFEST, layer_specs, model_fingerprint
+
+    manifest = json.loads((path / MANIFEST).read_text())
+    with torch.device("meta"):
+        mine = layer_specs({i: f().state_dict() for i, f in enumerate(spec.layers)})
+    if manifest.get("num_layers") != len(mine) or manifest.get("fingerprint") != model_fingerprint(mine):
+        raise ConfigError(
+            f"the checkpoint {path} is for another model ({manifest.get('num_layers')} layers, "
+            f"this model has {len(mine)}, or their shapes differ); resume with the model settings "
+            f"it was written with, use another hydra.run.dir, or set checkpoint.resume=false")
+
+
+# --------------------------------------------------------------------------- profile and plan
+def profile_model(cfg: Any, spec: Any) -> Any:
+    """`partitioner.profile` of the model on one microbatch, timed with one thread (as the workers run)."""
+    import torch
+
+    import partitioner
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prof = partitioner.profile(spec.layers, spec.example_input(microbatch_size(cfg)), **profile_kwargs(cfg))
+    finally:
+        torch.set_num_threads(threads)
+    return with_fixed_costs(cfg, prof)
+
+
+def with_fixed_costs(cfg: Any, prof: Any) -> Any:
+    """``prof`` with the runtime's fixed costs on this machine (`engine.overhead`, cached per
+    machine) when `partitioner.fixed_costs` is on and layers are measured here on the CPU (the
+    costs are measured with gloo on the CPU; other devices get none)."""
+    import dataclasses
+
+    from partitioner import FixedCosts
+
+    part = _get(cfg, "partitioner")
+    measured_here = _text(_get(part, "profile")) == "measure" and resolve_device(cfg) == "cpu"
+    if not (measured_here and bool(_get(part, "fixed_costs", True))):
+        return prof
+    from engine.overhead import measure_fixed_costs
+
+    return dataclasses.replace(prof, fixed=FixedCosts.from_dict(measure_fixed_costs()))
+
+
+def make_plan(cfg: Any, spec: Any, prof: Any = None, *, method: str | None = None) -> Any:
+    """Profile (unless `prof` is given) and partition per the config; `method` overrides `partitioner.method`."""
+    import partitioner
+
+    prof = prof if prof is not None else profile_model(cfg, spec)
+    kwargs = partition_kwargs(cfg)
+    if method is not None:
+        kwargs["method"] = method
+    return partitioner.partition(prof, **kwargs)
+
+
+def plan_matches(plan: Any, cfg: Any, num_layers: int) -> bool:
+    """Whether a saved plan fits the configured layout (stages, chunks, schedule, m, replicas, method)."""
+    kw = partition_kwargs(cfg)
+    return (plan.num_layers == num_layers and plan.num_stages == kw["num_stages"]
+            and plan.virtual_stages == kw["virtual_stages"] and plan.schedule == kw["schedule"]
+            and plan.microbatches == kw["microbatches"] and plan.data_parallel == kw["data_parallel"]
+            and plan.method == kw["method"])

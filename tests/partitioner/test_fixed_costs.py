@@ -1,0 +1,55 @@
+"""Fixed costs in the plan: per action, per message, per step and the optimizer update."""
+from __future__ import annotations
+
+import pytest
+
+from engine.schedules import build_schedule
+from engine.simulate import simulate
+from partitioner import FixedCosts, LayerCost, Profile, partition
+
+LAYER = LayerCost(forward_s=1e-3, backward_s=2e-3, param_bytes=4_000_000, activation_bytes=10_000,
+                  output_bytes=100_000)
+FIXED = FixedCosts(action_s=2e-4, message_latency_s=5e-5, link_bytes_per_s=1e9, step_s=3e-3,
+                   optimizer_s_per_byte={"sgd": 1e-10, "adamw": 5e-10})
+
+
+def test_profile_json_keeps_the_fixed_costs():
+    prof = Profile([LAYER] * 4, fixed=FIXED)
+    assert Profile.from_json(prof.to_json()) == prof
+    assert Profile.from_json(Profile([LAYER] * 4).to_json()).fixed is None
+
+
+def test_fixed_costs_from_the_measurement_dict():
+    measured = {"action_s": 1e-4, "message_latency_s": 2e-5, "link_bytes_per_s": 3e9, "step_s": 1e-3,
+                "optimizer_s_per_byte": {"sgd": 1e-10}, "measured": {"when": "now"}}
+    fc = FixedCosts.from_dict(measured)
+    assert fc.action_s == 1e-4 and fc.optimizer_s("SGD", 1e6) == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+def test_prediction_charges_each_action_message_and_the_step(schedule):
+    m, p = 8, 2
+    plan = partition(Profile([LAYER] * 4, fixed=FIXED), p, schedule=schedule, microbatches=m,
+                     optimizer="adamw", zero_stage=1, data_parallel=2)
+    a = FIXED.action_s
+    f = [x + a for x in plan.stage_forward_s]
+    if schedule == "zb-h1":
+        b = [x + 2 * a for x in plan.stage_backward_s]
+        w = [x + a for x in plan.stage_weight_s]
+    else:
+        b = [x + a for x in plan.stage_backward_s]
+        w = [x + a for x in plan.stage_weight_s]
+    comm = LAYER.output_bytes / FIXED.link_bytes_per_s + FIXED.message_latency_s
+    assert plan.boundary_comm_s == [pytest.approx(comm)]
+    sched = simulate(build_schedule(schedule, p, m), f, b, weight_s=w, comm_s=[comm]).step_s
+    opt = 2 * LAYER.param_bytes / 2 * 5e-10          # 2 layers a rank, ZeRO-1 over 2 replicas
+    assert plan.rank_optimizer_s == [pytest.approx(opt)] * 2
+    assert plan.step_s == pytest.approx(sched + FIXED.step_s + opt)
+    assert "fixed costs" in plan.predicted_by
+
+
+def test_no_fixed_costs_is_compute_only():
+    plan = partition(Profile([LAYER] * 4), 2, microbatches=8)
+    assert plan.action_s == 0 and plan.step_fixed_s == 0 and plan.rank_optimizer_s == []
+    base = simulate(build_schedule("1f1b", 2, 8), plan.stage_forward_s, plan.stage_backward_s).step_s
+    assert plan.step_s == pytest.approx(base)
