@@ -112,6 +112,11 @@ def _prep_input(x: Any, device, dtype, requires_grad: bool) -> Any:
     return _map(f, x)
 
 
+def _largest_param_bytes(layer: Any) -> int:
+    """Bytes of the layer's largest parameter tensor (0 without parameters)."""
+    return max((p.numel() * p.element_size() for p in layer.parameters()), default=0)
+
+
 def _storage_key(t) -> int:
     return t.untyped_storage()._cdata
 
@@ -286,7 +291,8 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
             w_s = None
         costs.append(LayerCost(forward_s=f_s, backward_s=b_s, param_bytes=int(param_bytes),
                                activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
-                               weight_grad_s=w_s, name=name, shared_input_bytes=int(shared_bytes)))
+                               weight_grad_s=w_s, name=name, shared_input_bytes=int(shared_bytes),
+                               largest_param_bytes=_largest_param_bytes(layer)))
         x = _map(lambda t: t.requires_grad_(True) if t.is_floating_point() else t, nxt)
         prev_name = name
         del layer, nxt
@@ -408,7 +414,8 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
                                activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
                                weight_grad_s=min(w_s, bwd.time_s), name=name,
                                forward_flops=float(fc_f.get_total_flops()),
-                               backward_flops=float(fc_b.get_total_flops()), shared_input_bytes=int(shared_bytes)))
+                               backward_flops=float(fc_b.get_total_flops()), shared_input_bytes=int(shared_bytes),
+                               largest_param_bytes=_largest_param_bytes(layer)))
         nxt = _map(lambda t: t.detach(), out)
         skip_keys = {_storage_key(t) for t in out_tensors} & saved_keys
         del out, out_tensors, outs
