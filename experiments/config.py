@@ -20,11 +20,11 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from engine.choices import BACKENDS, NONFINITE, OPTIMIZERS, PRECISIONS
+from engine.choices import BACKENDS, GRAD_ACCUM_DTYPES, NONFINITE, OPTIMIZERS, PRECISIONS
 from engine.schedules import SCHEDULES
 from experiments.fields import choice_text, get_field
 from partitioner.planner import METHODS
@@ -40,6 +40,8 @@ __all__ = [
     "OptimizerName",
     "OptimizerBackend",
     "Precision",
+    "GradAccumDtype",
+    "checkpointing_mode",
     "LoggerMode",
     "MLPProfile",
     "HFArch",
@@ -109,6 +111,7 @@ ProfileMode = _choice("ProfileMode", ("measure", "analytic"))
 OptimizerName = _choice("OptimizerName", OPTIMIZERS)
 OptimizerBackend = _choice("OptimizerBackend", BACKENDS)
 Precision = _choice("Precision", PRECISIONS)
+GradAccumDtype = _choice("GradAccumDtype", GRAD_ACCUM_DTYPES)
 LoggerMode = _choice("LoggerMode", ("offline", "online", "disabled"))
 MLPProfile = _choice("MLPProfile", ("uniform", "ramp", "hourglass"))
 HFArch = _choice("HFArch", ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox"))
@@ -188,7 +191,7 @@ class PipelineConfig:
     microbatches: int = 4  # microbatches per step per replica (m)
     virtual_stages: int = 1  # model chunks per rank (v); the schedule says which (>= 2: interleaved-1f1b, 2: zbv)
     data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel
-    activation_checkpointing: bool = False  # recompute each chunk's forward during backward
+    activation_checkpointing: Union[bool, str] = False  # false | true (every chunk recomputes) | auto (the partitioner decides per chunk)
     comm_timeout_s: float = 60.0  # a point-to-point transfer waiting longer than this fails the job
     nonfinite: NonFinite = NonFinite["raise"]  # a non-finite loss/gradient: raise (stop) | skip (drop the step)
 
@@ -222,7 +225,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # floor of the cosine decay, as a fraction of lr
     grad_clip: Optional[float] = None  # clip the global gradient norm (whole pipeline); null = off
     zero_stage: int = 0  # DeepSpeed ZeRO stage over the data-parallel group: 0, 1 or 2
-    backend: OptimizerBackend = OptimizerBackend["auto"]  # auto | torch | deepspeed (auto: deepspeed iff zero_stage > 0)
+    backend: OptimizerBackend = OptimizerBackend["auto"]  # auto | torch | deepspeed (auto: deepspeed iff zero_stage > 0 or 16-bit weights)
+    grad_accum_dtype: GradAccumDtype = GradAccumDtype["fp32"]  # gradients accumulated over microbatches in: fp32 | bf16 | fp16 (= the 16-bit weights')
 
 
 @dataclass
@@ -277,6 +281,7 @@ class TrainConfig:
     eval_batches: int = 4  # batches per evaluation
     device: Device = Device["auto"]  # auto (cuda if available) | cpu | cuda
     timeout_s: Optional[float] = None  # whole-job limit for the local launcher; null = none
+    memory_every: int = 100  # measure each rank's peak memory (torch MemTracker) on the first 2 steps and every this many; 0 = off
 
 
 @dataclass
@@ -344,7 +349,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
-    precision: Precision = Precision["fp32"]  # fp32 | bf16 | fp16 (mixed precision compute)
+    precision: Precision = Precision["fp32"]  # fp32 | bf16 | fp16 (16-bit weights, fp32 masters in the optimizer) | bf16-autocast | fp16-autocast (fp32 weights)
     name: str = "default"  # experiment name (run directory, W&B run name)
 
 
@@ -358,9 +363,16 @@ def compose_config(*overrides: str) -> Any:
     """
     from hydra import compose, initialize_config_dir
 
+    from hydra.errors import ConfigCompositionException
+
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        cfg = compose(config_name="config", overrides=list(overrides))
+    try:  # a bool-or-"auto" field: the one value OmegaConf's types cannot hold to its choices
+        checkpointing_mode(_get(cfg, "pipeline.activation_checkpointing", False))
+    except ConfigError as err:
+        raise ConfigCompositionException(str(err)) from None
+    return cfg
 
 
 def register_configs() -> None:
@@ -509,6 +521,7 @@ def validate_config(cfg: Any) -> None:
     _check_precision(cfg)
     _check_memory_limit(cfg)
     _check_optimizer(cfg)
+    _check_checkpointing(cfg)
     _check_model_and_data(cfg)
     for key in ("train.log_every", "train.eval_every", "checkpoint.every_steps"):
         value = _get(cfg, key)
@@ -596,20 +609,44 @@ def _check_memory_limit(cfg: Any) -> None:
 
 
 def _check_optimizer(cfg: Any) -> None:
-    from engine.choices import ZERO_STAGES, resolve_backend
+    from engine.choices import ZERO_STAGES, check_grad_accum_dtype, resolve_backend
 
     zero = int(_get(cfg, "optimizer.zero_stage", 0))
     if zero not in ZERO_STAGES:
         raise ConfigError(f"optimizer.zero_stage={zero}; choose 0 (off), 1 (optimizer state) or 2 (+ gradients)")
     if float(_get(cfg, "optimizer.lr", 1.0)) <= 0:
         raise ConfigError("optimizer.lr must be positive, e.g. optimizer.lr=3e-3")
-    try:
-        resolve_backend(choice_text(_get(cfg, "optimizer.backend", "auto")), zero)
-    except ValueError:
+    precision = choice_text(_get(cfg, "precision", "fp32"))
+    backend = choice_text(_get(cfg, "optimizer.backend", "auto"))
+    if backend == "torch" and zero > 0:
         raise ConfigError(
             f"optimizer.zero_stage={zero} needs DeepSpeed; set optimizer.backend=auto (or deepspeed), "
-            "or optimizer.zero_stage=0"
-        ) from None
+            "or optimizer.zero_stage=0")
+    try:
+        resolve_backend(backend, zero, precision)
+        check_grad_accum_dtype(choice_text(_get(cfg, "optimizer.grad_accum_dtype", "fp32")), precision)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def checkpointing_mode(value: Any) -> bool | str:
+    """`pipeline.activation_checkpointing` as False, True or "auto" (ConfigError otherwise).
+
+    >>> checkpointing_mode("auto"), checkpointing_mode(False), checkpointing_mode("true")
+    ('auto', False, True)
+    """
+    text = str(choice_text(value)).lower()
+    modes = {"false": False, "off": False, "true": True, "on": True, "auto": "auto"}
+    if text not in modes:
+        raise ConfigError(f"pipeline.activation_checkpointing={value!r}; choose false (no recompute), true "
+                          "(every chunk recomputes) or auto (the partitioner recomputes only where memory needs it)")
+    return modes[text]
+
+
+def _check_checkpointing(cfg: Any) -> None:
+    checkpointing_mode(_get(cfg, "pipeline.activation_checkpointing", False))
+    if int(_get(cfg, "train.memory_every", 0) or 0) < 0:
+        raise ConfigError("train.memory_every must be >= 0 (0 turns the memory measurement off)")
 
 
 def _check_model_and_data(cfg: Any) -> None:

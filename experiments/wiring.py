@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from experiments.config import ConfigError, optimizer_kwargs, parse_memory_limit, validate_config
+from experiments.config import ConfigError, checkpointing_mode, optimizer_kwargs, parse_memory_limit, validate_config
 from experiments.fields import choice_text as _text
 from experiments.fields import get_field as _get
 
@@ -67,10 +67,14 @@ def resolve_device(cfg: Any) -> str:
 
 
 def torch_dtype(cfg: Any) -> Any:
-    """The compute dtype of `precision` (fp32 -> torch.float32, bf16 -> torch.bfloat16, fp16 -> torch.float16)."""
+    """The compute dtype of `precision` (fp32 -> torch.float32; bf16 and bf16-autocast ->
+    torch.bfloat16; fp16 and fp16-autocast -> torch.float16)."""
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[_text(_get(cfg, "precision"))]
+    from engine.choices import compute_name
+
+    name = compute_name(_text(_get(cfg, "precision")))
+    return {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def schedule_chunks(schedule: str) -> int:
@@ -115,7 +119,11 @@ def partition_kwargs(cfg: Any) -> dict[str, Any]:
         "memory_limit_bytes": parse_memory_limit(_get(part, "memory_limit")),
         "method": _text(_get(part, "method")),
         "link_bytes_per_s": float(link) if link is not None else None,
-        "activation_checkpointing": bool(_get(p, "activation_checkpointing")),
+        "activation_checkpointing": checkpointing_mode(_get(p, "activation_checkpointing")),
+        "precision": _text(_get(cfg, "precision")),
+        "momentum": float(_get(opt, "momentum", 0.0) or 0.0),
+        "grad_accum_dtype": _text(_get(opt, "grad_accum_dtype", "fp32")),
+        "backend": _text(_get(opt, "backend", "auto")),
     }
 
 
@@ -125,13 +133,20 @@ def engine_optimizer_kwargs(cfg: Any) -> dict[str, Any]:
 
 
 def pipeline_kwargs(cfg: Any, stage_ranges: Sequence[Sequence[int]], *, ties: Sequence[tuple[str, str]] = (),
-                    device: str | None = None) -> dict[str, Any]:
+                    device: str | None = None, recompute: Sequence[bool] | None = None) -> dict[str, Any]:
     """Keyword arguments for `engine.Pipeline(spec.layers, **kwargs)`, except `loss_fn` and `optimizer`.
 
     The caller adds `loss_fn=spec.loss_fn` and `optimizer=engine.OptimizerConfig(**engine_optimizer_kwargs(cfg))`.
+    ``recompute``: the plan's per-chunk ``stage_recompute`` (what `pipeline.activation_checkpointing`
+    decided: every chunk, none, or with auto the partitioner's choice); without it the config's
+    true / false applies to every chunk.
     """
     validate_config(cfg)
     p = _get(cfg, "pipeline")
+    mode = checkpointing_mode(_get(p, "activation_checkpointing"))
+    if recompute is None and mode == "auto":
+        raise ConfigError("pipeline.activation_checkpointing=auto needs the plan's per-chunk choice: pass "
+                          "recompute=plan.stage_recompute")
     return {
         "stage_ranges": [tuple(int(x) for x in r) for r in stage_ranges],
         "schedule": _text(_get(p, "schedule")),
@@ -139,7 +154,8 @@ def pipeline_kwargs(cfg: Any, stage_ranges: Sequence[Sequence[int]], *, ties: Se
         "virtual_stages": int(_get(p, "virtual_stages")),
         "data_parallel": int(_get(p, "data_parallel")),
         "precision": _text(_get(cfg, "precision")),
-        "activation_checkpointing": bool(_get(p, "activation_checkpointing")),
+        "activation_checkpointing": [bool(x) for x in recompute] if recompute is not None else bool(mode),
+        "memory_every": int(_get(cfg, "train.memory_every", 0) or 0),
         "seed": int(_get(cfg, "train.seed")),
         "device": device,
         "ties": [tuple(t) for t in ties],
@@ -247,9 +263,12 @@ def make_plan(cfg: Any, spec: Any, prof: Any = None, *, method: str | None = Non
 
 
 def plan_matches(plan: Any, cfg: Any, num_layers: int) -> bool:
-    """Whether a saved plan fits the configured layout (stages, chunks, schedule, m, replicas, method)."""
+    """Whether a saved plan fits the configured layout (stages, chunks, schedule, m, replicas,
+    method), precision and checkpointing (true / false: every chunk / none)."""
     kw = partition_kwargs(cfg)
+    ckpt = kw["activation_checkpointing"]
+    recompute_ok = ckpt == "auto" or list(plan.stage_recompute or []) == [bool(ckpt)] * plan.num_chunks
     return (plan.num_layers == num_layers and plan.num_stages == kw["num_stages"]
             and plan.virtual_stages == kw["virtual_stages"] and plan.schedule == kw["schedule"]
             and plan.microbatches == kw["microbatches"] and plan.data_parallel == kw["data_parallel"]
-            and plan.method == kw["method"])
+            and plan.method == kw["method"] and plan.precision == kw["precision"] and recompute_ok)
