@@ -27,6 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from engine.choices import BACKENDS, GRAD_ACCUM_DTYPES, NONFINITE, OPTIMIZERS, PRECISIONS
 from engine.schedules import SCHEDULES
 from experiments.fields import choice_text, get_field
+from partitioner.devices import ATTENTION_BACKENDS
 from partitioner.planner import METHODS
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "ScheduleName",
     "PartitionMethod",
     "ProfileMode",
+    "AttentionBackend",
     "OptimizerName",
     "OptimizerBackend",
     "Precision",
@@ -108,6 +110,7 @@ def _choice(name: str, values: tuple[str, ...]) -> type[Choice]:
 ScheduleName = _choice("ScheduleName", SCHEDULES)
 PartitionMethod = _choice("PartitionMethod", METHODS)
 ProfileMode = _choice("ProfileMode", ("measure", "analytic"))
+AttentionBackend = _choice("AttentionBackend", ATTENTION_BACKENDS)
 OptimizerName = _choice("OptimizerName", OPTIMIZERS)
 OptimizerBackend = _choice("OptimizerBackend", BACKENDS)
 Precision = _choice("Precision", PRECISIONS)
@@ -206,6 +209,7 @@ class PartitionerConfig:
     repeats: int = 5  # measure: timed repeats per layer (median is used)
     warmup: int = 2  # measure: untimed repeats before timing
     device_spec: Optional[str] = None  # analytic: device preset (partitioner.DEVICE_PRESETS, e.g. h100); null = this CPU
+    attention: Optional[AttentionBackend] = None  # analytic: SDPA kernel attention is costed through: flash | efficient | math; null = the device spec's (flash)
     link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs; null = free transfers
     fixed_costs: bool = True  # measure: charge the runtime's fixed costs (per action, message, step) measured on this machine (cached; CPU runs)
 

@@ -101,6 +101,8 @@ def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:
                    warmup=int(_get(part, "warmup")))
     else:
         out["device_spec"] = _get(part, "device_spec")
+        attention = _get(part, "attention", None)
+        out["attention"] = _text(attention) if attention is not None else None
     return out
 
 

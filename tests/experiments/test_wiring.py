@@ -45,6 +45,18 @@ def test_partition_kwargs_are_plain_and_accepted_by_partition(compose_cfg):
     assert plan.stage_ranges[0][0] == 0 and plan.stage_ranges[-1][1] == len(spec.layers)
 
 
+def test_attention_backend_reaches_the_analytic_profile(compose_cfg):
+    base = ("experiment=smoke", "partitioner.profile=analytic", "partitioner.device_spec=h100")
+    assert profile_kwargs(compose_cfg(*base))["attention"] is None          # the device spec's
+    kw = profile_kwargs(compose_cfg(*base, "partitioner.attention=math"))
+    assert kw["attention"] == "math" and type(kw["attention"]) is str
+    spec = build_model(compose_cfg(*base).model)
+    x = spec.example_input(1)
+    assert partitioner.profile(spec.layers, x, **kw).meta["attention"] == "math"
+    with pytest.raises(Exception, match="attention"):
+        compose_cfg(*base, "partitioner.attention=cudnn")
+
+
 def test_pipeline_and_optimizer_kwargs_match_the_engine_signatures(compose_cfg):
     cfg = compose_cfg("precision=bf16", "optimizer=sgd")
     spec = build_model(cfg.model)
