@@ -25,9 +25,11 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -73,16 +75,49 @@ def _tracker_class() -> type:
     return _StepTracker
 
 
+@contextlib.contextmanager
+def _removable_grad_hooks() -> Iterator[None]:
+    """MemTracker's module tracker puts multi-grad hooks on every module's inputs and outputs;
+    two of them break on a pipeline stage, whose inputs are leaves (received activations):
+
+    * its "all" hook on the inputs asks autograd whether each input's node will run, which a
+      leaf's node cannot answer inside ``torch.autograd.grad`` (zb-h1's input-gradient pass):
+      it is registered in mode "any" (it marks when the module's backward has begun; the
+      measured peak and kinds do not depend on it);
+    * left in place, a hook on a leaf closes over the leaf's gradient accumulator, which holds
+      the leaf: a cycle through C++ the garbage collector cannot see, so every measured step
+      would keep its inputs and their gradients alive for good (``ModTracker`` keeps no
+      handle): every hook is removed when the step ends."""
+    from torch.distributed._tools import mod_tracker
+
+    original = mod_tracker.register_multi_grad_hook
+    handles: list[Any] = []
+
+    def register(tensors: Any, fn: Callable, *, mode: str = "all") -> Any:
+        handles.append(original(tensors, fn, mode="any"))
+        return handles[-1]
+
+    mod_tracker.register_multi_grad_hook = register
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = original
+        for h in handles:
+            h.remove()
+
+
 def _live_tensors(device: torch.device) -> list[Tensor]:
     """Every tensor object alive in this process on ``device`` (the rank's memory before the step)."""
     out = []
     gc.collect()
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, Tensor) and obj.device.type == device.type and not obj.is_meta:
-                out.append(obj)
-        except (ReferenceError, RuntimeError):  # a dead weakref proxy, an odd subclass
-            continue
+    with warnings.catch_warnings():   # isinstance on deprecated torch objects warns
+        warnings.simplefilter("ignore", FutureWarning)
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, Tensor) and obj.device.type == device.type and not obj.is_meta:
+                    out.append(obj)
+            except (ReferenceError, RuntimeError):  # a dead weakref proxy, an odd subclass
+                continue
     return out
 
 
@@ -120,7 +155,7 @@ def measure_step(fn: Callable[[], Any], *, modules: Sequence[nn.Module],
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    with tracker:
+    with _removable_grad_hooks(), tracker:
         result = fn()
     snap = tracker.get_tracker_snapshot("peak").get(device, {})
     if not snap and device.type == "cuda":   # MemTracker keys by the tensors' device (index)

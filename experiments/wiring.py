@@ -222,15 +222,31 @@ def check_checkpoint_model(path: Path, spec: Any) -> None:
 
 # --------------------------------------------------------------------------- profile and plan
 def profile_model(cfg: Any, spec: Any) -> Any:
-    """`partitioner.profile` of the model on one microbatch, timed with one thread (as the workers run)."""
+    """`partitioner.profile` of the model on one microbatch, timed with one thread (as the workers run).
+
+    A measured profile runs the layers as the engine does: weights in the precision's weight
+    dtype (fp32 under `bf16-autocast`) and, with 16-bit compute, under `torch.autocast`, so it
+    saves what the run saves (autocast keeps fp32 inputs and 16-bit weight copies)."""
+    import contextlib
+
     import torch
 
     import partitioner
+    from engine.optim import compute_dtype
 
+    kwargs = profile_kwargs(cfg)
+    compute = compute_dtype(_text(_get(cfg, "precision")))
+    ctx: Any = contextlib.nullcontext()
+    if kwargs["mode"] == "measure" and compute is not None:
+        from engine.choices import weight_bytes
+        if weight_bytes(_text(_get(cfg, "precision"))) == 4:
+            kwargs["dtype"] = torch.float32
+        ctx = torch.autocast(torch.device(kwargs["device"]).type, dtype=compute)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        prof = partitioner.profile(spec.layers, spec.example_input(microbatch_size(cfg)), **profile_kwargs(cfg))
+        with ctx:
+            prof = partitioner.profile(spec.layers, spec.example_input(microbatch_size(cfg)), **kwargs)
     finally:
         torch.set_num_threads(threads)
     return with_fixed_costs(cfg, prof)
