@@ -107,6 +107,7 @@ def _worker(jobs: list[dict], steps: int) -> list[dict]:
 
 
 def _rows(job: dict[str, Any], per_rank: list[list[dict]]) -> list[dict[str, Any]]:
+    """One row per pipeline rank of replica 0: the plan's peak beside the measured one."""
     plan, rows = job["plan"], []
     for res in (r[0] for r in per_rank):
         if res["replica"] != 0:
