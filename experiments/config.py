@@ -59,6 +59,8 @@ __all__ = [
     "DataConfig",
     "TextDataConfig",
     "SyntheticDataConfig",
+    "HFDataConfig",
+    "TextUnit",
     "LoggerConfig",
     "TrainConfig",
     "CheckpointConfig",
@@ -120,6 +122,7 @@ MLPProfile = _choice("MLPProfile", ("uniform", "ramp", "hourglass"))
 HFArch = _choice("HFArch", ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox"))
 Device = _choice("Device", ("auto", "cpu", "cuda"))
 NonFinite = _choice("NonFinite", NONFINITE)
+TextUnit = _choice("TextUnit", ("line", "paragraph", "document"))
 
 
 # --------------------------------------------------------------------------- model
@@ -237,7 +240,7 @@ class OptimConfig:
 class DataConfig:
     """Base of the `data` group; `name` selects the dataset in `experiments.data.make_dataset`."""
 
-    name: str = MISSING  # text | synthetic (set by the option's schema)
+    name: str = MISSING  # text | synthetic | hf (set by the option's schema)
 
 
 @dataclass
@@ -257,6 +260,23 @@ class SyntheticDataConfig(DataConfig):
 
     name: str = "synthetic"
     holdout_seed_offset: int = 1_000_003  # evaluation batches use seed + this (disjoint stream)
+
+
+@dataclass
+class HFDataConfig(DataConfig):
+    """`data=hf`: your own files, tokenized with the model's tokenizer (`experiments.hfdata`)."""
+
+    name: str = "hf"
+    files: Any = None  # a file, directory or glob (.txt .md .jsonl .json .parquet), or a list of them
+    text_field: str = "text"  # the field holding each document's text (JSON lines, parquet)
+    sample_by: TextUnit = TextUnit["line"]  # plain text: one document per line | paragraph | document (file)
+    tokenizer: Optional[str] = None  # tokenizer directory (save_pretrained); null = model.pretrained's
+    eval_fraction: float = 0.05  # share of the documents held out (evenly spread) for the evaluation loss
+    streaming: bool = False  # read and tokenize while training (corpora larger than memory)
+    shards: Optional[int] = None  # document shards (a multiple of data_parallel, dividing the batch); null = data_parallel
+    shuffle: bool = False  # permute each shard's blocks every epoch (not with streaming: files are read in order)
+    prefetch: int = 2  # streaming: steps read ahead in a background thread
+    cache_dir: Optional[str] = None  # datasets' cache (Arrow copy + tokenized ids); null = HF_DATASETS_CACHE
 
 
 @dataclass
@@ -311,6 +331,7 @@ class BenchConfig:
     methods: List[str] = field(default_factory=lambda: ["optimal", "uniform", "parameters"])  # splits compared
     timeout_s: float = 600.0  # per-system limit
     rounds: int = 1  # repeat every system this many times in alternating order (pools timings)
+    overhead: bool = False  # true: the overhead benchmark instead (near-free layers, m=32, p=2 and 4: cost per action)
 
 
 @dataclass
@@ -344,7 +365,7 @@ class Config:
     """The whole experiment (`conf/config.yaml`)."""
 
     model: ModelConfig = MISSING  # model group: gpt | mlp | hf_gpt2 | hf_llama
-    data: DataConfig = MISSING  # data group: text | synthetic
+    data: DataConfig = MISSING  # data group: text | synthetic | hf
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)
     optimizer: OptimConfig = field(default_factory=OptimConfig)
@@ -382,7 +403,7 @@ def compose_config(*overrides: str) -> Any:
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore (idempotent; call before composing).
 
-    Names: `pipeshard_schema` (primary), `model/{gpt,mlp,hf}_schema`, `data/{text,synthetic}_schema`.
+    Names: `pipeshard_schema` (primary), `model/{gpt,mlp,hf}_schema`, `data/{text,synthetic,hf}_schema`.
     """
     global _REGISTERED
     if _REGISTERED:
@@ -397,6 +418,7 @@ def register_configs() -> None:
     cs.store(group="model", name="hf_schema", node=HFModelConfig)
     cs.store(group="data", name="text_schema", node=TextDataConfig)
     cs.store(group="data", name="synthetic_schema", node=SyntheticDataConfig)
+    cs.store(group="data", name="hf_schema", node=HFDataConfig)
     _REGISTERED = True
 
 
@@ -668,6 +690,8 @@ def _check_model_and_data(cfg: Any) -> None:
     data_name = choice_text(_get(cfg, "data.name"))
     if model_name == "mlp" and data_name != "synthetic":
         raise ConfigError(f"model=mlp takes feature vectors, not text; use data=synthetic (got data={data_name})")
+    if data_name == "hf":
+        _check_hf_data(cfg)
     if facts is not None:
         _check_pretrained(model, facts, data_name)
     elif model_name in ("gpt", *HF_MODELS):
@@ -677,6 +701,30 @@ def _check_model_and_data(cfg: Any) -> None:
         dim, heads = int(_get(model, "dim")), int(_get(model, "heads"))
         if dim % heads:
             raise ConfigError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
+
+
+def _check_hf_data(cfg: Any) -> None:
+    """`data=hf` settings that need no file access (the files are checked by `hfdata.prepare`)."""
+    from experiments.hfdata.layout import DataError, Holdout, ShardLayout
+    from experiments.hfdata.tokens import tokenizer_dir
+
+    data = _get(cfg, "data")
+    if _get(data, "files") in (None, "", []):
+        raise ConfigError("data=hf needs data.files: a file, directory or glob of your text, e.g. "
+                          "data.files='corpus/*.jsonl' (or a list: data.files=[a.txt,b.jsonl])")
+    dp = int(_get(cfg, "pipeline.data_parallel", 1))
+    shards = _get(data, "shards")
+    try:
+        tokenizer_dir(_get(data, "tokenizer"), _get(cfg, "model.pretrained"))
+        Holdout(float(_get(data, "eval_fraction", 0.05)))
+        ShardLayout(int(shards) if shards is not None else dp, int(_get(cfg, "train.batch_size")), dp)
+    except DataError as err:
+        raise ConfigError(str(err)) from None
+    if bool(_get(data, "streaming", False)) and bool(_get(data, "shuffle", False)):
+        raise ConfigError("data.shuffle=true cannot be used with data.streaming=true (streaming reads the "
+                          "files in order); shuffle the files beforehand, or set data.streaming=false")
+    if int(_get(data, "prefetch", 2)) < 1:
+        raise ConfigError(f"data.prefetch={_get(data, 'prefetch')}; it must be at least 1")
 
 
 def _check_pretrained(model: Any, facts: dict, data_name: str) -> None:

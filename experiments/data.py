@@ -5,6 +5,8 @@ download, the Python standard library's own source files (sorted, read up to a b
 The last `holdout_fraction` of the bytes is held out for the evaluation loss. A batch is
 `(inputs [B, T] int64, targets [B, T] int64)` with targets shifted by one byte.
 
+`data=hf` (`experiments.hfdata`): your own files, tokenized with the model's tokenizer.
+
 `data=synthetic`: random tokens for language models (benchmarks: the loss does not fall), or
 standard-normal features labelled by a fixed random teacher for `model=mlp` (learnable).
 
@@ -166,8 +168,11 @@ class SyntheticFeatures:
         return self._batch(self.seed + self.offset, _EVAL, index, batch_size)
 
 
-def make_dataset(cfg: Any) -> Dataset:
+def make_dataset(cfg: Any, *, replica: int = 0) -> Dataset:
     """The dataset for a whole experiment config (`data`, `model` and `train.seed` are used).
+
+    `replica`: the data-parallel replica this process trains (data=hf reads only its shards;
+    the other datasets are pure functions of the step and ignore it).
 
     >>> ds = make_dataset({"data": {"name": "synthetic"}, "model": {"name": "gpt", "seq_len": 8, "vocab": 50},
     ...                    "train": {"seed": 0}})
@@ -198,4 +203,8 @@ def make_dataset(cfg: Any) -> Dataset:
         return SyntheticTokens(
             int(_get(model, "seq_len")), int(_get(model, "vocab")), seed=seed, holdout_seed_offset=offset
         )
-    raise ValueError(f"unknown data={name!r}; choose data=text or data=synthetic")
+    if name == "hf":
+        from experiments.hfdata import HFTextData, spec_of
+
+        return HFTextData(spec_of(cfg), replica=replica)
+    raise ValueError(f"unknown data={name!r}; choose data=text, data=synthetic or data=hf")

@@ -3,7 +3,8 @@
 `prepare_job(cfg, run_dir)` builds the model spec, finds the checkpoint to resume from (and
 refuses one written for another model), and makes the plan: the run's own `plan.json` when it
 resumes with the same layout, else a fresh profile and partition (printed, saved as
-`plan.json`). Under `torchrun` (RANK / WORLD_SIZE set) the process group is initialised first
+`plan.json`); with `data=hf` it checks the files (and tokenizes them into the cache) first.
+Under `torchrun` (RANK / WORLD_SIZE set) the process group is initialised first
 and rank 0 alone prepares, then broadcasts the `Job` (a measured profile is not deterministic,
 so the ranks must not each compute one).
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.config import ConfigError, to_plain_dict
+from experiments.fields import choice_text
 from experiments.fields import get_field as _get
 from experiments.wiring import (check_checkpoint_model, checkpoint_root, make_plan, plan_matches,
                                 resume_checkpoint, run_name, world_size)
@@ -86,14 +88,34 @@ def _prepare(cfg: Any, run_dir: Path) -> Job:
     resume = resume_checkpoint(cfg, run_dir)
     if resume is not None:
         check_checkpoint_model(resume, spec)
+    data = _prepare_data(cfg, resume)
     plan = _plan_for(cfg, spec, run_dir, resume)
     print(f"model {spec.name}: {len(spec.layers)} pipeline layers, {spec.num_params:,} parameters", flush=True)
     print(plan.summary(), flush=True)
     if resume is not None:
         print(f"resuming from {resume}", flush=True)
-    return Job(config=to_plain_dict(cfg), plan=plan, run_dir=str(run_dir),
+    config = to_plain_dict(cfg)
+    if data is not None:
+        config["data"] = data
+    return Job(config=config, plan=plan, run_dir=str(run_dir),
                checkpoint_root=str(checkpoint_root(cfg, run_dir)),
                resume_from=str(resume) if resume else None, run_name=run_name(cfg))
+
+
+def _prepare_data(cfg: Any, resume: Path | None) -> dict | None:
+    """data=hf: check (and tokenize) the files before launch; the resolved `data` for the workers."""
+    if choice_text(_get(cfg, "data.name")) != "hf":
+        return None
+    import json
+
+    from engine.checkpoint import MANIFEST
+    from experiments.hfdata import DataError, prepare
+
+    resumed = json.loads((resume / MANIFEST).read_text()).get("meta", {}).get("data") if resume else None
+    try:
+        return prepare(cfg, resumed)
+    except DataError as err:  # reported like any bad config: error: ..., exit 2, nothing launched
+        raise ConfigError(str(err)) from None
 
 
 def _prepare_on_rank0(cfg: Any, run_dir: Path) -> Job:

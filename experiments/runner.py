@@ -39,9 +39,10 @@ from experiments.job import Job
 __all__ = ["Trainer", "run_worker", "checkpoint_meta", "StopFlag", "STOP_SIGNALS", "RANK_FIGURES"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# StepResult.stats figures written per pipeline rank (metrics.jsonl `rank_<name>`).
+# StepResult.stats figures written per pipeline rank (metrics.jsonl `rank_<name>`); data_time_s
+# (the wait for the step's batch) is added by the loop.
 RANK_FIGURES = ("forward_s", "backward_s", "optimizer_s", "comm_wait_s", "idle_s",
-                "peak_activation_bytes", "optimizer_state_bytes", "bytes_sent")
+                "peak_activation_bytes", "optimizer_state_bytes", "bytes_sent", "data_time_s")
 
 
 def run_worker(job: Job) -> dict:
@@ -49,13 +50,20 @@ def run_worker(job: Job) -> dict:
     return Trainer(job).run()
 
 
-def checkpoint_meta(step: int, scalars: dict, cfg: dict, stage_ranges: list) -> dict:
-    """The JSON run state stored with a checkpoint (rank 0's copy is kept in the manifest)."""
-    return {"step": int(step), "data_position": int(step), "optimizer": scalars,
+def checkpoint_meta(step: int, scalars: dict, cfg: dict, stage_ranges: list,
+                    data_state: dict | None = None) -> dict:
+    """The JSON run state stored with a checkpoint (rank 0's copy is kept in the manifest).
+
+    `data_position` is the step whose batch comes next; `data` (data=hf) the readers' place
+    behind it: the shard count and, when streaming, each shard's position in the files."""
+    meta = {"step": int(step), "data_position": int(step), "optimizer": scalars,
             "stage_ranges": [list(r) for r in stage_ranges],
             "pipeline": {k: cfg["pipeline"][k] for k in ("stages", "schedule", "microbatches",
                                                            "virtual_stages", "data_parallel")},
             "model": cfg["model"], "seed": cfg["train"]["seed"]}
+    if data_state is not None:
+        meta["data"] = data_state
+    return meta
 
 
 class StopFlag:
@@ -140,7 +148,8 @@ class Trainer:
         self.owner = self.rank == self.p - 1  # last stage of replica 0 owns the loss
         self.last = self.pipe.schedule.num_chunks - 1
         needs_data = 0 in self.pipe.chunks or self.last in self.pipe.chunks
-        self.data = make_dataset(self.cfg) if needs_data else None
+        self.data = make_dataset(self.cfg, replica=self.pipe.mesh.replica) if needs_data else None
+        self.data_time = 0.0
         self.measured_f = [0.0] * self.p
         self.measured_b = [0.0] * self.p
         self.peak_act = [0] * self.p
@@ -191,6 +200,8 @@ class Trainer:
                                   "optimizer": ck.merge_optimizer_state(c.optimizer, c.meta["optimizer"])})
             ck.restore_rng(c.rng)
             self.start = int(c.meta["data_position"])
+            if self.data is not None and hasattr(self.data, "restore"):
+                self.data.restore(self.start, c.meta.get("data"))
         self._open_tracker()
 
     # ----------------------------------------------------------------------------------- step
@@ -215,8 +226,12 @@ class Trainer:
         """One optimizer step on the global batch of `step`; returns the `StepResult`. The
         engine's costly diagnostics (activation bytes, grad norm) run on logged steps only, the
         memory measurement (MemTracker) on the steps of `_measured`."""
-        res = self.pipe.train_step(*self._batch_of(step), diagnose=self._logged(step + 1),
+        t0 = time.perf_counter()
+        batch = self._batch_of(step)
+        self.data_time = time.perf_counter() - t0
+        res = self.pipe.train_step(*batch, diagnose=self._logged(step + 1),
                                    measure_memory=self._measured(step))
+        res.stats["data_time_s"] = self.data_time
         self.losses.append(res.loss)
         self.times.append(res.step_time_s)
         return res
@@ -273,7 +288,7 @@ class Trainer:
     def record(self, done: int, res: Any) -> None:
         """Gather (every `log_every` steps), evaluate, write metrics, show progress."""
         extra: dict[str, Any] = {"lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
-                                 "predicted_step_s": self.plan.step_s}
+                                 "data_time_s": self.data_time, "predicted_step_s": self.plan.step_s}
         ranks = None
         if self._logged(done) or "memory_measured" in res.stats:
             ranks, more = self._gather(res, done)
@@ -304,10 +319,25 @@ class Trainer:
         path = ck.save_checkpoint(
             self.job.checkpoint_root, step, layers=sd["layers"] if first else {},
             optimizer=per_layer if first else {}, num_layers=len(self.spec.layers),
-            meta=checkpoint_meta(step, scalars, self.cfg, self.job.stage_ranges), rank=self.rank,
-            world=self.world, barrier=dist.barrier if self.world > 1 else (lambda: None),
+            meta=checkpoint_meta(step, scalars, self.cfg, self.job.stage_ranges, self._data_state()),
+            rank=self.rank, world=self.world, barrier=dist.barrier if self.world > 1 else (lambda: None),
             keep_last=int(self.ccfg.get("keep_last") or 0) or None)
         self.saved.append(str(path))
+
+    def _data_state(self) -> dict | None:
+        """data=hf: every replica's reader position, merged (collective: every rank calls it)."""
+        import torch.distributed as dist
+
+        if self.cfg["data"].get("name") != "hf":
+            return None
+        from experiments.hfdata import merge_states
+
+        mine = self.data.state() if self.data is not None else None
+        states: list[Any] = [mine]
+        if self.world > 1:
+            states = [None] * self.world
+            dist.all_gather_object(states, mine)
+        return merge_states(states)
 
     def _stop_requested(self, stop: StopFlag) -> bool:
         """Whether any rank got a stop signal (every rank decides the same)."""
@@ -342,6 +372,8 @@ class Trainer:
                     self.checkpoint(step)  # the final (or interrupted) state
             finally:
                 self.bar.close()
+                if getattr(self, "data", None) is not None and hasattr(self.data, "close"):
+                    self.data.close()
             return self.finish(step, time.perf_counter() - t0)
         finally:
             stop.restore()

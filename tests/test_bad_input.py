@@ -241,3 +241,33 @@ def test_generation_prompts_and_export_input():
         read_prompts([[1], []])
     with pytest.raises(ConfigError, match="holds no complete pipeshard checkpoint"):
         resolve_checkpoint("/nonexistent/run")
+
+
+def test_data_files_that_cannot_be_trained_on(base_cfg, tmp_path):
+    from hf_data import save_tokenizer
+
+    from experiments.hfdata import DataError, prepare
+
+    tok = save_tokenizer(tmp_path / "tok")
+    (tmp_path / "a.jsonl").write_text('{"body": "the pipeline stage splits layers across ranks"}\n' * 30)
+    data = {"name": "hf", "files": str(tmp_path / "a.jsonl"), "text_field": "body", "sample_by": "line",
+            "tokenizer": tok, "eval_fraction": 0.1, "streaming": False, "shards": None, "shuffle": False,
+            "prefetch": 2, "cache_dir": str(tmp_path / "cache")}
+    cfg = _cfg(base_cfg, data=data, model__seq_len=8)
+    validate_config(cfg)
+    prepare(cfg, echo=lambda _: None)  # the base is valid: each case breaks one thing
+
+    def refused(pattern: str, **change) -> None:
+        broken = _cfg(cfg, **change)
+        with pytest.raises((ConfigError, DataError), match=pattern):
+            validate_config(broken)
+            prepare(broken, echo=lambda _: None)
+
+    refused(r"data.files: '.*missing.jsonl' does not exist; give a file", data__files=str(tmp_path / "missing.jsonl"))
+    refused("data.files: no file matches", data__files=str(tmp_path / "none*.jsonl"))
+    (tmp_path / "empty.txt").write_text("\n\n")
+    refused("data.files holds no text", data__files=str(tmp_path / "empty.txt"))
+    refused(r"data.text_field='text' is not a field of .*: its fields are \['body'\]; set data.text_field=body",
+            data__text_field="text")
+    refused(r"has \d+ tokens but the model's embedding has 64 rows .*raise model.vocab", model__vocab=64)
+    refused("needs a tokenizer", data__tokenizer=None)

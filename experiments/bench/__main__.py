@@ -29,6 +29,7 @@ Example::
     python -m experiments.bench                                  # the bench preset
     python -m experiments.bench bench.steps=10 model.vocab=16384
     python -m experiments.bench experiment=mlp_profile bench.systems=[single,pipeshard]
+    python -m experiments.bench bench.overhead=true bench.rounds=3   # fixed cost per action
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def run(cfg: Any, run_dir: str) -> dict:
     from experiments.bench.run import run_bench
 
     validate_config(cfg)
+    if bool(cfg.bench.get("overhead", False)):
+        return _run_overhead(cfg, run_dir)
     result = run_bench(cfg)
     result["meta"]["command"] = " ".join(["python -m experiments.bench", *sys.argv[1:]])
     paths = write_outputs(result, Path(run_dir))
@@ -74,6 +77,25 @@ def run(cfg: Any, run_dir: str) -> dict:
     print("ratios:", json.dumps(result["ratios"], indent=1))
     print(f"load average start {m['load_avg_start']} end {m['load_avg_end']}")
     print("wrote", *map(str, paths))
+    return result
+
+
+def _run_overhead(cfg: Any, run_dir: str) -> dict:
+    """`bench.overhead=true`: each engine's fixed cost per action (experiments/bench/overhead.py)."""
+    from experiments.bench.overhead import format_overhead, run_overhead
+    from experiments.bench.report import json_rows
+
+    b = cfg.bench
+    systems = [s for s in b.systems if s != "single"]
+    rows = run_overhead(rounds=int(b.rounds), steps=int(b.steps), warmup=int(b.warmup_steps),
+                        systems=systems, timeout_s=float(b.timeout_s))
+    result = {"rows": json_rows(rows), "meta": {"mode": "overhead",
+                                               "command": " ".join(["python -m experiments.bench", *sys.argv[1:]])}}
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_overhead.json").write_text(json.dumps(result, indent=1, default=str))
+    print(format_overhead(rows))
+    print("wrote", out / "bench_overhead.json")
     return result
 
 

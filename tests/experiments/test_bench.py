@@ -217,3 +217,21 @@ def test_ratios_and_markdown() -> None:
     md = bench.format_markdown({"rows": rows, "ratios": r})
     assert "| uniform |" in md and "+10.0%" in md and "`deepspeed_over_pipeshard_1f1b`: 4.000" in md
     assert bench.ratios([])["pipeshard_1f1b_over_torch_1f1b"] is None
+
+
+@pytest.mark.slow
+def test_overhead_bench_gives_a_cost_per_action_for_each_engine() -> None:
+    from experiments.bench.overhead import format_overhead, overhead_spec, run_overhead
+
+    spec = overhead_spec(2, 4)
+    assert len(spec.layers) == 4 and spec.microbatches == 4 and tuple(spec.stage_ranges) == ((0, 2), (2, 4))
+    rows = run_overhead(stages=(2,), microbatches=4, rounds=1, steps=2, warmup=1,
+                        systems=("pipeshard", "torch-pipelining"), timeout_s=300, log=None)
+    by = {r["system"]: r for r in rows}
+    assert set(by) == {"pipeshard", "torch-pipelining"}
+    for r in rows:
+        assert r["section"] == "overhead" and r["stages"] == 2
+        assert r["per_action_us"] == pytest.approx(r["step_s"] / 8 * 1e6)
+    assert by["pipeshard"]["fitted_action_us"] > 0 and "fitted_action_us" not in by["torch-pipelining"]
+    table = format_overhead(rows)
+    assert "| 2 | pipeshard |" in table and "| 2 | torch-pipelining |" in table and "1.00 |" in table

@@ -56,6 +56,8 @@ def test_every_group_option_composes(compose_cfg, group):
         extra = ["data=synthetic"] if (group, option) == ("model", "mlp") else []
         if (group, option) == ("data", "synthetic"):
             extra = []
+        if (group, option) == ("data", "hf"):  # its files and tokenizer have no defaults
+            extra = ["data.files=corpus.jsonl", "data.tokenizer=tokenizer_dir"]
         cfg = compose_cfg(f"{group}={option}", *extra)
         validate_config(cfg)
 
