@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from engine.allocator import tune_cpu_allocator
 from engine.backend import make_optimizer
-from engine.choices import check_nonfinite, check_precision
+from engine.choices import check_nonfinite, check_precision, loss_scaled
 from engine.comm import P2P
 from engine.executor import Executor
 from engine.mesh import Mesh
