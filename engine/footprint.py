@@ -12,7 +12,9 @@ two phases at its peak:
   (``backward_temporary``: the 16-bit gradient of the parameter being accumulated and its
   fp32 copy; ZeRO-2's reduce bucket and its flattened copy);
 * the step: weights, the gradients held at the step (``step_gradients``), the optimizer state
-  and the step's temporaries (``step_temporary``: the flattened reduce bucket; ZeRO's flat
+  and the step's temporaries (``step_temporary``: the flattened reduce bucket, or with the
+  torch backend's overlapped reduction (``engine.overlap``) every bucket's flat copy, held
+  until the last one is reduced; ZeRO's flat
   gradient partition and its fp32 copy). The torch optimizers are fused: no per-parameter
   temporaries.
 
@@ -31,13 +33,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["zero_bucket_elements", "BUCKET_ELEMENTS", "TORCH_BUCKET_BYTES", "Footprint",
+__all__ = ["zero_bucket_elements", "BUCKET_ELEMENTS", "GRAD_BUCKET_MB", "TORCH_BUCKET_BYTES", "Footprint",
            "state_footprint", "optimizer_state_bytes_per_param", "backend_of"]
 
 # DeepSpeed's default reduce / all-gather bucket, in elements.
 BUCKET_ELEMENTS = 500_000_000
-# The torch backend's data-parallel all-reduce bucket (closed once it holds this many bytes).
-TORCH_BUCKET_BYTES = 32 * 2**20
+# The torch backend's data-parallel all-reduce bucket (closed once it holds this many bytes):
+# ``OptimizerConfig.grad_bucket_mb``'s default (DDP's bucket_cap_mb).
+GRAD_BUCKET_MB = 25.0
+TORCH_BUCKET_BYTES = int(GRAD_BUCKET_MB * 2**20)
 _WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16-autocast": 4, "fp16-autocast": 4}
 _ACCUM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -92,8 +96,10 @@ class Footprint:
 
 def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimizer: str = "adamw",
                     momentum: float = 0.0, zero_stage: int = 0, data_parallel: int = 1,
-                    grad_accum_dtype: str = "fp32", backend: str = "auto") -> Footprint:
-    """What a rank holding ``numel`` parameters (largest tensor ``largest`` elements) keeps."""
+                    grad_accum_dtype: str = "fp32", backend: str = "auto", overlap_grad_reduce: bool = True,
+                    grad_bucket_mb: float = GRAD_BUCKET_MB) -> Footprint:
+    """What a rank holding ``numel`` parameters (largest tensor ``largest`` elements) keeps
+    (``overlap_grad_reduce`` / ``grad_bucket_mb``: the torch backend's data-parallel reduction)."""
     if precision not in _WEIGHT_BYTES:
         raise ValueError(f"unknown precision {precision!r}; use one of {sorted(_WEIGHT_BYTES)}")
     if zero_stage not in (0, 1, 2):
@@ -104,7 +110,12 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
     w, s = _WEIGHT_BYTES[precision], optimizer_state_bytes_per_param(optimizer, momentum)
     a = _ACCUM_BYTES[grad_accum_dtype] if w < 4 else 4
     if backend_of(precision, zero_stage, backend) == "torch":
-        bucket = min(n, TORCH_BUCKET_BYTES / 4 + big) if d > 1 else 0.0
+        if d == 1:
+            bucket = 0.0
+        elif overlap_grad_reduce:    # the buckets' flat copies all live until the last is reduced
+            bucket = n
+        else:
+            bucket = min(n, grad_bucket_mb * 2**20 / 4 + big)
         return Footprint(4 * n, 4 * n, s * n, 4 * big, 4 * n, 4 * bucket)
     if w == 4 and zero_stage == 0:   # DeepSpeed's plain path: its all-reduce flattens
         flat = 4 * min(n, BUCKET_ELEMENTS)

@@ -26,6 +26,8 @@ from torch import Tensor
 
 from engine import choices
 from engine.choices import PRECISIONS
+from engine.footprint import GRAD_BUCKET_MB
+from engine.overlap import GradBucketReducer
 
 __all__ = ["OptimizerConfig", "StageOptimizer", "TorchStageOptimizer", "NonFiniteError",
            "LossScaler", "lr_at", "make_torch_optimizer", "resolve_backend",
@@ -52,7 +54,6 @@ def compute_dtype(precision: str) -> torch.dtype | None:
     name = choices.compute_name(precision)
     return None if name is None else _DTYPES[name]
 
-_BUCKET_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -71,6 +72,8 @@ class OptimizerConfig:
     zero_stage: int = 0                  # 0, 1, 2 (DeepSpeed)
     backend: str = "auto"                # auto | torch | deepspeed
     grad_accum_dtype: str = "fp32"       # fp32 | bf16 | fp16 (16-bit only with 16-bit weights)
+    overlap_grad_reduce: bool = True     # torch backend, data_parallel > 1: all-reduce buckets during the last backward
+    grad_bucket_mb: float = GRAD_BUCKET_MB  # data-parallel all-reduce bucket size (DDP's bucket_cap_mb)
 
 
 class NonFiniteError(FloatingPointError):
@@ -182,6 +185,7 @@ class StageOptimizer(Protocol):
     def load_state_dict(self, sd: dict) -> None: ...
     def full_grads(self) -> dict[str, Tensor]: ...
     def accumulated_grad(self, param: Tensor) -> Tensor: ...      # to sum tied copies in place
+    def sync_gradients(self) -> None: ...     # sum over replicas now (before tied copies are summed)
 
 
 def resolve_backend(config: OptimizerConfig, precision: str = "fp32") -> str:
@@ -217,6 +221,10 @@ class TorchStageOptimizer:
         self.attempts = 0            # step() calls
         self.scaler = LossScaler(choices.loss_scaled(precision))
         self.opt = make_torch_optimizer(config, self.params or [torch.nn.Parameter(torch.zeros(0))])
+        self.bucket_bytes = int(getattr(config, "grad_bucket_mb", GRAD_BUCKET_MB) * 2**20)
+        self.reducer = (GradBucketReducer(self.params, mesh.dp_group, microbatches, bucket_bytes=self.bucket_bytes)
+                        if mesh.data_parallel > 1 and getattr(config, "overlap_grad_reduce", True) else None)
+        self._synced = False
 
     @property
     def loss_scale(self) -> float:
@@ -236,6 +244,22 @@ class TorchStageOptimizer:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        if self.reducer is not None:
+            self.reducer.reset()
+        self._synced = False
+
+    def sync_gradients(self) -> None:
+        """Sum this step's gradients over the replicas (once; ``step`` calls it if nobody did).
+        With ``overlap_grad_reduce`` most buckets were already reduced during the last backward."""
+        if self._synced:
+            return
+        self._synced = True
+        if self.mesh.data_parallel == 1:
+            return
+        if self.reducer is not None:
+            self.reducer.finish()
+        else:
+            self._all_reduce_buckets([self._grad(p) for p in self.params], self.mesh.dp_group)
 
     def accumulated_grad(self, param: Tensor) -> Tensor:
         """``param.grad`` (zeros if none yet): the gradient accumulated so far this step."""
@@ -256,11 +280,9 @@ class TorchStageOptimizer:
         the same decision). Otherwise each rank checks its own gradients for NaN/inf (same
         reading, no collective) and the norm is reported as None."""
         self.attempts += 1
+        self.sync_gradients()
         grads = [self._grad(p) for p in self.params]
-        d = self.mesh.data_parallel
-        if d > 1:
-            self._all_reduce_buckets(grads, self.mesh.dp_group)
-        div = d * self.loss_scale
+        div = self.mesh.data_parallel * self.loss_scale
         if div != 1.0:
             for g in grads:
                 g.div_(div)
@@ -301,7 +323,7 @@ class TorchStageOptimizer:
         size = 0
         for g in grads + [None]:
             if g is not None and (not bucket or (g.dtype == bucket[0].dtype
-                                                 and size < _BUCKET_BYTES)):
+                                                 and size < self.bucket_bytes)):
                 bucket.append(g)
                 size += g.numel() * g.element_size()
                 continue

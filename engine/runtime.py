@@ -152,6 +152,8 @@ class Pipeline:
     many upcoming receives are posted ahead of the compute that needs them; ``max_inflight``:
     zb-h2's bound on the microbatches a rank holds. Chunks are placed by the schedule
     (``Schedule.rank_of``: looped, or a V for zbv, whose first and last chunks share rank 0).
+    ``activation_checkpointing``: one bool for every chunk, or one per chunk (global chunk
+    order, e.g. ``Plan.stage_recompute``: recompute only where memory needs it).
     """
 
     def __init__(self, layers: Any, stage_ranges: Sequence[Sequence[int]], *,
@@ -421,6 +423,7 @@ class Pipeline:
         self.optimizer.zero_grad()
         stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose)
         t1 = time.perf_counter()
+        self.optimizer.sync_gradients()   # replicas first: it waits for the overlapped buckets
         for group, prm in self._tie_groups:
             dist.all_reduce(self.optimizer.accumulated_grad(prm), group=group)
         # One all-reduce carries the loss and, per chunk, whether its forward output was

@@ -230,6 +230,13 @@ class Schedule:
         return [s for s in range(self.num_chunks) if self.rank_of(s) == rank]
 
     @functools.cached_property
+    def checked(self) -> bool:
+        """True once :func:`validate` passed (it checks a schedule once; a failure is not
+        cached, so it raises again)."""
+        _validate(self)
+        return True
+
+    @functools.cached_property
     def backward_kind(self) -> dict[tuple[int, int], str]:
         """``(chunk, microbatch) -> "B" | "I"``: how that backward's input gradient is made."""
         return {(a.stage, a.microbatch): a.kind for acts in self.actions for a in acts
@@ -344,14 +351,21 @@ def build_schedule(
         raise ValueError(f"microbatches must be >= 1, got {m}")
     _check_virtual(info, p, m, v)
     cap = _check_inflight(info, p, max_inflight)
-    if info.name == "interleaved-1f1b":
+    return _built(info.name, p, m, v, cap)
+
+
+@functools.lru_cache(maxsize=256)
+def _built(name: str, p: int, m: int, v: int, cap: int | None) -> Schedule:
+    """A named schedule is a pure function of its arguments: built once and shared (a
+    planner searching layouts asks for the same one many times; ``validate`` then checks it
+    once). Treat a built schedule as read-only."""
+    if name == "interleaved-1f1b":
         actions = _interleaved(p, m, v)
-    elif info.name == "zb-h2":
-        actions = _zb_h2(p, m, cap)
+    elif name == "zb-h2":
+        actions = _zb_h2(p, m, cap)  # type: ignore[arg-type]
     else:
-        actions = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1,
-                   "zbv": _zbv}[info.name](p, m)
-    return Schedule(info.name, p, m, v, actions, info.placement, cap)
+        actions = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1, "zbv": _zbv}[name](p, m)
+    return Schedule(name, p, m, v, actions, SCHEDULE_INFO[name].placement, cap)
 
 
 def _check_virtual(info: ScheduleInfo, p: int, m: int, v: int) -> None:
@@ -563,6 +577,10 @@ def validate(schedule: Schedule) -> None:
 
     >>> validate(build_schedule("zb-h1", 3, 4))
     """
+    _ = schedule.checked  # runs the checks on the first call only (a failure raises every time)
+
+
+def _validate(schedule: Schedule) -> None:
     p, m, v = schedule.num_stages, schedule.microbatches, schedule.virtual_stages
     if min(p, m, v) < 1:
         raise ScheduleError(
@@ -694,7 +712,7 @@ def _check_deadlock(schedule: Schedule, program: list[list[tuple[Action | Comm, 
         for r in stuck:
             op, j = program[r][ptr[r]]
             lines.append(f"rank {r} waits at {schedule.actions[r][j]} for data from rank {op.peer}")
-        first_op, first_j = program[stuck[0]][ptr[stuck[0]]]
+        first_j = program[stuck[0]][ptr[stuck[0]]][1]
         _fail(schedule,
               "deadlock: ranks " + ", ".join(map(str, stuck)) + " block forever ("
               + "; ".join(lines) + "). Each waits on a message its peer only sends later; "

@@ -329,6 +329,9 @@ class DeepSpeedStageOptimizer:
                 self._ds_opt.backward_epilogue()
             self.engine.allreduce_gradients()
 
+    def sync_gradients(self) -> None:
+        """DeepSpeed reduces over the replicas inside its own epilogue and step: nothing here."""
+
     def zero_grad(self) -> None:
         """Drop parameter gradients (``step`` already leaves none behind)."""
         for p in self._params:

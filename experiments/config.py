@@ -25,10 +25,13 @@ from typing import Any, List, Optional, Union
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from engine.choices import BACKENDS, GRAD_ACCUM_DTYPES, NONFINITE, OPTIMIZERS, PRECISIONS
+from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULES
 from experiments.fields import choice_text, get_field
 from partitioner.devices import ATTENTION_BACKENDS
 from partitioner.planner import METHODS
+from partitioner.planner import checkpointing_mode as _recompute_mode
+from partitioner.search import AUTO
 
 __all__ = [
     "CONF_DIR",
@@ -55,6 +58,7 @@ __all__ = [
     "HFModelConfig",
     "PipelineConfig",
     "PartitionerConfig",
+    "SearchConfig",
     "OptimConfig",
     "DataConfig",
     "TextDataConfig",
@@ -77,6 +81,8 @@ __all__ = [
     "get_field",
     "choice_text",
     "optimizer_kwargs",
+    "searches",
+    "configured_microbatches",
 ]
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -108,8 +114,9 @@ def _choice(name: str, values: tuple[str, ...]) -> type[Choice]:
     return enum
 
 
-# The engine's and the partitioner's choices, read from where they are defined.
-ScheduleName = _choice("ScheduleName", SCHEDULES)
+# The engine's and the partitioner's choices, read from where they are defined. A schedule is
+# one of the engine's, or "auto": the planner chooses (partitioner.search).
+ScheduleName = _choice("ScheduleName", (*SCHEDULES, AUTO))
 PartitionMethod = _choice("PartitionMethod", METHODS)
 ProfileMode = _choice("ProfileMode", ("measure", "analytic"))
 AttentionBackend = _choice("AttentionBackend", ATTENTION_BACKENDS)
@@ -193,13 +200,24 @@ class PipelineConfig:
     """`pipeline`: how the model is pipelined and replicated."""
 
     stages: int = 2  # pipeline ranks (p)
-    schedule: ScheduleName = ScheduleName["1f1b"]  # one of engine.schedules.SCHEDULES (gpipe, 1f1b, ...)
-    microbatches: int = 4  # microbatches per step per replica (m)
-    virtual_stages: int = 1  # model chunks per rank (v); the schedule says which (>= 2: interleaved-1f1b, 2: zbv)
+    schedule: ScheduleName = ScheduleName["1f1b"]  # one of engine.schedules.SCHEDULES (gpipe, 1f1b, ...), or auto: the planner chooses
+    microbatches: Any = 4  # microbatches per step per replica (m), or auto: the planner chooses (a divisor of the batch per replica)
+    virtual_stages: int = 1  # model chunks per rank (v); the schedule says which (>= 2: interleaved-1f1b, 2: zbv); chosen under schedule=auto
+    max_inflight: Optional[int] = None  # zb-h2: most microbatches a rank holds, stages..2*stages-1 (null: 2*stages-1); chosen under schedule=auto
     data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel
     activation_checkpointing: Union[bool, str] = False  # false | true (every chunk recomputes) | auto (the partitioner decides per chunk)
     comm_timeout_s: float = 60.0  # a point-to-point transfer waiting longer than this fails the job
     nonfinite: NonFinite = NonFinite["raise"]  # a non-finite loss/gradient: raise (stop) | skip (drop the step)
+
+
+@dataclass
+class SearchConfig:
+    """`partitioner.search`: what `pipeline.schedule=auto` / `pipeline.microbatches=auto` search over."""
+
+    schedules: Optional[List[str]] = None  # schedules considered; null = every one of engine.schedules.SCHEDULES
+    max_virtual_stages: int = 4  # interleaved-1f1b: chunks per rank tried, 2..this
+    max_microbatches: Optional[int] = None  # microbatch counts tried: divisors of the batch per replica, stages..this (null: the batch)
+    top: int = 5  # alternatives shown beside the choice (and kept in plan.json)
 
 
 @dataclass
@@ -215,6 +233,7 @@ class PartitionerConfig:
     attention: Optional[AttentionBackend] = None  # analytic: SDPA kernel attention is costed through: flash | efficient | math; null = the device spec's (flash)
     link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs; null = free transfers
     fixed_costs: bool = True  # measure: charge the runtime's fixed costs (per action, message, step) measured on this machine (cached; CPU runs)
+    search: SearchConfig = field(default_factory=SearchConfig)  # pipeline.schedule=auto / microbatches=auto
 
 
 @dataclass
@@ -234,6 +253,10 @@ class OptimConfig:
     zero_stage: int = 0  # DeepSpeed ZeRO stage over the data-parallel group: 0, 1 or 2
     backend: OptimizerBackend = OptimizerBackend["auto"]  # auto | torch | deepspeed (auto: deepspeed iff zero_stage > 0 or 16-bit weights)
     grad_accum_dtype: GradAccumDtype = GradAccumDtype["fp32"]  # gradients accumulated over microbatches in: fp32 | bf16 | fp16 (= the 16-bit weights')
+    # torch backend with data_parallel > 1: all-reduce gradient buckets over the replicas during the
+    # last backward, as soon as each is final (DDP's overlap); false: one reduction after the schedule
+    overlap_grad_reduce: bool = True
+    grad_bucket_mb: float = GRAD_BUCKET_MB  # size of a data-parallel all-reduce bucket (DDP's bucket_cap_mb)
 
 
 @dataclass
@@ -331,7 +354,11 @@ class BenchConfig:
     methods: List[str] = field(default_factory=lambda: ["optimal", "uniform", "parameters"])  # splits compared
     timeout_s: float = 600.0  # per-system limit
     rounds: int = 1  # repeat every system this many times in alternating order (pools timings)
+    auto: bool = True  # also run the planner's choice (partitioner.search: schedule, chunks, microbatches, max_inflight, recompute, split)
+    sweep: bool = False  # also run every layout the search solved, to compare the choice with the fastest measured
+    sweep_max: Optional[int] = None  # sweep only the best-predicted N layouts; null = all
     overhead: bool = False  # true: the overhead benchmark instead (near-free layers, m=32, p=2 and 4: cost per action)
+    trace: bool = False  # true: every rank writes a torch.profiler trace of its timed steps (outputs/traces/) and a time-per-category table
 
 
 @dataclass
@@ -555,16 +582,37 @@ def validate_config(cfg: Any) -> None:
             raise ConfigError(f"{key}={value}; it must be >= 0 (0 turns it off)")
 
 
-def _layout(cfg: Any) -> tuple[int, int, int, int]:
-    """(stages, microbatches, virtual stages, replicas) of `pipeline`."""
+def configured_microbatches(cfg: Any) -> int | None:
+    """`pipeline.microbatches` as a count, or None for `auto` (the planner chooses).
+
+    >>> configured_microbatches({"pipeline": {"microbatches": "auto"}}), configured_microbatches({"pipeline": {"microbatches": 8}})
+    (None, 8)
+    """
+    value = _get(cfg, "pipeline.microbatches")
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().lstrip("-").isdigit():
+        raise ConfigError(f"pipeline.microbatches={value!r}; give a count (e.g. pipeline.microbatches=8) or "
+                          "pipeline.microbatches=auto to let the planner choose")
+    return int(value)
+
+
+def searches(cfg: Any) -> bool:
+    """Whether the planner chooses the layout: `pipeline.schedule=auto` or `pipeline.microbatches=auto`
+    (`partitioner.search`)."""
+    return choice_text(_get(cfg, "pipeline.schedule")) == AUTO or configured_microbatches(cfg) is None
+
+
+def _layout(cfg: Any) -> tuple[int, int | None, int, int]:
+    """(stages, microbatches or None for auto, virtual stages, replicas) of `pipeline`."""
     p = _get(cfg, "pipeline")
-    return (int(_get(p, "stages")), int(_get(p, "microbatches")), int(_get(p, "virtual_stages", 1)),
+    return (int(_get(p, "stages")), configured_microbatches(cfg), int(_get(p, "virtual_stages", 1)),
             int(_get(p, "data_parallel", 1)))
 
 
 def _check_counts(cfg: Any) -> None:
     stages, micro, virtual, dp = _layout(cfg)
-    for key, value in (("pipeline.stages", stages), ("pipeline.microbatches", micro),
+    for key, value in (("pipeline.stages", stages), ("pipeline.microbatches", 1 if micro is None else micro),
                        ("pipeline.virtual_stages", virtual), ("pipeline.data_parallel", dp),
                        ("train.batch_size", int(_get(cfg, "train.batch_size"))),
                        ("train.steps", int(_get(cfg, "train.steps", 1)))):
@@ -573,8 +621,17 @@ def _check_counts(cfg: Any) -> None:
 
 
 def _check_batch(cfg: Any) -> None:
-    _, micro, _, dp = _layout(cfg)
-    batch, per_step = int(_get(cfg, "train.batch_size")), dp * micro
+    stages, micro, _, dp = _layout(cfg)
+    batch = int(_get(cfg, "train.batch_size"))
+    if micro is None:  # auto: the batch per replica must hold at least one microbatch per stage
+        if batch % dp or batch // dp < stages:
+            fixed = dp * stages * max(1, -(-batch // (dp * stages)))
+            raise ConfigError(
+                f"pipeline.microbatches=auto chooses a divisor of the batch per replica that is at least "
+                f"pipeline.stages={stages}, but train.batch_size={batch} over pipeline.data_parallel={dp} replicas "
+                f"does not allow one; set train.batch_size to a multiple of {dp * stages} (e.g. train.batch_size={fixed})")
+        return
+    per_step = dp * micro
     if batch % per_step:
         fixed = max(per_step, round(batch / per_step) * per_step)
         raise ConfigError(
@@ -590,18 +647,49 @@ def _check_schedule(cfg: Any) -> None:
 
     stages, micro, virtual, _ = _layout(cfg)
     schedule = choice_text(_get(cfg, "pipeline.schedule"))
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"pipeline.schedule={schedule!r}; choose one of {list(SCHEDULES)}")
-    try:
-        build_schedule(schedule, stages, micro, virtual)
+    if schedule not in (*SCHEDULES, AUTO):
+        raise ConfigError(f"pipeline.schedule={schedule!r}; choose one of {list(SCHEDULES)} or {AUTO!r}")
+    cap = _get(cfg, "pipeline.max_inflight")
+    _check_search(cfg, schedule, cap, stages)
+    if schedule == AUTO:
+        return
+    try:  # with microbatches=auto, a count the schedule surely takes: one it may refuse is not searched
+        build_schedule(schedule, stages, stages if micro is None else micro, virtual,
+                       max_inflight=None if cap is None else int(cap))
     except ValueError as err:
         raise ConfigError(
             f"pipeline.schedule={schedule} cannot run pipeline.stages={stages}, pipeline.microbatches="
-            f"{micro}, pipeline.virtual_stages={virtual}: {err}") from None
+            f"{'auto' if micro is None else micro}, pipeline.virtual_stages={virtual}"
+            + ("" if cap is None else f", pipeline.max_inflight={cap}") + f": {err}") from None
+
+
+def _check_search(cfg: Any, schedule: str, cap: Any, stages: int) -> None:
+    """`partitioner.search` (read only when the planner chooses), and `pipeline.max_inflight` under auto."""
+    from engine.schedules import SCHEDULE_INFO, build_schedule
+
+    listed = _get(cfg, "partitioner.search.schedules")
+    unknown = sorted(set(map(choice_text, listed or ())) - set(SCHEDULES))
+    if unknown:
+        raise ConfigError(f"partitioner.search.schedules has unknown schedules {unknown}; choose from {list(SCHEDULES)}")
+    if int(_get(cfg, "partitioner.search.max_virtual_stages", 4)) < 2:
+        raise ConfigError("partitioner.search.max_virtual_stages must be >= 2 (interleaved-1f1b runs 2 or more "
+                          "chunks per rank)")
+    if schedule != AUTO or cap is None:
+        return
+    knobs = [n for n, i in SCHEDULE_INFO.items() if i.memory_knob]
+    if listed and not set(knobs) & set(map(choice_text, listed)):
+        raise ConfigError(f"pipeline.max_inflight={cap} only applies to {', '.join(knobs)}, which "
+                          "partitioner.search.schedules leaves out; add it or set pipeline.max_inflight=null")
+    try:
+        build_schedule(knobs[0], stages, stages, max_inflight=int(cap))
+    except ValueError as err:
+        raise ConfigError(f"pipeline.max_inflight={cap}: {err}") from None
 
 
 def _check_layers(cfg: Any) -> None:
     stages, _, virtual, _ = _layout(cfg)
+    if choice_text(_get(cfg, "pipeline.schedule")) == AUTO:
+        virtual = 1  # chosen by the search, which needs one layer per chunk of the layouts it tries
     layers, chunks = count_pipeline_layers(_get(cfg, "model")), stages * virtual
     if layers < chunks:
         raise ConfigError(
@@ -656,17 +744,19 @@ def _check_optimizer(cfg: Any) -> None:
 
 
 def checkpointing_mode(value: Any) -> bool | str:
-    """`pipeline.activation_checkpointing` as False, True or "auto" (ConfigError otherwise).
+    """`pipeline.activation_checkpointing` as False, True or "auto" (ConfigError otherwise); what
+    each means is the partitioner's rule (`partitioner.planner.CHECKPOINTING`).
 
     >>> checkpointing_mode("auto"), checkpointing_mode(False), checkpointing_mode("true")
     ('auto', False, True)
     """
-    text = str(choice_text(value)).lower()
-    modes = {"false": False, "off": False, "true": True, "on": True, "auto": "auto"}
-    if text not in modes:
-        raise ConfigError(f"pipeline.activation_checkpointing={value!r}; choose false (no recompute), true "
-                          "(every chunk recomputes) or auto (the partitioner recomputes only where memory needs it)")
-    return modes[text]
+    try:
+        mode = _recompute_mode(choice_text(value))
+    except ValueError:
+        raise ConfigError(f"pipeline.activation_checkpointing={value!r}; choose false (no chunk recomputes), true "
+                          "(every chunk recomputes) or auto (the partitioner recomputes per chunk only where the "
+                          "memory limit needs it)") from None
+    return {"off": False, "on": True}.get(mode, mode)
 
 
 def _check_checkpointing(cfg: Any) -> None:

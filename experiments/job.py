@@ -4,6 +4,9 @@
 refuses one written for another model), and makes the plan: the run's own `plan.json` when it
 resumes with the same layout, else a fresh profile and partition (printed, saved as
 `plan.json`); with `data=hf` it checks the files (and tokenizes them into the cache) first.
+With `pipeline.schedule=auto` / `pipeline.microbatches=auto` the plan is the
+planner's choice (`partitioner.search`; `plan.json` keeps the choice and the alternatives) and
+the job's config holds the chosen layout (`experiments.wiring.resolve_layout`).
 Under `torchrun` (RANK / WORLD_SIZE set) the process group is initialised first
 and rank 0 alone prepares, then broadcasts the `Job` (a measured profile is not deterministic,
 so the ranks must not each compute one).
@@ -21,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.config import ConfigError, to_plain_dict
+from experiments.config import ConfigError, searches, to_plain_dict
 from experiments.fields import choice_text
 from experiments.fields import get_field as _get
-from experiments.wiring import (check_checkpoint_model, checkpoint_root, make_plan, plan_matches,
+from experiments.wiring import (check_checkpoint_model, checkpoint_root, make_plan, plan_matches, resolve_layout,
                                 resume_checkpoint, run_name, world_size)
 
 __all__ = ["Job", "prepare_job", "under_torchrun"]
@@ -34,7 +37,8 @@ __all__ = ["Job", "prepare_job", "under_torchrun"]
 class Job:
     """Everything a rank needs; picklable (it crosses to the workers).
 
-    config: the resolved experiment config as plain dicts (`experiments.config.to_plain_dict`).
+    config: the resolved experiment config as plain dicts (`experiments.config.to_plain_dict`), with
+        the planner's layout written in when it chose one (`pipeline.schedule=auto`).
     plan: the `partitioner.Plan` being run (its stage ranges, and the predictions for the metrics).
     run_dir: the shared run directory (metrics.jsonl, W&B, pictures).
     checkpoint_root: where checkpoints go (`<run_dir>/checkpoints` by default).
@@ -95,11 +99,17 @@ def _prepare(cfg: Any, run_dir: Path) -> Job:
     if resume is not None:
         print(f"resuming from {resume}", flush=True)
     config = to_plain_dict(cfg)
+    if searches(cfg):
+        config = resolve_layout(config, plan)
+        print(f"the planner chose {plan.schedule}, {plan.microbatches} microbatches"
+              + (f", {plan.virtual_stages} chunks per rank" if plan.virtual_stages > 1 else "")
+              + (f", max_inflight {plan.max_inflight}" if plan.max_inflight is not None else "")
+              + (f", recompute on chunks {[c for c, r in enumerate(plan.stage_recompute) if r]}"
+                 if any(plan.stage_recompute) else ""), flush=True)
     if data is not None:
         config["data"] = data
-    return Job(config=config, plan=plan, run_dir=str(run_dir),
-               checkpoint_root=str(checkpoint_root(cfg, run_dir)),
-               resume_from=str(resume) if resume else None, run_name=run_name(cfg))
+    return Job(config=config, plan=plan, run_dir=str(run_dir), checkpoint_root=str(checkpoint_root(cfg, run_dir)),
+               resume_from=str(resume) if resume else None, run_name=run_name(config))
 
 
 def _prepare_data(cfg: Any, resume: Path | None) -> dict | None:

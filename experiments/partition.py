@@ -8,9 +8,15 @@ bubble, per-stage memory and whether each stage fits. Writes into the Hydra run 
 `plan.json` (the configured method's plan, as `experiments.train` would run it),
 `partition_comparison.json` (every method's plan, or its error) and `profile.json`.
 
+With `pipeline.schedule=auto` (or `pipeline.microbatches=auto`) the planner first chooses the
+layout (`partitioner.search`, the model profiled at each microbatch size it tries): the search
+table (the choice and the next best, with predicted step and memory) is printed with the plan,
+`plan.json` keeps it, and the methods are compared at the chosen layout.
+
 Example:
     python -m experiments.partition experiment=mlp_profile
     python -m experiments.partition model.vocab=32000 partitioner.memory_limit=64MiB pipeline.stages=4
+    python -m experiments.partition pipeline.schedule=auto pipeline.microbatches=auto
 
     >>> rows = comparison_rows({"uniform": "PartitionError: nothing fits"})
     >>> rows[0]["method"], rows[0]["fits"]
@@ -25,10 +31,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from experiments.app import hydra_entry
-from experiments.config import validate_config
+from experiments.config import searches, to_plain_dict, validate_config
 from experiments.fields import choice_text as _text
 from experiments.fields import get_field as _get
-from experiments.wiring import make_plan, profile_model
+from experiments.wiring import make_plan, profile_model, profiles_by_size, resolve_layout, search_layout
 
 __all__ = ["compare_plans", "comparison_rows", "format_comparison", "run", "main", "COMPARISON_FILE"]
 
@@ -120,10 +126,12 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = build_model(_get(cfg, "model"))
-    prof = profile_model(cfg, spec)
+    method = _text(_get(cfg, "partitioner.method"))
+    cfg, prof, searched = _layout(cfg, spec)
     prof.to_json(run_dir / "profile.json")
     plans = compare_plans(cfg, spec, prof)
-    method = _text(_get(cfg, "partitioner.method"))
+    if searched is not None:
+        plans[method] = searched  # the same split, with the search's record
     chosen = plans[method]
     print(f"model {spec.name}: {len(spec.layers)} pipeline layers, {spec.num_params:,} parameters; "
           f"profile: {_text(_get(cfg, 'partitioner.profile'))}", flush=True)
@@ -141,6 +149,18 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
     if isinstance(chosen, str):
         raise partitioner.PartitionError(chosen.split(": ", 1)[1])
     return {"plans": plans, "rows": rows, "run_dir": str(run_dir)}
+
+
+def _layout(cfg: Any, spec: Any) -> tuple[Any, Any, Any]:
+    """(the config with a plain layout, the profile at its microbatch size, the searched plan
+    or None): under `auto` the planner chooses first (a PartitionError propagates)."""
+    if not searches(cfg):
+        return cfg, profile_model(cfg, spec), None
+    profiles = profiles_by_size(cfg, spec)
+    plan = search_layout(cfg, spec, profiles).plan
+    resolved = resolve_layout(to_plain_dict(cfg), plan)
+    return resolved, profiles(int(_get(resolved, "train.batch_size")) // int(_get(resolved, "pipeline.data_parallel"))
+                              // plan.microbatches), plan
 
 
 def main() -> None:

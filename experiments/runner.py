@@ -171,7 +171,7 @@ class Trainer:
         run_dir = Path(self.job.run_dir)
         self.tracker = Tracker(
             run_dir, config={**self.cfg, "plan": {k: getattr(plan, k) for k in (
-                "stage_ranges", "step_s", "bubble_fraction", "method", "predicted_by")}},
+                "stage_ranges", "step_s", "bubble_fraction", "method", "predicted_by", "stage_recompute")}},
             mode=lcfg["mode"], project=lcfg["project"], name=self.job.run_name, entity=lcfg.get("entity"),
             group=lcfg.get("group"), tags=lcfg.get("tags") or (), enabled=self.owner)
         self.show_bar = self.owner and bool(lcfg.get("progress", True))

@@ -14,6 +14,11 @@ Example:
     (4, 2, 'default-1f1b-p2')
     >>> schedule_chunks("interleaved-1f1b"), schedule_chunks("1f1b")
     (2, 1)
+
+With `pipeline.schedule=auto` (or `pipeline.microbatches=auto`) the planner chooses the layout
+(`search_layout`: `partitioner.search` over the model profiled at each microbatch size) and
+`resolve_layout` writes the choice into the job's config, so everything downstream reads a
+plain layout.
 """
 
 from __future__ import annotations
@@ -23,22 +28,32 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from experiments.config import ConfigError, checkpointing_mode, optimizer_kwargs, parse_memory_limit, validate_config
+from experiments.config import (ConfigError, checkpointing_mode, configured_microbatches, optimizer_kwargs,
+                                parse_memory_limit, searches, validate_config)
 from experiments.fields import choice_text as _text
 from experiments.fields import get_field as _get
+from engine.footprint import GRAD_BUCKET_MB
+from partitioner.planner import recompute_follows
 
 __all__ = [
     "microbatch_size", "world_size", "run_name", "resolve_device", "torch_dtype", "schedule_chunks",
     "profile_kwargs", "partition_kwargs", "with_fixed_costs", "pipeline_kwargs", "engine_optimizer_kwargs",
     "checkpoint_root", "resume_checkpoint", "check_checkpoint_model", "profile_model", "make_plan",
-    "plan_matches",
+    "plan_matches", "search_kwargs", "profiles_by_size", "search_layout", "resolve_layout",
 ]
 
 
 def microbatch_size(cfg: Any) -> int:
     """Samples per microbatch: `train.batch_size / (pipeline.data_parallel * pipeline.microbatches)`."""
-    per_step = int(_get(cfg, "pipeline.data_parallel")) * int(_get(cfg, "pipeline.microbatches"))
-    return int(_get(cfg, "train.batch_size")) // per_step
+    m = configured_microbatches(cfg)
+    if m is None:
+        raise ConfigError("pipeline.microbatches=auto has no microbatch size until the planner chooses; "
+                          "use experiments.wiring.resolve_layout(config, plan) (prepare_job does)")
+    return _batch_per_replica(cfg) // m
+
+
+def _batch_per_replica(cfg: Any) -> int:
+    return int(_get(cfg, "train.batch_size")) // int(_get(cfg, "pipeline.data_parallel"))
 
 
 def world_size(cfg: Any) -> int:
@@ -106,15 +121,11 @@ def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:
     return out
 
 
-def partition_kwargs(cfg: Any) -> dict[str, Any]:
-    """Keyword arguments for `partitioner.partition(profile, **kwargs)` (num_stages included)."""
+def _planner_kwargs(cfg: Any) -> dict[str, Any]:
+    """What `partitioner.partition` and `partitioner.search` both take from the config."""
     p, opt, part = _get(cfg, "pipeline"), _get(cfg, "optimizer"), _get(cfg, "partitioner")
     link = _get(part, "link_bytes_per_s")
     return {
-        "num_stages": int(_get(p, "stages")),
-        "schedule": _text(_get(p, "schedule")),
-        "microbatches": int(_get(p, "microbatches")),
-        "virtual_stages": int(_get(p, "virtual_stages")),
         "data_parallel": int(_get(p, "data_parallel")),
         "zero_stage": int(_get(opt, "zero_stage")),
         "optimizer": _text(_get(opt, "name")),
@@ -126,6 +137,51 @@ def partition_kwargs(cfg: Any) -> dict[str, Any]:
         "momentum": float(_get(opt, "momentum", 0.0) or 0.0),
         "grad_accum_dtype": _text(_get(opt, "grad_accum_dtype", "fp32")),
         "backend": _text(_get(opt, "backend", "auto")),
+        "overlap_grad_reduce": bool(_get(opt, "overlap_grad_reduce", True)),
+        "grad_bucket_mb": float(_get(opt, "grad_bucket_mb", GRAD_BUCKET_MB)),
+    }
+
+
+def partition_kwargs(cfg: Any) -> dict[str, Any]:
+    """Keyword arguments for `partitioner.partition(profile, **kwargs)` (num_stages included)."""
+    p = _get(cfg, "pipeline")
+    return {
+        "num_stages": int(_get(p, "stages")),
+        "schedule": _text(_get(p, "schedule")),
+        "microbatches": int(_get(p, "microbatches")),
+        "virtual_stages": int(_get(p, "virtual_stages")),
+        "max_inflight": _optional_int(_get(p, "max_inflight")),
+        **_planner_kwargs(cfg),
+    }
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def search_kwargs(cfg: Any) -> dict[str, Any]:
+    """Keyword arguments for `partitioner.search(profiles, **kwargs)` (`pipeline.schedule=auto` and
+    / or `pipeline.microbatches=auto`; `partitioner.search` bounds it). A fixed schedule, count,
+    `virtual_stages` (interleaved) or `max_inflight` restricts the search to it.
+    `pipeline.activation_checkpointing` follows the partitioner's one rule
+    (`partitioner.planner.CHECKPOINTING`): false, only layouts that fit without recomputation;
+    true, every chunk recomputes; auto, per chunk where the memory limit needs it."""
+    p, sc = _get(cfg, "pipeline"), _get(cfg, "partitioner.search")
+    schedule, listed = _text(_get(p, "schedule")), _get(sc, "schedules")
+    if schedule != "auto":
+        schedules = [schedule]
+    else:
+        schedules = [_text(x) for x in listed] if listed else None
+    cap = _optional_int(_get(p, "max_inflight"))
+    return {
+        "num_stages": int(_get(p, "stages")), "batch_per_replica": _batch_per_replica(cfg),
+        "schedules": schedules, "microbatches": configured_microbatches(cfg),
+        "max_microbatches": _optional_int(_get(sc, "max_microbatches")),
+        "max_virtual_stages": int(_get(sc, "max_virtual_stages")),
+        "virtual_stages": [int(_get(p, "virtual_stages"))] if schedule == "interleaved-1f1b" else None,
+        "max_inflight": None if cap is None else [cap],
+        "top": int(_get(sc, "top")),
+        **_planner_kwargs(cfg),
     }
 
 
@@ -140,23 +196,28 @@ def pipeline_kwargs(cfg: Any, stage_ranges: Sequence[Sequence[int]], *, ties: Se
 
     The caller adds `loss_fn=spec.loss_fn` and `optimizer=engine.OptimizerConfig(**engine_optimizer_kwargs(cfg))`.
     ``recompute``: the plan's per-chunk ``stage_recompute`` (what `pipeline.activation_checkpointing`
-    decided: every chunk, none, or with auto the partitioner's choice); without it the config's
-    true / false applies to every chunk.
+    decided: every chunk, none, or with auto the partitioner's choice), passed as one bool when
+    every chunk agrees, else one per chunk; without it the config's true / false applies to every
+    chunk.
     """
     validate_config(cfg)
     p = _get(cfg, "pipeline")
     mode = checkpointing_mode(_get(p, "activation_checkpointing"))
-    if recompute is None and mode == "auto":
+    if not recompute and mode == "auto":
         raise ConfigError("pipeline.activation_checkpointing=auto needs the plan's per-chunk choice: pass "
                           "recompute=plan.stage_recompute")
+    ckpt: Any = bool(mode)
+    if recompute:
+        ckpt = bool(recompute[0]) if len(set(map(bool, recompute))) == 1 else [bool(x) for x in recompute]
     return {
         "stage_ranges": [tuple(int(x) for x in r) for r in stage_ranges],
         "schedule": _text(_get(p, "schedule")),
         "microbatches": int(_get(p, "microbatches")),
         "virtual_stages": int(_get(p, "virtual_stages")),
+        "max_inflight": _optional_int(_get(p, "max_inflight")),
         "data_parallel": int(_get(p, "data_parallel")),
         "precision": _text(_get(cfg, "precision")),
-        "activation_checkpointing": [bool(x) for x in recompute] if recompute is not None else bool(mode),
+        "activation_checkpointing": ckpt,
         "memory_every": int(_get(cfg, "train.memory_every", 0) or 0),
         "seed": int(_get(cfg, "train.seed")),
         "device": device,
@@ -221,8 +282,9 @@ def check_checkpoint_model(path: Path, spec: Any) -> None:
 
 
 # --------------------------------------------------------------------------- profile and plan
-def profile_model(cfg: Any, spec: Any) -> Any:
-    """`partitioner.profile` of the model on one microbatch, timed with one thread (as the workers run).
+def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
+    """`partitioner.profile` of the model on one microbatch (`microbatch` samples, default the
+    configured size), timed with one thread (as the workers run).
 
     A measured profile runs the layers as the engine does: weights in the precision's weight
     dtype (fp32 under `bf16-autocast`) and, with 16-bit compute, under `torch.autocast`, so it
@@ -242,14 +304,24 @@ def profile_model(cfg: Any, spec: Any) -> Any:
         if weight_bytes(_text(_get(cfg, "precision"))) == 4:
             kwargs["dtype"] = torch.float32
         ctx = torch.autocast(torch.device(kwargs["device"]).type, dtype=compute)
+    size = microbatch_size(cfg) if microbatch is None else int(microbatch)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with ctx:
-            prof = partitioner.profile(spec.layers, spec.example_input(microbatch_size(cfg)), **kwargs)
+            prof = partitioner.profile(spec.layers, spec.example_input(size), **kwargs)
     finally:
         torch.set_num_threads(threads)
+    prof.meta["microbatch_size"] = size
     return with_fixed_costs(cfg, prof)
+
+
+def profiles_by_size(cfg: Any, spec: Any) -> Any:
+    """`size -> Profile` for the search: the model profiled at each microbatch size it asks for
+    (once per size)."""
+    import functools
+
+    return functools.lru_cache(maxsize=None)(functools.partial(profile_model, cfg, spec))
 
 
 def with_fixed_costs(cfg: Any, prof: Any) -> Any:
@@ -270,9 +342,13 @@ def with_fixed_costs(cfg: Any, prof: Any) -> Any:
 
 
 def make_plan(cfg: Any, spec: Any, prof: Any = None, *, method: str | None = None) -> Any:
-    """Profile (unless `prof` is given) and partition per the config; `method` overrides `partitioner.method`."""
+    """Profile (unless `prof` is given) and partition per the config; `method` overrides `partitioner.method`.
+    When the planner chooses the layout (`searches(cfg)`), the searched plan (`search_layout`);
+    `prof` may then be a callable `size -> Profile`."""
     import partitioner
 
+    if searches(cfg):
+        return search_layout(cfg, spec, prof, method=method).plan
     prof = prof if prof is not None else profile_model(cfg, spec)
     kwargs = partition_kwargs(cfg)
     if method is not None:
@@ -280,13 +356,51 @@ def make_plan(cfg: Any, spec: Any, prof: Any = None, *, method: str | None = Non
     return partitioner.partition(prof, **kwargs)
 
 
+def search_layout(cfg: Any, spec: Any, profiles: Any = None, *, method: str | None = None) -> Any:
+    """`partitioner.search` per the config: the `SearchResult` (its `plan` carries the record that
+    `plan.json` keeps). `profiles`: `size -> Profile` (default `profiles_by_size`), or one Profile
+    measured at the configured microbatch size."""
+    import partitioner
+
+    kwargs = search_kwargs(cfg)
+    if method is not None:
+        kwargs["method"] = method
+    profiles = profiles if profiles is not None else profiles_by_size(cfg, spec)
+    extra = {}
+    if isinstance(profiles, partitioner.Profile) and profiles.meta.get("microbatch_size"):
+        extra["profile_microbatch"] = int(profiles.meta["microbatch_size"])
+    return partitioner.search(profiles, **kwargs, **extra)
+
+
+def resolve_layout(config: dict, plan: Any) -> dict:
+    """The plain `config` with the layout `plan` runs written into `pipeline` (schedule,
+    microbatches, virtual stages, max_inflight): after the planner chose, everything downstream
+    (workers, data, checkpoints, names) reads a plain layout."""
+    import copy
+
+    out = copy.deepcopy(config)
+    out["pipeline"].update(schedule=plan.schedule, microbatches=int(plan.microbatches),
+                           virtual_stages=int(plan.virtual_stages), max_inflight=plan.max_inflight)
+    return out
+
+
 def plan_matches(plan: Any, cfg: Any, num_layers: int) -> bool:
     """Whether a saved plan fits the configured layout (stages, chunks, schedule, m, replicas,
-    method), precision and checkpointing (true / false: every chunk / none)."""
+    method), precision and checkpointing (`pipeline.activation_checkpointing`: false / true,
+    no chunk / every chunk recomputes; auto, any); under `auto` layouts, a searched plan whose
+    layout the search could choose."""
+    mode = checkpointing_mode(_get(cfg, "pipeline.activation_checkpointing"))
+    same = (plan.num_layers == num_layers and plan.num_stages == int(_get(cfg, "pipeline.stages"))
+            and plan.data_parallel == int(_get(cfg, "pipeline.data_parallel"))
+            and plan.method == _text(_get(cfg, "partitioner.method"))
+            and plan.precision == _text(_get(cfg, "precision"))
+            and len(plan.stage_recompute or []) == plan.num_chunks
+            and recompute_follows(mode, plan.stage_recompute))
+    if searches(cfg):
+        kw = search_kwargs(cfg)
+        return (same and plan.search is not None and kw["batch_per_replica"] % plan.microbatches == 0
+                and (kw["schedules"] is None or plan.schedule in kw["schedules"])
+                and kw["microbatches"] in (None, plan.microbatches))
     kw = partition_kwargs(cfg)
-    ckpt = kw["activation_checkpointing"]
-    recompute_ok = ckpt == "auto" or list(plan.stage_recompute or []) == [bool(ckpt)] * plan.num_chunks
-    return (plan.num_layers == num_layers and plan.num_stages == kw["num_stages"]
-            and plan.virtual_stages == kw["virtual_stages"] and plan.schedule == kw["schedule"]
-            and plan.microbatches == kw["microbatches"] and plan.data_parallel == kw["data_parallel"]
-            and plan.method == kw["method"] and plan.precision == kw["precision"] and recompute_ok)
+    return (same and plan.virtual_stages == kw["virtual_stages"] and plan.schedule == kw["schedule"]
+            and plan.microbatches == kw["microbatches"])

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from engine.choices import OPTIMIZERS, PRECISIONS, ZERO_STAGES, check_grad_accum_dtype
-from engine.footprint import Footprint, optimizer_state_bytes_per_param, state_footprint
+from engine.footprint import GRAD_BUCKET_MB, Footprint, optimizer_state_bytes_per_param, state_footprint
 from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule, chunk_ranks
 
 __all__ = ["static_factor", "inflight_per_chunk", "inflight_from_schedule", "rank_totals",
@@ -66,6 +66,8 @@ class MemorySettings:
     data_parallel: int = 1
     grad_accum_dtype: str = "fp32"
     backend: str = "auto"
+    overlap_grad_reduce: bool = True     # the torch backend's data-parallel reduction (engine.overlap)
+    grad_bucket_mb: float = GRAD_BUCKET_MB
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -84,7 +86,8 @@ class MemorySettings:
         return state_footprint(int(numel), int(largest), precision=self.precision,
                                optimizer=self.optimizer, momentum=self.momentum,
                                zero_stage=self.zero_stage, data_parallel=self.data_parallel,
-                               grad_accum_dtype=self.grad_accum_dtype, backend=self.backend)
+                               grad_accum_dtype=self.grad_accum_dtype, backend=self.backend,
+                               overlap_grad_reduce=self.overlap_grad_reduce, grad_bucket_mb=self.grad_bucket_mb)
 
     def per_param_bytes(self, numel: float = _REF_NUMEL) -> float:
         """Forward/backward-phase bytes per parameter of a rank holding ``numel`` parameters

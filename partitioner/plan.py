@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
 from partitioner.costs import JsonMixin
 
-__all__ = ["Plan", "PartitionError"]
+__all__ = ["Plan", "PartitionError", "format_search"]
 
 
 class PartitionError(ValueError):
@@ -47,7 +47,9 @@ class Plan(JsonMixin):
     (None: the schedule's default). Fixed costs of the runtime (``partitioner.FixedCosts``, from
     the profile): ``action_s`` is charged on every compute action, ``boundary_comm_s`` includes the
     per-message latency, and ``step_fixed_s`` (per step) plus the slowest rank's optimizer update
-    (``rank_optimizer_s``) are added to the simulated schedule.
+    (``rank_optimizer_s``) are added to the simulated schedule. ``search``: when
+    ``partitioner.search`` chose this plan's layout, its record (the choice, the alternatives
+    with their predicted step and memory, every layout considered; see ``SearchResult.record``).
     """
 
     stage_ranges: list[tuple[int, int]]
@@ -88,6 +90,7 @@ class Plan(JsonMixin):
     precision: str = "fp32"
     layer_names: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    search: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.stage_ranges = [(int(a), int(b)) for a, b in self.stage_ranges]
@@ -207,7 +210,7 @@ class Plan(JsonMixin):
         tables = [(title, head, rows)]
         if self.rank_memory_breakdown:
             tables.append(self._memory_table())
-        return _render(tables, foot, width)
+        return _render(tables, foot, width) + (format_search(self.search) if self.search else "")
 
     def _memory_table(self) -> tuple[str, list[str], list[list[str]]]:
         """Each rank's predicted peak memory by kind (GiB)."""
@@ -270,7 +273,40 @@ class Plan(JsonMixin):
         return {names[a]: SplitPoint.BEGINNING for a, _ in self.stage_ranges[1:]}
 
 
-def _render(tables: list[tuple[str, list[str], list[list[str]]]], foot: list[str], width: int) -> str:
+def _search_cells(row: dict[str, Any], best: float | None) -> list[str]:
+    step, mem = row.get("step_s"), row.get("rank_memory_bytes") or []
+    rec = sum(bool(x) for x in row.get("recompute") or [])
+    return [row["schedule"], str(row["virtual_stages"]), str(row["microbatches"]),
+            "-" if row.get("max_inflight") is None else str(row["max_inflight"]),
+            "-" if step is None else f"{step * 1e3:.3f}",
+            "-" if step is None or not best else f"{step / best:.3f}x",
+            "-" if row.get("bubble_fraction") is None else f"{row['bubble_fraction']:.1%}",
+            "-" if not mem else f"{max(mem) / 2**30:.3f}", str(rec) if mem else "-", row["status"]]
+
+
+def format_search(record: dict[str, Any], width: int = 120) -> str:
+    """The table of a ``partitioner.search`` record (``Plan.search``): the chosen layout (first
+    row) and the next best, each with its predicted step, bubble, peak rank memory and the chunks
+    that recompute; then the counts and notes."""
+    head = ["#", "schedule", "v", "m", "inflight", "step ms", "vs best", "bubble", "peak rank GiB",
+            "recompute", "status"]
+    chosen = record["chosen"]
+    rows = [chosen] + list(record.get("alternatives", []))
+    best = chosen.get("step_s")
+    body = [[("*" if k == 0 else str(k + 1))] + _search_cells(r, best) for k, r in enumerate(rows)]
+    title = (f"search: {record['considered']} layouts ({record.get('ok', 0)} solved, "
+             f"{record.get('pruned', 0)} pruned, {record.get('infeasible', 0)} infeasible, "
+             f"{record.get('skipped', 0)} skipped), {record['seconds']:.2f} s"
+             + (f" ({record['profile_seconds']:.2f} s profiling)" if record.get("profile_seconds", 0) >= 0.01 else "")
+             + "; * = chosen")
+    foot = [f"- {n}" for n in record.get("notes", [])]
+    return _render([(title, head, body)], foot, width, left=("schedule", "status"), no_wrap=True)
+
+
+def _render(tables: list[tuple[str, list[str], list[list[str]]]], foot: list[str], width: int,
+            left: tuple[str, ...] = ("layers",), no_wrap: bool = False) -> str:
+    """Tables (title, header, rows) then the foot lines, with rich (plain text without it);
+    the ``left`` columns are left-justified, the others right."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -281,7 +317,7 @@ def _render(tables: list[tuple[str, list[str], list[list[str]]]], foot: list[str
     for title, head, rows in tables:
         t = Table(title=title)
         for h in head:
-            t.add_column(h, justify="right" if h not in ("layers",) else "left")
+            t.add_column(h, justify="left" if h in left else "right", no_wrap=no_wrap)
         for r in rows:
             t.add_row(*r)
         con.print(t)

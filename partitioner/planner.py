@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks
 
 from .costs import FixedCosts, Profile
@@ -41,9 +42,43 @@ from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optima
                     pipeline_lower_bound, split_costs, uniform_split)
 from .vsplit import min_v_memory_scale, optimal_v_split
 
-__all__ = ["partition", "METHODS"]
+__all__ = ["partition", "METHODS", "CHECKPOINTING", "checkpointing_mode", "recompute_follows"]
 
 METHODS: tuple[str, ...] = ("optimal", "uniform", "parameters", "greedy")
+
+CHECKPOINTING: tuple[str, ...] = ("off", "on", "auto")
+"""The activation-checkpointing modes, the one rule that :func:`partition`, ``partitioner.search``
+and the experiments follow: ``off`` (False): no chunk recomputes, only splits that fit without
+recomputation are considered; ``on`` (True): every chunk recomputes; ``auto``: the planner
+recomputes per chunk where the memory limit needs it."""
+
+_CHECKPOINTING_NAMES = {"false": "off", "off": "off", "true": "on", "on": "on", "auto": "auto"}
+
+
+def checkpointing_mode(value: Any) -> str:
+    """``activation_checkpointing`` (False, True, "auto" or their names) as one of
+    :data:`CHECKPOINTING`; ValueError otherwise.
+
+    >>> checkpointing_mode(False), checkpointing_mode("true"), checkpointing_mode("auto")
+    ('off', 'on', 'auto')
+    """
+    mode = _CHECKPOINTING_NAMES.get(str(value).strip().lower()) if isinstance(value, (bool, str)) else None
+    if mode is None:
+        raise ValueError(f"activation_checkpointing must be False (no chunk recomputes), True (every chunk "
+                         f"recomputes) or 'auto' (the planner recomputes per chunk where memory needs it), "
+                         f"got {value!r}")
+    return mode
+
+
+def recompute_follows(activation_checkpointing: Any, recompute: Sequence[bool]) -> bool:
+    """Whether a per-chunk recompute choice (``Plan.stage_recompute``) is one the mode allows:
+    none recompute (off), all (on), any (auto).
+
+    >>> recompute_follows(False, [False, False]), recompute_follows(True, [True, False])
+    (True, False)
+    """
+    mode, chosen = checkpointing_mode(activation_checkpointing), [bool(x) for x in recompute]
+    return mode == "auto" or chosen == [mode == "on"] * len(chosen)
 
 _BASELINE_NOTES = {
     "uniform": "uniform: equal layer counts (Megatron); memory limits not used to choose",
@@ -129,7 +164,8 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
               memory_limit_bytes: "float | Sequence[float] | None" = None, method: str = "optimal",
               link_bytes_per_s: float | None = None, activation_checkpointing: "bool | str" = False,
               simulate: bool = True, max_inflight: int | None = None, precision: str | None = None,
-              momentum: float = 0.0, grad_accum_dtype: str = "fp32", backend: str = "auto") -> Plan:
+              momentum: float = 0.0, grad_accum_dtype: str = "fp32", backend: str = "auto",
+              overlap_grad_reduce: bool = True, grad_bucket_mb: float = GRAD_BUCKET_MB) -> Plan:
     """Split ``profile`` into ``num_stages`` pipeline stages (see the module docstring).
 
     ``memory_limit_bytes``: one number for every rank, or one per rank. ``method``: "optimal"
@@ -139,8 +175,8 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     search needs it to fit). ``simulate``: predict the step with :meth:`Plan.simulate` (else
     the closed form). ``max_inflight``: zb-h2's bound on the microbatches a rank holds (its
     memory knob). ``precision`` (None: fp32 for a 4-byte profile, bf16 for a 16-bit one),
-    ``momentum`` (SGD's), ``grad_accum_dtype`` and ``backend``: what the run keeps per parameter
-    (:class:`partitioner.memory.MemorySettings`). Raises :class:`PartitionError` when no split
+    ``momentum`` (SGD's), ``grad_accum_dtype``, ``backend``, ``overlap_grad_reduce`` and
+    ``grad_bucket_mb``: what the run keeps per parameter (:class:`partitioner.memory.MemorySettings`). Raises :class:`PartitionError` when no split
     fits, naming the smallest limit (or the stage count) that would.
     """
     p, m, v = int(num_stages), int(microbatches), int(virtual_stages)
@@ -150,7 +186,8 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     if link_bytes_per_s is None and profile.fixed is not None:
         link_bytes_per_s = profile.fixed.link_bytes_per_s
     memory = MemorySettings(precision or ("fp32" if profile.itemsize >= 4 else "bf16"), optimizer, momentum,
-                            int(zero_stage), int(data_parallel), grad_accum_dtype, backend)
+                            int(zero_stage), int(data_parallel), grad_accum_dtype, backend,
+                            bool(overlap_grad_reduce), float(grad_bucket_mb))
     prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, link_bytes_per_s, memory,
                     _rank_caps(memory_limit_bytes, p), simulate, notes)
     bounds, recompute = _search(method, prob, notes)
@@ -175,9 +212,7 @@ def _check_arguments(profile: Profile, p: int, m: int, v: int, schedule: str, me
     build_schedule(schedule, p, m, v, max_inflight=max_inflight)  # e.g. interleaving needs v >= 2
     if link is not None and link <= 0:
         raise ValueError("link_bytes_per_s must be > 0 (or None for free transfers)")
-    ckpt = {False: "off", True: "on", "off": "off", "on": "on", "auto": "auto"}.get(activation_checkpointing)
-    if ckpt is None:
-        raise ValueError(f"activation_checkpointing must be False, True or 'auto', got {activation_checkpointing!r}")
+    ckpt = checkpointing_mode(activation_checkpointing)
     n, k = len(profile), p * v
     if k > n:
         raise PartitionError(

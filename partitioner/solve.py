@@ -25,8 +25,6 @@ Example::
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
 from .feasible import Infeasible, Problem

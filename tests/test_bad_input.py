@@ -79,8 +79,8 @@ def test_more_stages_than_layers(base_cfg):
 def test_unknown_schedule_lists_valid_ones(base_cfg):
     valid = ", ".join(SCHEDULES)                                          # gpipe, 1f1b, ...
     assert valid.startswith("gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv")
-    assert (f"Invalid value '1f1f', expected one of [{valid}]"
-            in _compose_error("pipeline.schedule=1f1f"))                  # Hydra: enum choices
+    assert (f"Invalid value '1f1f', expected one of [{valid}, auto]"
+            in _compose_error("pipeline.schedule=1f1f"))                  # Hydra: enum choices (auto: the planner's)
     with pytest.raises(ConfigError, match=r"choose one of \['gpipe', '1f1b'"):
         validate_config(_cfg(base_cfg, pipeline__schedule="1f1f"))
     with pytest.raises(ValueError, match=f"unknown schedule '1f1f'; choose one of {valid}"):

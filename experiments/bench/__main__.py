@@ -17,7 +17,12 @@ batch, microbatches and stage boundaries:
    zero-bubble schedules ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble where they run)
    and DeepSpeed's PipelineEngine (1F1B) on the same split;
 5. partition quality: pipeshard 1f1b with each of `bench.methods` (optimal, uniform,
-   parameters), measured (rows with `section="partition"` and `method`).
+   parameters), measured (rows with `section="partition"` and `method`);
+6. the planner's choice (`bench.auto`, on by default): `partitioner.search` over schedule,
+   chunks, microbatches, zb-h2's max_inflight, recompute and split, from the model profiled at
+   each microbatch size, run as a pipeshard row with `section="auto"`; `bench.sweep=true` runs
+   every layout the search solved as well (`section="sweep"`) and prints "auto's choice
+   measured X ms, fastest of the sweep Y ms (layout), ratio" (`bench.json` `auto`, `search`).
 
 Every run is started by `engine.launch` with fresh interpreters (`start_method="spawn"`); a run
 that fails becomes a row with `error`. Writes into the Hydra run directory: `bench.json`
@@ -29,6 +34,8 @@ Example::
     python -m experiments.bench                                  # the bench preset
     python -m experiments.bench bench.steps=10 model.vocab=16384
     python -m experiments.bench experiment=mlp_profile bench.systems=[single,pipeshard]
+    python -m experiments.bench bench.sweep=true                 # the choice beside every layout, measured
+    python -m experiments.bench experiment=bench_gpt8 bench.sweep=true   # the second model
     python -m experiments.bench bench.overhead=true bench.rounds=3   # fixed cost per action
 """
 
@@ -66,7 +73,8 @@ def run(cfg: Any, run_dir: str) -> dict:
     validate_config(cfg)
     if bool(cfg.bench.get("overhead", False)):
         return _run_overhead(cfg, run_dir)
-    result = run_bench(cfg)
+    trace = bool(cfg.bench.get("trace", False))
+    result = run_bench(cfg, trace_dir=str(Path(run_dir) / "traces") if trace else None)
     result["meta"]["command"] = " ".join(["python -m experiments.bench", *sys.argv[1:]])
     paths = write_outputs(result, Path(run_dir))
     rows, m = result["rows"], result["meta"]
@@ -74,7 +82,16 @@ def run(cfg: Any, run_dir: str) -> dict:
              f"{m['microbatches']} microbatches, 1 thread per rank")
     print(format_table([r for r in rows if r.get("section") == "systems"], title=title))
     print(format_prediction_table(rows))
+    if "auto" in result:
+        from experiments.bench.auto import comparison_line, format_sweep
+
+        print(format_sweep(rows))
+        print(comparison_line(result["auto"]))
     print("ratios:", json.dumps(result["ratios"], indent=1))
+    if trace:
+        from experiments.bench.trace import format_trace
+        print("ms per microbatch, main thread, from torch.profiler (traces in", Path(run_dir) / "traces", ")")
+        print(format_trace([r for r in rows if r.get("trace")]))
     print(f"load average start {m['load_avg_start']} end {m['load_avg_end']}")
     print("wrote", *map(str, paths))
     return result

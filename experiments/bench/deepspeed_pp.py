@@ -35,6 +35,7 @@ from torch import nn
 
 from engine.stage import build_layers
 
+from experiments.bench.trace import traced
 from experiments.bench.measure import launch_fresh, make_row, named_params, timed_loop
 from experiments.bench.spec import BenchSpec
 
@@ -116,6 +117,7 @@ def run_deepspeed(spec: BenchSpec, *, return_params: bool = False,
                   timeout_s: float = 900.0) -> dict[str, Any]:
     """One row: ``spec`` trained with DeepSpeed's PipelineEngine (1F1B) on p fresh ranks."""
     p = spec.num_stages
+    spec = traced(spec, "deepspeed_1f1b")
     results = launch_fresh(_worker, p, spec, return_params, timeout_s=timeout_s)
     row = make_row("deepspeed", "1f1b", spec, results, stages=p, microbatches=spec.microbatches)
     row["impl"] = "PipelineEngine.TrainSchedule"

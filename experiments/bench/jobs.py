@@ -54,16 +54,23 @@ def check_systems(systems: Sequence[str]) -> list[str]:
     return list(systems)
 
 
-def pipeshard_key(schedule: str, spec: BenchSpec) -> tuple:
-    """The job key of pipeshard running ``schedule`` on ``spec``'s split."""
-    return ("pipeshard", schedule, tuple(map(tuple, spec.ranges_for(_chunks(schedule)))))
+def pipeshard_key(schedule: str, spec: BenchSpec, layout: dict[str, Any] | None = None) -> tuple:
+    """The job key of pipeshard running ``schedule`` on ``spec``'s split and microbatches, with
+    ``layout`` (``run_pipeshard`` keywords: ``virtual_stages``, ``max_inflight``, ...)."""
+    layout = dict(layout or {})
+    v = layout.get("virtual_stages") or _chunks(schedule)
+    if v == _chunks(schedule):  # the default: the same run as without it
+        layout.pop("virtual_stages", None)
+    extra = tuple(sorted((k, tuple(x) if isinstance(x, list) else x) for k, x in layout.items()))
+    return ("pipeshard", schedule, tuple(map(tuple, spec.ranges_for(v))), spec.microbatches, extra)
 
 
 def job_table(spec: BenchSpec, *, single_modes: Sequence[str] = (),
-              pipeshard: Sequence[tuple[str, BenchSpec]] = (), torch_schedules: Sequence[str] = (),
+              pipeshard: Sequence[tuple] = (), torch_schedules: Sequence[str] = (),
               deepspeed: bool = False, timeout_s: float = 900.0) -> dict[tuple, Job]:
     """The jobs listed, keyed: the single-process modes and the torch / DeepSpeed peers on
-    `spec`; pipeshard on each `(schedule, spec)` given (that spec carries the run's split)."""
+    `spec`; pipeshard on each `(schedule, spec)` or `(schedule, spec, layout)` given (that spec
+    carries the run's split and microbatches; `layout` the `run_pipeshard` keywords)."""
     p, jobs = spec.num_stages, {}
 
     def add(key: tuple, stages: int, v: int, run: Callable[[], dict[str, Any]]) -> None:
@@ -71,9 +78,10 @@ def job_table(spec: BenchSpec, *, single_modes: Sequence[str] = (),
 
     for mode in single_modes:
         add(("single", mode), 1, 1, lambda mode=mode: run_single(spec, mode=mode, timeout_s=timeout_s))
-    for name, s in pipeshard:
-        add(pipeshard_key(name, s), p, _chunks(name),
-            lambda name=name, s=s: run_pipeshard(s, name, timeout_s=timeout_s))
+    for name, s, *rest in pipeshard:
+        layout = dict(rest[0]) if rest else {}
+        add(pipeshard_key(name, s, layout), p, layout.get("virtual_stages") or _chunks(name),
+            lambda name=name, s=s, layout=layout: run_pipeshard(s, name, timeout_s=timeout_s, **layout))
     for name in torch_schedules:
         v = TORCH_SCHEDULES[name][1] if name in TORCH_SCHEDULES else 1
         add(("torch-pipelining", name), p, v, lambda name=name: run_torch_pipelining(spec, name, timeout_s=timeout_s))

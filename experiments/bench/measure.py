@@ -64,16 +64,24 @@ def timed_loop(spec: BenchSpec, step_fn: StepFn) -> dict[str, Any]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     times: list[float] = []
     losses: list[float | None] = []
+    prof = None
     for step in range(spec.warmup + spec.steps):
         inputs, targets = spec.batches(step)
+        if step == spec.warmup and spec.trace_dir:
+            from experiments.bench.trace import start_profiler
+            prof = start_profiler()
         _barrier()
         t0 = time.perf_counter()
         loss = step_fn(inputs, targets)
         _barrier()
         times.append(time.perf_counter() - t0)
         losses.append(None if loss is None else float(loss))
-    return {"rank": rank, "times": times[spec.warmup:], "losses": losses,
-            "peak_rss_bytes": peak_rss_bytes(), "threads": torch.get_num_threads()}
+    out = {"rank": rank, "times": times[spec.warmup:], "losses": losses,
+           "peak_rss_bytes": peak_rss_bytes(), "threads": torch.get_num_threads()}
+    if prof is not None:
+        from experiments.bench.trace import finish_profiler
+        out["trace"] = finish_profiler(prof, f"{spec.trace_dir}/r{rank}.json", sum(out["times"]))
+    return out
 
 
 def named_params(modules: list[nn.Module]) -> dict[str, Tensor]:
@@ -101,6 +109,8 @@ def make_row(system: str, schedule: str, spec: BenchSpec, results: list[dict[str
         "threads": [r["threads"] for r in results],
         "loss": losses[-1] if losses else None, "losses": losses,
     }
+    if all("trace" in r for r in results):
+        row["trace"] = [r["trace"] for r in results]
     params: dict[str, Tensor] = {}
     for r in results:
         params.update(r.get("params") or {})

@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
+from experiments.bench.trace import traced
 from experiments.bench.measure import launch_fresh, make_row, timed_loop
 from experiments.bench.spec import BenchSpec
 from experiments.wiring import schedule_chunks
@@ -47,7 +48,8 @@ def _worker(spec: BenchSpec, schedule: str, return_params: bool, options: dict[s
 
     from engine import OptimizerConfig, Pipeline
 
-    v = schedule_chunks(schedule)
+    options = dict(options)
+    v = options.pop("virtual_stages", None) or schedule_chunks(schedule)
     pipe = Pipeline(spec.layers, spec.ranges_for(v), loss_fn=spec.loss_fn, schedule=schedule,
                     microbatches=spec.microbatches, virtual_stages=v,
                     optimizer=OptimizerConfig(name="sgd", lr=spec.lr), seed=spec.seed, **options)
@@ -72,17 +74,22 @@ def _worker(spec: BenchSpec, schedule: str, return_params: bool, options: dict[s
     return result
 
 
-def run_pipeshard(spec: BenchSpec, schedule: str = "1f1b", *, return_params: bool = False,
-                  timeout_s: float = 600.0, **options: Any) -> dict[str, Any]:
+def run_pipeshard(spec: BenchSpec, schedule: str = "1f1b", *, virtual_stages: int | None = None,
+                  return_params: bool = False, timeout_s: float = 600.0, **options: Any) -> dict[str, Any]:
     """One row: ``spec`` trained by pipeshard's engine with ``schedule`` on p fresh ranks.
 
-    ``options`` go to ``engine.Pipeline`` (e.g. ``recv_lookahead``).
+    ``virtual_stages``: chunks per rank (default: the schedule's, 2 for interleaved);
+    ``options`` go to ``engine.Pipeline`` (e.g. ``recv_lookahead``, ``max_inflight``).
     """
-    v = schedule_chunks(schedule)  # an unknown schedule fails here, naming the ones there are
+    v = virtual_stages or schedule_chunks(schedule)  # an unknown schedule fails here, naming the ones there are
     p = spec.num_stages
-    results = launch_fresh(_worker, p, spec, schedule, return_params, options, timeout_s=timeout_s)
+    spec = traced(spec, f"pipeshard_{schedule}_v{v}_m{spec.microbatches}_cap{options.get('max_inflight')}")
+    results = launch_fresh(_worker, p, spec, schedule, return_params, dict(options, virtual_stages=v),
+                           timeout_s=timeout_s)
     row = make_row("pipeshard", schedule, spec, results, stages=p, microbatches=spec.microbatches,
                    virtual_stages=v)
+    if options.get("max_inflight") is not None:
+        row["max_inflight"] = options["max_inflight"]
     row["stage_ranges"] = [list(r) for r in spec.ranges_for(v)]
     row["stats"] = [r["stats"] for r in results]  # per rank: medians of StepResult.stats
     return row

@@ -116,18 +116,24 @@ def _best(rows: Sequence[dict[str, Any]], **match: Any) -> dict[str, Any] | None
 
 def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The headline ratios over the ``systems`` rows (None where a row is missing or failed):
-    pipeshard 1f1b / torch 1f1b, deepspeed / pipeshard 1f1b, best pipeshard / its ideal."""
+    pipeshard 1f1b / torch 1f1b, deepspeed / pipeshard 1f1b, best pipeshard / its ideal, best
+    pipeshard schedule / best torch schedule, pipeshard zbv / torch zbv."""
     sysrows = [r for r in rows if r.get("section", "systems") == "systems"]
     ps = _best(sysrows, system="pipeshard", schedule="1f1b")
     tp = _best(sysrows, system="torch-pipelining", schedule="1f1b")
     ds = _best(sysrows, system="deepspeed")
     best = _best(sysrows, system="pipeshard")
+    best_torch = _best(sysrows, system="torch-pipelining")
+    pz, tz = _best(sysrows, system="pipeshard", schedule="zbv"), _best(sysrows, system="torch-pipelining", schedule="zbv")
     out: dict[str, Any] = {
         "pipeshard_1f1b_over_torch_1f1b": ps["step_s"] / tp["step_s"] if ps and tp else None,
         "deepspeed_over_pipeshard_1f1b": ds["step_s"] / ps["step_s"] if ps and ds else None,
         "best_pipeshard_schedule": best["schedule"] if best else None,
         "best_pipeshard_over_ideal": (best["step_s"] / best["ideal_step_s"]
                                       if best and best.get("ideal_step_s") else None),
+        "best_torch_schedule": best_torch["schedule"] if best_torch else None,
+        "best_pipeshard_over_best_torch": best["step_s"] / best_torch["step_s"] if best and best_torch else None,
+        "pipeshard_zbv_over_torch_zbv": pz["step_s"] / tz["step_s"] if pz and tz else None,
     }
     return out
 

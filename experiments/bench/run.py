@@ -31,7 +31,7 @@ __all__ = ["run_peers", "run_bench", "TORCH_FOR_PIPESHARD"]
 # torch.distributed.pipelining's schedules run for each pipeshard schedule asked for.
 TORCH_FOR_PIPESHARD: dict[str, tuple[str, ...]] = {
     "gpipe": ("gpipe",), "1f1b": ("1f1b",), "interleaved-1f1b": ("interleaved-1f1b",),
-    "zb-h1": ("interleaved-zb", "zbv"), "zbv": ("zbv",),
+    "zb-h1": ("interleaved-zb", "zbv"), "zb-h2": ("interleaved-zb", "zbv"), "zbv": ("zbv",),
 }
 _PREDICTION_KEYS = ("section", "schedule", "method", "step_s", "predicted_step_s", "step_error",
                     "predicted_step_uncalibrated_s", "step_error_uncalibrated", "predicted_activation_bytes",
@@ -53,7 +53,8 @@ def run_peers(spec: BenchSpec, *, systems: Sequence[str] = SYSTEMS, single_modes
     return add_ideal(list(run_jobs(jobs, spec, log=log).values()))
 
 
-def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
+def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None] | None = print,
+              trace_dir: str | None = None) -> dict[str, Any]:
     """The whole ``python -m experiments.bench`` run (see the module docstring); returns
     ``{"rows", "ratios", "prediction", "meta", "plans", "profile"}``."""
     from experiments.bench.problem import bench_spec, plain_config
@@ -71,7 +72,10 @@ def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None]
     meta["model_name"] = spec0.name
     raw_plans = _plans(prof, meta, schedules, methods, link)
     spec = _spec_for_peers(spec0, raw_plans, prof, meta, link)
+    if trace_dir:   # every job profiles its timed steps (experiments/bench/trace.py)
+        spec = dataclasses.replace(spec, trace_dir=trace_dir)
     pipeshard, entries = _entries(systems, schedules, methods, spec, raw_plans)
+    searched = _search(c, prof, link, timeout, spec, pipeshard, entries, log)
     jobs = job_table(spec, single_modes=SINGLE_MODES if "single" in systems else (), pipeshard=pipeshard,
                      torch_schedules=_torch_names(schedules) if "torch-pipelining" in systems else (),
                      deepspeed="deepspeed" in systems, timeout_s=timeout)
@@ -80,8 +84,30 @@ def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None]
     rows = _rows(entries, combined, plans, raw_plans)
     meta["load_avg_end"] = list(os.getloadavg())
     prediction = [{k: r.get(k) for k in _PREDICTION_KEYS} for r in rows if r["system"] == "pipeshard"]
-    return {"rows": json_rows(rows), "ratios": ratios(rows), "prediction": prediction, "meta": meta,
-            "plans": {name: pl.to_dict() for name, pl in plans.items()}, "profile": prof.to_dict()}
+    out = {"rows": json_rows(rows), "ratios": ratios(rows), "prediction": prediction, "meta": meta,
+           "plans": {name: pl.to_dict() for name, pl in plans.items()}, "profile": prof.to_dict()}
+    if searched is not None:
+        from experiments.bench.auto import sweep_comparison
+
+        out["search"] = searched.record(searched.count("ok"))
+        out["auto"] = sweep_comparison(rows)
+    return out
+
+
+def _search(c: dict, prof: Any, link: Any, timeout: float, spec: BenchSpec, pipeshard: list, entries: list,
+            log: Callable[[str], None] | None) -> Any:
+    """With `bench.auto` / `bench.sweep`: the planner's search, its choice (and the sweep) added
+    to the pipeshard runs and the rows; the `SearchResult`, or None."""
+    bc = c["bench"]
+    if not (bc.get("auto") or bc.get("sweep")):
+        return None
+    from experiments.bench.auto import layout_runs, search_layouts
+
+    searched = search_layouts(c, prof, link=link, timeout_s=timeout, sweep=bool(bc.get("sweep")), log=log)
+    runs, more = layout_runs(searched, spec, sweep=bool(bc.get("sweep")), sweep_max=bc.get("sweep_max"))
+    pipeshard.extend(runs)
+    entries.extend(more)
+    return searched
 
 
 def _meta(c: dict, rounds: int) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from experiments.bench.trace import traced
 from experiments.bench.measure import launch_fresh, make_row, named_params, timed_loop
 from experiments.bench.spec import BenchSpec, build_chunk
 
@@ -58,6 +59,7 @@ def run_single(spec: BenchSpec, *, mode: str = "microbatched", return_params: bo
     """One row: the whole model in one fresh process (see the module docstring for ``mode``)."""
     if mode not in SINGLE_MODES:
         raise ValueError(f"mode must be one of {SINGLE_MODES}, got {mode!r}")
+    spec = traced(spec, f"single_{mode}")
     results = launch_fresh(_single_worker, 1, spec, mode, return_params, timeout_s=timeout_s)
     m = spec.microbatches if mode == "microbatched" else 1
     return make_row("single", mode, spec, results, stages=1, microbatches=m)

@@ -55,6 +55,7 @@ class BenchSpec:
     lr: float = 1e-3
     chunk_ranges: Sequence[Range] | None = None
     name: str = "model"
+    trace_dir: str | None = None   # set: each rank writes a torch.profiler trace of its timed steps here
 
     def __post_init__(self) -> None:
         check_ranges(self.stage_ranges, len(self.layers), "stage_ranges")

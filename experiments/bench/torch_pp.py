@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from experiments.bench.trace import traced
 from experiments.bench.measure import launch_fresh, make_row, named_params, timed_loop
 from experiments.bench.spec import BenchSpec, build_chunk
 
@@ -95,6 +96,7 @@ def run_torch_pipelining(spec: BenchSpec, schedule: str = "1f1b", *, return_para
     if schedule not in TORCH_SCHEDULES:
         raise ValueError(f"unknown torch schedule {schedule!r}; choose from {list(TORCH_SCHEDULES)}")
     p = spec.num_stages
+    spec = traced(spec, f"torch-pipelining_{schedule}")
     results = launch_fresh(_torch_worker, p, spec, schedule, return_params, timeout_s=timeout_s)
     v = TORCH_SCHEDULES[schedule][1]
     row = make_row("torch-pipelining", schedule, spec, results, stages=p,

@@ -52,3 +52,17 @@ def test_issue_figures():
                             grad_accum_dtype=accum)
         return (f.parameters + f.gradients + f.optimizer_state) / N
     assert (total("bf16"), total("bf16", "bf16"), total("bf16-autocast")) == (12, 10, 14)
+
+
+def test_torch_backend_reduction_temporaries():
+    """The torch backend's data-parallel reduction at the step: with the overlapped buckets
+    (engine.overlap) every bucket's flat copy lives until the last is reduced (a whole gradient
+    copy); without, one bucket of grad_bucket_mb (plus the tensor that overflows it); one
+    replica reduces nothing."""
+    n, big = 50_000_000, 1000
+    overlap = state_footprint(n, big, data_parallel=2)
+    plain = state_footprint(n, big, data_parallel=2, overlap_grad_reduce=False, grad_bucket_mb=10)
+    alone = state_footprint(n, big, data_parallel=1)
+    assert overlap.step_temporary == 4 * n
+    assert plain.step_temporary == 10 * 2**20 + 4 * big
+    assert alone.step_temporary == 0

@@ -78,7 +78,9 @@ def _worker(cases):
                         loss_fn=nn.functional.mse_loss, schedule=case["schedule"],
                         microbatches=case["m"], virtual_stages=v,
                         data_parallel=case.get("d", 1), seed=SEED,
-                        optimizer=OptimizerConfig(name="sgd", lr=LR, momentum=MOMENTUM),
+                        optimizer=OptimizerConfig(name="sgd", lr=LR, momentum=MOMENTUM,
+                                                  overlap_grad_reduce=case.get("overlap", True),
+                                                  grad_bucket_mb=case.get("bucket_mb", 25.0)),
                         activation_checkpointing=case.get("ckpt", False), comm_timeout_s=30,
                         ties=TIES if case.get("tie") else (), max_inflight=case.get("cap"))
         losses, grads, stats = [], [], []
@@ -87,7 +89,8 @@ def _worker(cases):
             r = pipe.train_step(x, y)
             losses.append(r.loss)
             grads.append(pipe.optimizer.full_grads())
-            stats.append(r.stats)
+            stats.append(dict(r.stats, early_buckets=getattr(getattr(pipe.optimizer, "reducer", None),
+                                                             "launched_early", None)))
         params = {f"{i}.{n}": t.detach().clone()
                   for i, ps in pipe.named_layer_parameters().items() for n, t in ps.items()}
         out.append({"losses": losses, "grads": grads, "params": params, "stats": stats,
@@ -120,6 +123,10 @@ def _check(case, per_rank):
     for res in per_rank:
         assert res["losses"] == pytest.approx(ref["losses"], rel=RTOL, abs=ATOL), name
         assert res["eval"] == pytest.approx(ref["eval"], rel=RTOL, abs=ATOL), name
+    if isinstance(case, dict) and case.get("bucket_mb", 25.0) < 1e-3:   # buckets started in backward
+        assert all(s["early_buckets"] > 0 for res in per_rank for s in res["stats"]), name
+    if isinstance(case, dict) and not case.get("overlap", True):
+        assert all(s["early_buckets"] is None for res in per_rank for s in res["stats"]), name
     seen_params = set()
     for res in per_rank:
         for step, g in enumerate(res["grads"]):
@@ -152,6 +159,9 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     # zbv: a V of 4 chunks (rank 0 holds chunks 0 and 3, so the loss); the tie crosses ranks
     cases += [dict(schedule="zbv", p=2, v=2, m=4), dict(schedule="zb-h2", p=2, m=4),
               dict(schedule="zbv", p=2, v=2, m=3, tie=True, ranges=[(0, 4), (4, 5), (5, 7), (7, 9)])]
+    # per-chunk recomputation (a plan's stage_recompute): chunk 0 only; zbv: rank 0's chunks
+    cases += [dict(schedule="1f1b", p=2, m=4, ckpt=[True, False]),
+              dict(schedule="zbv", p=2, v=2, m=4, ckpt=[True, False, False, True])]
     results = _run_and_check(2, cases)
     stats = results[0][0]["stats"][0]  # rank 0, gpipe, step 0
     for key in ("forward_s", "backward_s", "comm_wait_s", "idle_s", "peak_activation_bytes",
@@ -168,17 +178,21 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     plain = results[0][1]["stats"][0]["peak_activation_bytes"]
     ckpt = results[0][4]["stats"][0]["peak_activation_bytes"]
     assert 0 < ckpt < plain
+    # per chunk: the recomputing rank keeps what checkpointing keeps, the other what plain keeps
+    peak = lambda r, k: results[r][k]["stats"][0]["peak_activation_bytes"]  # noqa: E731
+    assert (peak(0, 9), peak(1, 9)) == (peak(0, 4), peak(1, 1)) and peak(1, 4) < peak(1, 1)
+    assert peak(0, 10) <= peak(0, 6) and peak(1, 10) == peak(1, 6)  # zbv: rank 1 does not recompute
 
 
 def test_parity_four_stages_every_schedule():
     cases = [dict(schedule=s, p=4, m=4) for s in SCHEDS]
     cases += [dict(schedule="interleaved-1f1b", p=4, v=2, m=4),
-              dict(schedule="1f1b", p=2, d=2, m=2),
-              dict(schedule="zb-h1", p=2, d=2, m=4),
+              dict(schedule="1f1b", p=2, d=2, m=2, bucket_mb=1e-4),   # a bucket per tensor: early
+              dict(schedule="zb-h1", p=2, d=2, m=4, overlap=False),
               dict(schedule="interleaved-1f1b", p=4, v=2, m=4, tie=True),   # across ranks
-              dict(schedule="zb-h1", p=2, d=2, m=4, tie=True),              # same rank
+              dict(schedule="zb-h1", p=2, d=2, m=4, tie=True, bucket_mb=1e-4),   # same rank
               dict(schedule="zbv", p=4, v=2, m=8), dict(schedule="zb-h2", p=4, m=6, cap=6),
-              dict(schedule="zbv", p=2, v=2, d=2, m=4, tie=True),
+              dict(schedule="zbv", p=2, v=2, d=2, m=4, tie=True, bucket_mb=1e-4),
               dict(schedule="zb-h2", p=2, d=2, m=4, cap=2)]
     _run_and_check(4, cases)
 

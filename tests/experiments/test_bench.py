@@ -217,6 +217,70 @@ def test_ratios_and_markdown() -> None:
     md = bench.format_markdown({"rows": rows, "ratios": r})
     assert "| uniform |" in md and "+10.0%" in md and "`deepspeed_over_pipeshard_1f1b`: 4.000" in md
     assert bench.ratios([])["pipeshard_1f1b_over_torch_1f1b"] is None
+    assert r["best_torch_schedule"] == "1f1b" and r["best_pipeshard_over_best_torch"] == pytest.approx(1.5 / 4.0)
+    assert r["pipeshard_zbv_over_torch_zbv"] is None  # no zbv rows
+    zbv = rows + [dict(_row(1.2, [1.2], [1, 1]), schedule="zbv", section="systems", ideal_step_s=1.0),
+                  dict(_row(3.0, [3.0], [1, 1]), system="torch-pipelining", schedule="zbv", section="systems")]
+    rz = bench.ratios(zbv)
+    assert rz["pipeshard_zbv_over_torch_zbv"] == pytest.approx(0.4) and rz["best_pipeshard_schedule"] == "zbv"
+    assert rz["best_torch_schedule"] == "zbv" and rz["best_pipeshard_over_best_torch"] == pytest.approx(0.4)
+
+
+def _searched(p: int = 2, batch: int = 16):
+    """A search over a synthetic profile (no processes): layouts of several schedules and chunks."""
+    import numpy as np
+
+    from partitioner import LayerCost, Profile, search
+
+    rng = np.random.default_rng(3)
+    layers = [LayerCost(float(x), float(2 * x), 10**5, 10**5, 10**3) for x in rng.uniform(1e-3, 2e-3, 8)]
+    return search(Profile(layers), p, batch, profile_microbatch=2, prune=False)
+
+
+def test_layout_runs_turn_the_choice_and_the_sweep_into_pipeshard_jobs() -> None:
+    from experiments.bench.auto import layout_runs
+    from experiments.bench.jobs import job_table
+
+    res, spec = _searched(), _spec()  # 8 layers, batch 16, like the profile
+    runs, entries = layout_runs(res, spec)
+    assert len(runs) == len(entries) == 1 and entries[0][0]["section"] == "auto" and entries[0][0]["chosen"]
+    solved = [c for c in res.candidates if c.status == "ok"]
+    runs, entries = layout_runs(res, spec, sweep=True, sweep_max=6)
+    assert [e[0]["section"] for e in entries] == ["auto"] + ["sweep"] * 6
+    assert [e[0]["layout"] for e in entries[1:]] == [c.label for c in solved[:6]]
+    assert [e[0]["search_rank"] for e in entries[1:]] == list(range(1, 7))
+    for (name, s, layout), (extra, key, plan_key), cand in zip(runs[1:], entries[1:], solved):
+        assert name == cand.schedule and s.microbatches == cand.microbatches and plan_key is None
+        assert [list(r) for r in s.ranges_for(cand.virtual_stages)] == extra["plan_stage_ranges"]
+        assert layout.get("virtual_stages") == cand.virtual_stages and layout.get("max_inflight") == cand.max_inflight
+        assert extra["predicted_step_s"] == cand.step_s
+    jobs = job_table(spec, pipeshard=runs)
+    assert len(jobs) == 6  # the choice is the sweep's first layout: one job for both rows
+    every, _ = layout_runs(res, spec, sweep=True)
+    assert len(every) == 1 + len(solved) and len({c.label for c in solved}) == len(solved)
+
+
+def test_sweep_comparison_and_its_line() -> None:
+    from experiments.bench.auto import comparison_line, format_sweep, rank_correlation, sweep_comparison
+
+    def row(section, layout, pred, meas, **kw):
+        return dict(system="pipeshard", schedule=layout.split()[0], microbatches=4, section=section, layout=layout,
+                    predicted_step_s=pred, step_s=meas, **kw)
+
+    rows = [row("systems", "1f1b", 1.0, 2.0), row("auto", "zbv m=8", 1.0, 1.05, search_rank=1),
+            row("sweep", "zbv m=8", 1.0, 1.05, search_rank=1), row("sweep", "1f1b m=4", 1.1, 1.0, search_rank=2),
+            row("sweep", "gpipe m=4", 1.3, 1.4, search_rank=3), row("sweep", "gpipe m=8", 1.5, None, error="boom")]
+    cmp = sweep_comparison(rows)
+    assert cmp["auto_over_best_sweep"] == pytest.approx(1.05) and cmp["best_sweep_layout"] == "1f1b m=4"
+    assert cmp["sweep_runs"] == 4 and cmp["sweep_failed"] == 1
+    assert cmp["auto_over_best_schedule_row"] == pytest.approx(1.05 / 2.0)
+    assert cmp["sweep_rank_correlation"] == pytest.approx(rank_correlation([1.0, 1.1, 1.3], [1.05, 1.0, 1.4]))
+    assert rank_correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0) and rank_correlation([1, 2], [1, 2]) is None
+    line = comparison_line(cmp)
+    assert "measured 1050.0 ms" in line and "fastest of the sweep 1000.0 ms (1f1b m=4), ratio 1.050" in line
+    table = format_sweep(rows)
+    assert table.index("zbv m=8") < table.index("1f1b m=4") < table.index("gpipe m=4") and "boom" in table
+    assert "did not run" in comparison_line(sweep_comparison([row("auto", "zbv m=8", 1.0, None, error="x")]))
 
 
 @pytest.mark.slow

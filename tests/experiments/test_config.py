@@ -192,7 +192,43 @@ def test_count_pipeline_layers(compose_cfg):
 def test_every_engine_schedule_is_a_config_choice(compose_cfg):
     from engine.schedules import SCHEDULE_INFO
 
-    assert [m.value for m in ScheduleName] == list(SCHEDULE_INFO)
+    assert [m.value for m in ScheduleName] == [*SCHEDULE_INFO, "auto"]  # every engine schedule, or the planner's
     for name, info in SCHEDULE_INFO.items():
         cfg = compose_cfg(f"pipeline.schedule={name}", f"pipeline.virtual_stages={info.virtual_stages(2)}")
         validate_config(cfg)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["pipeline.schedule=auto"],
+    ["pipeline.schedule=auto", "pipeline.microbatches=auto"],
+    ["pipeline.microbatches=auto"],
+    ["pipeline.schedule=zbv", "pipeline.virtual_stages=2", "pipeline.microbatches=auto"],
+    ["pipeline.schedule=auto", "pipeline.max_inflight=3", "partitioner.search.schedules=[zb-h2,zbv]"],
+    ["pipeline.schedule=auto", "partitioner.search.max_virtual_stages=3", "partitioner.search.max_microbatches=8",
+     "partitioner.search.top=3", "partitioner.memory_limit=1GiB"],
+    ["pipeline.schedule=zb-h2", "pipeline.max_inflight=2"],
+])
+def test_the_planner_can_choose_the_layout(compose_cfg, overrides):
+    from experiments.config import configured_microbatches, searches
+
+    cfg = compose_cfg(*overrides)
+    validate_config(cfg)
+    auto = "pipeline.schedule=auto" in overrides or "pipeline.microbatches=auto" in overrides
+    assert searches(cfg) is auto
+    assert (configured_microbatches(cfg) is None) is ("pipeline.microbatches=auto" in overrides)
+
+
+@pytest.mark.parametrize("overrides, remedy", [
+    (["pipeline.microbatches=many"], "pipeline.microbatches=auto"),
+    (["pipeline.microbatches=auto", "train.batch_size=1"], "train.batch_size=2"),
+    (["pipeline.microbatches=auto", "pipeline.data_parallel=2", "train.batch_size=7"], "multiple of 4 (e.g. train.batch_size=8)"),
+    (["pipeline.schedule=auto", "pipeline.max_inflight=7"], "2 * num_stages - 1 (3"),
+    (["pipeline.schedule=auto", "pipeline.max_inflight=3", "partitioner.search.schedules=[1f1b]"], "add it"),
+    (["pipeline.schedule=auto", "partitioner.search.schedules=[1f1b,pipedream]"], "unknown schedules ['pipedream']"),
+    (["pipeline.schedule=auto", "partitioner.search.max_virtual_stages=1"], "must be >= 2"),
+    (["pipeline.schedule=1f1b", "pipeline.max_inflight=3"], "drop it for '1f1b'"),
+])
+def test_bad_search_settings_are_refused_with_a_remedy(compose_cfg, overrides, remedy):
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_cfg(*overrides))
+    assert remedy in str(err.value)

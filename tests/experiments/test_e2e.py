@@ -154,3 +154,47 @@ def test_two_node_torchrun_on_loopback_matches_local_launcher(tmp_path):
     assert len(got) == 5 and got == pytest.approx(want, rel=1e-6)
     assert json.loads((shared / "plan.json").read_text())["stage_ranges"] == \
         json.loads((local / "plan.json").read_text())["stage_ranges"]
+
+
+def _auto_limit(overrides: list[str]) -> tuple[int, object]:
+    """A memory limit (bytes) under which the planner picks a schedule other than the default
+    1f1b and recomputes some chunks but not all, with the plan it gives (analytic costs:
+    deterministic, so the run's own search makes the same choice)."""
+    from experiments.config import compose_config
+    from experiments.models import build_model
+    from experiments.wiring import search_layout
+
+    spec = build_model(compose_config(*overrides).model)
+    free = search_layout(compose_config(*overrides), spec)
+    limit = free.chosen.peak_memory_bytes
+    for _ in range(30):
+        limit = int(limit * 0.93)
+        plan = search_layout(compose_config(*overrides, f"partitioner.memory_limit={limit}"), spec).plan
+        if plan.schedule != "1f1b" and any(plan.stage_recompute) and not all(plan.stage_recompute):
+            return limit, plan
+    pytest.fail("no limit made the planner recompute part of a non-default layout")
+
+
+def test_auto_layout_is_chosen_by_the_planner_and_run(tmp_path):
+    auto = [*SMOKE[:1], "logger.progress=false", "logger.timeline=false", "pipeline.schedule=auto",
+            "pipeline.microbatches=auto", "pipeline.activation_checkpointing=auto", "partitioner.profile=analytic",
+            "partitioner.device_spec=h100", "model.layers=4", "train.batch_size=8"]
+    limit, want = _auto_limit(auto)
+    run_dir = tmp_path / "run"
+    out = _ok(run_module("experiments.train", tmp_path, *auto, f"partitioner.memory_limit={limit}", "train.steps=2",
+                         "logger.mode=offline", f"hydra.run.dir={run_dir}", timeout=180))
+    plan = json.loads((run_dir / "plan.json").read_text())
+    for key in ("schedule", "microbatches", "virtual_stages", "max_inflight", "stage_recompute"):
+        assert plan[key] == getattr(want, key), key
+    assert [list(r) for r in want.stage_ranges] == plan["stage_ranges"]
+    assert plan["search"]["chosen"]["schedule"] == want.schedule and plan["search"]["considered"] > 5
+    assert max(plan["rank_memory_bytes"]) <= limit
+    assert "search:" in out and f"the planner chose {want.schedule}, {want.microbatches} microbatches" in out
+    assert "recompute on chunks" in out
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2] and all(math.isfinite(r["loss"]) for r in records)
+    wb = read_offline_run(run_dir)  # what the workers ran: the chosen layout, written into the config
+    run = wb.config["pipeline"]
+    assert (run["schedule"], run["microbatches"], run["virtual_stages"]) == (want.schedule, want.microbatches,
+                                                                             want.virtual_stages)
+    assert wb.config["plan"]["stage_recompute"] == want.stage_recompute

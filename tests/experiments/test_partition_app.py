@@ -56,3 +56,23 @@ def test_comparison_table_text():
     rows = comparison_rows({"optimal": "PartitionError: no split fits"})
     text = format_comparison(rows)
     assert "infeasible" in text and "no split fits" in text
+
+
+def test_auto_prints_the_choice_and_the_next_best(compose_cfg, tmp_path, capsys):
+    cfg = compose_cfg("experiment=smoke", "pipeline.schedule=auto", "pipeline.microbatches=auto",
+                      "partitioner.profile=analytic", "partitioner.device_spec=h100", "train.batch_size=8",
+                      "partitioner.search.top=3")
+    out = run(cfg, tmp_path)
+    text = capsys.readouterr().out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    rec = plan["search"]
+    assert rec["chosen"]["schedule"] == plan["schedule"] and rec["chosen"]["microbatches"] == plan["microbatches"]
+    assert len(rec["alternatives"]) == 3 and rec["top"] == 3
+    steps = [rec["chosen"]["step_s"]] + [a["step_s"] for a in rec["alternatives"]]
+    assert steps == sorted(steps)
+    assert "search:" in text and "* = chosen" in text
+    for row in [rec["chosen"], *rec["alternatives"]]:  # each row's predicted step in the table
+        assert f"{row['step_s'] * 1e3:.3f}" in text
+    assert out["plans"]["optimal"].search == rec and out["plans"]["optimal"].stage_ranges == [
+        tuple(r) for r in plan["stage_ranges"]]
+    assert {r["method"] for r in out["rows"]} == set(METHODS)  # the baselines at the chosen layout

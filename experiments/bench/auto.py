@@ -1,0 +1,187 @@
+"""The planner's own choice in the benchmark: the `auto` row and the `sweep` (`bench.auto`, `bench.sweep`).
+
+`search_layouts` runs `partitioner.search` on the benchmark's problem (plain SGD, no ZeRO, one
+replica, the configured memory limit and `partitioner.search` bounds), the model profiled at
+each microbatch size the search tries (one fresh single-threaded process per size, like the
+bench's own profile, with the same fixed costs), before anything is measured. `layout_runs`
+turns its choice into one pipeshard run (`section="auto"`) and, with `bench.sweep=true`, every
+layout it solved into runs too (`section="sweep"`; `bench.sweep_max` keeps the best-predicted
+N), so the choice can be set beside the fastest layout actually measured: `sweep_comparison`.
+
+Example::
+
+    res = search_layouts(cfg, profile, link=None, timeout_s=600, sweep=True)
+    runs, entries = layout_runs(res, spec, sweep=True)      # for experiments.bench.jobs.job_table
+    ...                                                     # run, then rows
+    print(format_sweep(rows)); sweep_comparison(rows)["auto_over_best_sweep"]
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+from typing import Any, Callable
+
+from experiments.bench.jobs import pipeshard_key
+from experiments.bench.spec import BenchSpec
+
+__all__ = ["search_layouts", "layout_runs", "sweep_comparison", "comparison_line", "format_sweep", "rank_correlation"]
+
+
+def _profile_at(c: dict, fixed: Any, timeout_s: float) -> Callable[[int], Any]:
+    """`size -> Profile` measured like the bench's own profile, with the bench's fixed costs."""
+    from experiments.bench.problem import profile_model
+
+    batch = int(c["train"]["batch_size"])
+
+    def at(size: int) -> Any:
+        c2 = copy.deepcopy(c)
+        c2["pipeline"]["microbatches"] = batch // size
+        return dataclasses.replace(profile_model(c2, timeout_s=timeout_s), fixed=fixed)
+
+    return at
+
+
+def search_layouts(c: dict, prof: Any, *, link: float | None, timeout_s: float, sweep: bool = False,
+                   log: Callable[[str], None] | None = print) -> Any:
+    """`partitioner.search` for the bench problem (see the module docstring); `prof` is the
+    bench's profile at the configured microbatch size (reused for that size). With `sweep`,
+    every layout is solved (no pruning)."""
+    import partitioner
+    from experiments.wiring import search_kwargs
+
+    batch, m = int(c["train"]["batch_size"]), int(c["pipeline"]["microbatches"])
+    measure = _profile_at(c, prof.fixed, timeout_s)
+
+    def profiles(size: int) -> Any:
+        if size == batch // m:
+            return prof
+        if log:
+            log(f"[bench] profiling layers at microbatch size {size} for the search ...")
+        return measure(size)
+
+    listed = (c["partitioner"].get("search") or {}).get("schedules")
+    kw = search_kwargs(c)
+    kw.update(batch_per_replica=batch, schedules=list(listed) if listed else None, microbatches=None,
+              virtual_stages=None, max_inflight=None, optimizer="sgd", zero_stage=0, data_parallel=1,
+              link_bytes_per_s=link, method="optimal", prune=not sweep)
+    result = partitioner.search(profiles, **kw)
+    if log:
+        log(result.table())
+    return result
+
+
+def _layout(cand: Any) -> dict[str, Any]:
+    """`run_pipeshard` keywords of a searched layout."""
+    out: dict[str, Any] = {"virtual_stages": cand.virtual_stages}
+    if cand.max_inflight is not None:
+        out["max_inflight"] = cand.max_inflight
+    if any(cand.recompute):
+        out["activation_checkpointing"] = (True if all(cand.recompute) else [bool(x) for x in cand.recompute])
+    return out
+
+
+def _spec_of(spec: BenchSpec, cand: Any) -> BenchSpec:
+    ranges = tuple(tuple(r) for r in cand.plan.stage_ranges)
+    if cand.virtual_stages == 1:
+        return dataclasses.replace(spec, microbatches=cand.microbatches, stage_ranges=ranges)
+    return dataclasses.replace(spec, microbatches=cand.microbatches, chunk_ranges=ranges)
+
+
+def layout_runs(result: Any, spec: BenchSpec, *, sweep: bool = False, sweep_max: int | None = None
+                ) -> tuple[list[tuple], list[tuple[dict, tuple, None]]]:
+    """The pipeshard runs (`job_table` entries) and the row entries (extra fields, job key, no
+    plan key) of the choice (`section="auto"`) and, with `sweep`, of every solved layout."""
+    solved = [c for c in result.candidates if c.status == "ok"]
+    picks = [("auto", result.chosen)] + [("sweep", c) for c in (solved[:sweep_max] if sweep_max else solved)
+                                         if sweep]
+    runs, entries = [], []
+    for section, cand in picks:
+        run = (cand.schedule, _spec_of(spec, cand), _layout(cand))
+        runs.append(run)
+        extra = {"section": section, "layout": cand.label, "max_inflight": cand.max_inflight,
+                 "search_rank": result.candidates.index(cand) + 1, "chosen": cand is result.chosen,
+                 "predicted_step_s": cand.step_s, "recompute": list(cand.recompute),
+                 "plan_stage_ranges": [list(r) for r in cand.plan.stage_ranges]}
+        entries.append((extra, pipeshard_key(*run), None))
+    return runs, entries
+
+
+def rank_correlation(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation of two equally long lists (None under 3 pairs or a constant list)."""
+    if len(xs) < 3 or len(xs) != len(ys):
+        return None
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        for r, i in enumerate(order):
+            out[i] = float(r)
+        return out
+
+    a, b = ranks(xs), ranks(ys)
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    va, vb = sum((x - ma) ** 2 for x in a), sum((y - mb) ** 2 for y in b)
+    return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else None
+
+
+def sweep_comparison(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The choice measured beside the fastest measured layout of the sweep (and the best
+    pipeshard schedule row); `auto_over_best_sweep` is the acceptance figure (<= 1.05)."""
+    auto = next((r for r in rows if r.get("section") == "auto"), None)
+    sweep = [r for r in rows if r.get("section") == "sweep" and r.get("step_s")]
+    systems = [r for r in rows if r.get("section") == "systems" and r["system"] == "pipeshard" and r.get("step_s")]
+    best = min(sweep, key=lambda r: r["step_s"]) if sweep else None
+    best_sys = min(systems, key=lambda r: r["step_s"]) if systems else None
+    a = auto.get("step_s") if auto else None
+    return {
+        "auto_layout": auto.get("layout") if auto else None, "auto_step_s": a,
+        "auto_predicted_step_s": auto.get("predicted_step_s") if auto else None,
+        "best_sweep_layout": best["layout"] if best else None, "best_sweep_step_s": best["step_s"] if best else None,
+        "auto_over_best_sweep": a / best["step_s"] if a and best else None,
+        "best_schedule_row": f"{best_sys['schedule']} m={best_sys['microbatches']}" if best_sys else None,
+        "auto_over_best_schedule_row": a / best_sys["step_s"] if a and best_sys else None,
+        "sweep_runs": len([r for r in rows if r.get("section") == "sweep"]),
+        "sweep_failed": len([r for r in rows if r.get("section") == "sweep" and not r.get("step_s")]),
+        "sweep_rank_correlation": rank_correlation([r["predicted_step_s"] for r in sweep], [r["step_s"] for r in sweep]),
+    }
+
+
+def comparison_line(cmp: dict[str, Any]) -> str:
+    """One sentence: "auto's choice (...) measured X ms, fastest of the sweep Y ms (...), ratio R"."""
+    if not cmp.get("auto_step_s"):
+        return "auto: the chosen layout did not run (see its row's error)"
+    text = (f"auto's choice ({cmp['auto_layout']}) measured {cmp['auto_step_s'] * 1e3:.1f} ms "
+            f"(predicted {cmp['auto_predicted_step_s'] * 1e3:.1f} ms)")
+    if cmp.get("best_sweep_step_s"):
+        text += (f", fastest of the sweep {cmp['best_sweep_step_s'] * 1e3:.1f} ms ({cmp['best_sweep_layout']}), "
+                 f"ratio {cmp['auto_over_best_sweep']:.3f}")
+        if cmp.get("sweep_rank_correlation") is not None:
+            text += f"; predicted vs measured rank correlation {cmp['sweep_rank_correlation']:.2f} over {cmp['sweep_runs']} layouts"
+    if cmp.get("auto_over_best_schedule_row"):
+        text += (f"; vs the best pipeshard schedule row ({cmp['best_schedule_row']}): "
+                 f"ratio {cmp['auto_over_best_schedule_row']:.3f}")
+    return text
+
+
+def format_sweep(rows: list[dict[str, Any]], title: str = "auto and sweep: predicted vs measured") -> str:
+    """The auto and sweep rows, fastest measured first: layout, predicted and measured step, error."""
+    from rich.console import Console
+    from rich.table import Table
+
+    picked = [r for r in rows if r.get("section") in ("auto", "sweep")]
+    picked.sort(key=lambda r: (r["section"] != "auto", r.get("step_s") or float("inf")))
+    table = Table(title=title)
+    for name in ("section", "layout", "search rank", "predicted ms", "measured ms", "error", "stage ranges", "note"):
+        table.add_column(name, no_wrap=True)
+    for r in picked:
+        pred, meas = r.get("predicted_step_s"), r.get("step_s")
+        table.add_row(r["section"], str(r.get("layout")), str(r.get("search_rank")),
+                      "-" if pred is None else f"{pred * 1e3:.1f}", "-" if meas is None else f"{meas * 1e3:.1f}",
+                      "-" if not (pred and meas) else f"{(pred / meas - 1) * 100:+.1f}%",
+                      str(r.get("plan_stage_ranges")), (r.get("error") or "")[:60])
+    out = io.StringIO()
+    Console(file=out, width=220, force_terminal=False, color_system=None).print(table)
+    return out.getvalue()

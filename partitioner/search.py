@@ -1,0 +1,395 @@
+"""``search``: the planner chooses the schedule, its chunks, the microbatches and the split.
+
+For one pipeline (``num_stages`` ranks) and one batch per replica, :func:`search` lists every
+layout the schedules accept (:func:`candidate_layouts`): each schedule of
+``engine.schedules.SCHEDULES``; its virtual stages (interleaved: 2 .. ``max_virtual_stages``,
+zbv: 2); microbatch counts that divide the batch (at least ``num_stages``); zb-h2's
+``max_inflight`` at a few values from zb-h1's memory (p) to ZB-H2's (2p - 1). Each layout is
+solved by :func:`partitioner.partition` (the exact split under the memory limit, per-stage
+recomputation where the limit needs it under ``activation_checkpointing="auto"``, the step predicted by ``Plan.simulate`` with the
+profile's fixed costs) and the layouts are ranked by predicted step; the fastest that fits is
+the choice. The partitioner is a black box here, so its memory and cost models flow through.
+
+Costs depend on the microbatch size: give ``profile`` as a callable ``size -> Profile``
+(measured per size; the experiments do this) or one :class:`Profile` measured at
+``profile_microbatch`` samples, scaled linearly to the other sizes (:func:`scale_profile`).
+
+Branch and bound keeps it fast: a layout whose lower bound (its compute spread over the ranks,
+or its largest layer, plus the fixed cost of its actions) is no better than the
+``top + 1``-th best predicted step cannot enter the table, and is marked ``pruned`` unsolved.
+zbv's exact V split costs O(p n^4) (``partitioner.vsplit``); above ``v_split_budget`` it is
+``skipped``, with a note.
+
+Example::
+
+    from partitioner import LayerCost, Profile, search
+    prof = Profile([LayerCost(1e-3, 2e-3, 4 << 20, 8 << 20, 1 << 20)] * 16)
+    res = search(prof, 4, 32, profile_microbatch=4, memory_limit_bytes=1 << 30)
+    res.plan                   # the chosen Plan; res.plan.search is the record for plan.json
+    print(res.table())         # the choice and the next best: predicted step and memory
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, Union
+
+from engine.footprint import GRAD_BUCKET_MB
+from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule
+
+from .costs import Profile
+from .plan import PartitionError, Plan, format_search
+from .planner import checkpointing_mode, partition
+
+__all__ = ["AUTO", "Candidate", "SearchResult", "search", "candidate_layouts", "microbatch_counts",
+           "inflight_values", "scale_profile", "V_SPLIT_BUDGET"]
+
+AUTO = "auto"
+"""The config value that asks the planner to choose (``pipeline.schedule`` / ``pipeline.microbatches``)."""
+
+V_SPLIT_BUDGET = 2e8
+"""Largest ``p * n**4 / 4`` for which zbv's exact V split is solved (about two seconds)."""
+
+_STATUS = ("ok", "pruned", "infeasible", "skipped")
+ProfileSource = Union[Profile, Callable[[int], Profile]]
+
+
+@dataclass
+class Candidate:
+    """One layout the search considered, and what became of it.
+
+    ``status``: ``ok`` (solved and fits), ``pruned`` (its lower bound cannot beat the table),
+    ``infeasible`` (no split fits the memory limit; ``note`` says what would), ``skipped``
+    (not solved; ``note`` says why). ``step_s``: the predicted step (``Plan.step_s``);
+    ``lower_bound_s``: the bound used to prune; ``plan``: the solved plan (not serialised).
+    """
+
+    schedule: str
+    virtual_stages: int = 1
+    microbatches: int = 1
+    max_inflight: int | None = None
+    status: str = "pending"
+    step_s: float | None = None
+    lower_bound_s: float = 0.0
+    bubble_fraction: float | None = None
+    rank_memory_bytes: list[int] = field(default_factory=list)
+    recompute: list[bool] = field(default_factory=list)
+    note: str = ""
+    plan: Plan | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        """A short name: ``"zb-h2 m=8 inflight=3"``, ``"interleaved-1f1b v=3 m=8"``."""
+        out = self.schedule + (f" v={self.virtual_stages}" if SCHEDULE_INFO[self.schedule].chunks_per_rank is None
+                               else "") + f" m={self.microbatches}"
+        return out + (f" inflight={self.max_inflight}" if self.max_inflight is not None else "")
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        return max(self.rank_memory_bytes) if self.rank_memory_bytes else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The candidate as JSON-ready values (the plan's split, not the plan)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
+        d["label"] = self.label
+        d["stage_ranges"] = [list(r) for r in self.plan.stage_ranges] if self.plan is not None else None
+        return d
+
+
+@dataclass
+class SearchResult:
+    """The search's outcome: ``plan`` (the choice), ``candidates`` ranked (solved ones by
+    predicted step, then pruned, infeasible and skipped), the wall time (``profile_seconds`` of it
+    in the ``size -> Profile`` callable, e.g. measuring) and notes."""
+
+    plan: Plan
+    candidates: list[Candidate]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    profile_seconds: float = 0.0
+
+    @property
+    def chosen(self) -> Candidate:
+        return self.candidates[0]
+
+    def alternatives(self, top: int = 5) -> list[Candidate]:
+        """The next best solved layouts after the choice (at most ``top``)."""
+        return [c for c in self.candidates[1:] if c.status == "ok"][:top]
+
+    def count(self, status: str) -> int:
+        return sum(c.status == status for c in self.candidates)
+
+    def record(self, top: int = 5) -> dict[str, Any]:
+        """What ``plan.json`` keeps (``Plan.search``): the choice, the next ``top``, every
+        candidate's row (without splits past the table), the counts and the time."""
+        rows = [c.to_dict() for c in self.candidates]
+        for r in rows[top + 1:]:
+            r["stage_ranges"] = None
+        return {"chosen": rows[0], "alternatives": [c.to_dict() for c in self.alternatives(top)],
+                "candidates": rows, "considered": len(rows), "top": top, "seconds": self.seconds,
+                "profile_seconds": self.profile_seconds,
+                **{s: self.count(s) for s in _STATUS}, "notes": list(self.notes)}
+
+    def table(self, top: int = 5) -> str:
+        """The choice and the next best ``top`` layouts: predicted step and memory per layout."""
+        return format_search(self.record(top))
+
+
+def microbatch_counts(num_stages: int, batch_per_replica: int, *, microbatches: Any = None,
+                      max_microbatches: int | None = None) -> list[int]:
+    """The microbatch counts to consider: ``microbatches`` when given (one count or several;
+    each must divide the batch), else every divisor of ``batch_per_replica`` from
+    ``num_stages`` up to ``max_microbatches`` (default: the batch).
+
+    >>> microbatch_counts(2, 12), microbatch_counts(2, 12, max_microbatches=4)
+    ([2, 3, 4, 6, 12], [2, 3, 4])
+    """
+    B, p = int(batch_per_replica), int(num_stages)
+    if B < 1 or p < 1:
+        raise ValueError(f"batch_per_replica and num_stages must be >= 1 (got {B}, {p})")
+    if microbatches is not None:
+        ms = [int(x) for x in (microbatches if isinstance(microbatches, (list, tuple)) else [microbatches])]
+        bad = [m for m in ms if m < 1 or B % m]
+        if bad:
+            raise ValueError(f"microbatch counts {bad} do not divide the batch of {B} per replica; "
+                             f"use divisors of {B}")
+        return sorted(set(ms))
+    top = B if max_microbatches is None else min(B, int(max_microbatches))
+    ms = [m for m in range(p, top + 1) if B % m == 0]
+    if not ms:
+        raise ValueError(f"no microbatch count from num_stages={p} to {top} divides the batch of {B} per replica; "
+                         f"use a batch per replica that is a multiple of {p} (e.g. {p * max(1, -(-B // p))})")
+    return ms
+
+
+def inflight_values(num_stages: int) -> list[int]:
+    """zb-h2's ``max_inflight`` values the search tries: zb-h1's memory (p), the midpoint and
+    ZB-H2's (2p - 1).
+
+    >>> inflight_values(4), inflight_values(1)
+    ([4, 5, 7], [1])
+    """
+    p = int(num_stages)
+    return sorted({p, (3 * p - 1) // 2, 2 * p - 1})
+
+
+def _default_inflight(p: int, names: Sequence[str]) -> list[int]:
+    """:func:`inflight_values`, less p when zb-h1 is searched too (zb-h2 bounded at p builds
+    zb-h1's very actions)."""
+    vals = inflight_values(p)
+    return [x for x in vals if x != p] or vals if "zb-h1" in names else vals
+
+
+def candidate_layouts(num_stages: int, num_layers: int, microbatches: Sequence[int], *,
+                      schedules: Sequence[str] | None = None, virtual_stages: Sequence[int] | None = None,
+                      max_virtual_stages: int = 4, max_inflight: Sequence[int] | None = None) -> list[Candidate]:
+    """Every (schedule, virtual stages, microbatches, max_inflight) the schedules accept
+    (``engine.schedules.build_schedule`` is the judge) with at least one layer per chunk.
+
+    >>> [c.label for c in candidate_layouts(2, 4, [2], schedules=["interleaved-1f1b", "zb-h2"])]
+    ['interleaved-1f1b v=2 m=2', 'zb-h2 m=2 inflight=2', 'zb-h2 m=2 inflight=3']
+    >>> [c.label for c in candidate_layouts(2, 4, [2], schedules=["zb-h1", "zb-h2"])]
+    ['zb-h1 m=2', 'zb-h2 m=2 inflight=3']
+    """
+    p = int(num_stages)
+    names = list(SCHEDULES if schedules is None else schedules)
+    unknown = [s for s in names if s not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"unknown schedules {unknown}; choose from {list(SCHEDULES)}")
+    out = []
+    for name in names:
+        info = SCHEDULE_INFO[name]
+        vs = [info.chunks_per_rank] if info.chunks_per_rank else list(virtual_stages or range(2, max_virtual_stages + 1))
+        caps = list(max_inflight or _default_inflight(p, names)) if info.memory_knob else [None]
+        for v in (v for v in vs if p * v <= num_layers):
+            for m in microbatches:
+                for cap in caps:
+                    try:
+                        build_schedule(name, p, m, v, max_inflight=cap)
+                    except ValueError:
+                        continue  # the schedule's own rule (e.g. interleaving needs m % p == 0)
+                    out.append(Candidate(name, v, m, cap))
+    return out
+
+
+def scale_profile(profile: Profile, factor: float) -> Profile:
+    """``profile`` for a microbatch ``factor`` times as large: times, FLOPs and per-sample bytes
+    (activations, outputs, shared inputs) scaled linearly, parameters kept. Linear time is an
+    approximation (small microbatches use a device less well): measure per size when it matters."""
+    if factor == 1:
+        return profile
+    k = float(factor)
+
+    def scaled(c: Any) -> Any:
+        return dataclasses.replace(
+            c, forward_s=c.forward_s * k, backward_s=c.backward_s * k,
+            weight_grad_s=None if c.weight_grad_s is None else c.weight_grad_s * k,
+            activation_bytes=int(round(c.activation_bytes * k)), output_bytes=int(round(c.output_bytes * k)),
+            shared_input_bytes=int(round(c.shared_input_bytes * k)),
+            forward_flops=None if c.forward_flops is None else c.forward_flops * k,
+            backward_flops=None if c.backward_flops is None else c.backward_flops * k)
+
+    return Profile([scaled(c) for c in profile.layers], dtype=profile.dtype,
+                   meta=dict(profile.meta, scaled_by=k), fixed=profile.fixed)
+
+
+def _profile_source(profile: ProfileSource, sizes: set[int], profile_microbatch: int | None,
+                    spent: list[float]) -> Callable[[int], Profile]:
+    """A cached ``size -> Profile`` from a callable, or from one profile scaled linearly; the
+    seconds spent making profiles are added to ``spent[0]``."""
+    cache: dict[int, Profile] = {}
+    if isinstance(profile, Profile):
+        if profile_microbatch is None and len(sizes) > 1:
+            raise ValueError(f"the search compares microbatch sizes {sorted(sizes)}: pass profile_microbatch= "
+                             "(the samples per microbatch the profile was taken at), or a callable "
+                             "size -> Profile, or fix the microbatch count")
+        base = profile_microbatch
+
+        def make(size: int) -> Profile:
+            return profile if base is None else scale_profile(profile, size / base)
+    else:
+        make = profile
+
+    def get(size: int) -> Profile:
+        if size not in cache:
+            t0 = time.perf_counter()
+            cache[size] = make(size)
+            spent[0] += time.perf_counter() - t0
+        return cache[size]
+
+    return get
+
+
+def _checkpointing(mode: Any, memory_limit_bytes: Any) -> str:
+    """What each layout is solved with (:func:`partitioner.planner.checkpointing_mode`): "auto"
+    recomputes only where a limit needs it, so without a limit it is "off"."""
+    ckpt = checkpointing_mode(mode)
+    return "off" if ckpt == "auto" and memory_limit_bytes is None else ckpt
+
+
+def _lower_bound(prof: Profile, c: Candidate, p: int) -> float:
+    """A bound no split of this layout can beat: the busiest rank computes at least the mean
+    share and the largest layer, m times, plus two fixed-cost actions per microbatch and chunk
+    (F and a backward), plus the per-step fixed cost."""
+    work = [layer.forward_s + layer.backward_s for layer in prof.layers]
+    fixed = prof.fixed
+    action = fixed.action_s if fixed is not None else 0.0
+    step = fixed.step_s if fixed is not None else 0.0
+    m, v = c.microbatches, c.virtual_stages
+    return m * max(sum(work) / p, max(work)) + 2 * m * v * action + step
+
+
+def _solve(c: Candidate, prof: Profile, p: int, kwargs: dict[str, Any]) -> None:
+    """Solve one layout with :func:`partition`, recording the outcome on ``c``."""
+    try:
+        plan = partition(prof, p, schedule=c.schedule, microbatches=c.microbatches, virtual_stages=c.virtual_stages,
+                         max_inflight=c.max_inflight, **kwargs)
+    except PartitionError as exc:
+        c.status, c.note = "infeasible", str(exc)
+        return
+    c.plan, c.step_s, c.bubble_fraction = plan, plan.step_s, plan.bubble_fraction
+    c.rank_memory_bytes, c.recompute = list(plan.rank_memory_bytes), list(plan.stage_recompute)
+    c.status = "ok" if plan.fits else "infeasible"
+    if not plan.fits:
+        c.note = "the split does not fit the memory limit"
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Fits first, then the predicted step; ties: less memory, the simpler schedule, fewer
+    chunks and microbatches."""
+    return (_STATUS.index(c.status) if c.status in _STATUS else len(_STATUS),
+            c.step_s if c.step_s is not None else math.inf,
+            c.peak_memory_bytes if c.peak_memory_bytes is not None else math.inf,
+            SCHEDULES.index(c.schedule), c.virtual_stages, c.microbatches, c.max_inflight or 0)
+
+
+def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
+           profile_microbatch: int | None = None, schedules: Sequence[str] | None = None,
+           microbatches: Any = None, max_microbatches: int | None = None,
+           virtual_stages: Sequence[int] | None = None, max_virtual_stages: int = 4,
+           max_inflight: Sequence[int] | None = None, data_parallel: int = 1, zero_stage: int = 1,
+           optimizer: str = "adamw", memory_limit_bytes: "float | Sequence[float] | None" = None,
+           link_bytes_per_s: float | None = None, activation_checkpointing: "bool | str" = "auto",
+           method: str = "optimal", precision: str | None = None, momentum: float = 0.0,
+           grad_accum_dtype: str = "fp32", backend: str = "auto", overlap_grad_reduce: bool = True,
+           grad_bucket_mb: float = GRAD_BUCKET_MB, top: int = 5, prune: bool = True,
+           v_split_budget: float = V_SPLIT_BUDGET) -> SearchResult:
+    """Choose the layout with the smallest predicted step that fits (see the module docstring).
+
+    ``profile``: a callable ``microbatch size -> Profile``, or one Profile measured at
+    ``profile_microbatch`` samples. ``schedules`` / ``microbatches`` / ``virtual_stages`` /
+    ``max_inflight`` restrict the search (default: all); the other keywords go to
+    :func:`partitioner.partition` (``activation_checkpointing``: False, only layouts that fit
+    without recomputation; True, every chunk recomputes; "auto", recompute per chunk only where
+    the memory limit needs it; ``precision`` / ``momentum`` / ``grad_accum_dtype`` / ``backend`` /
+    ``overlap_grad_reduce`` / ``grad_bucket_mb``: what the run keeps per parameter). ``top``: the
+    alternatives kept exact (and shown); ``prune=False`` solves every layout. Raises :class:`PartitionError` when nothing fits.
+    """
+    t0 = time.perf_counter()
+    p, B = int(num_stages), int(batch_per_replica)
+    ms = microbatch_counts(p, B, microbatches=microbatches, max_microbatches=max_microbatches)
+    spent = [0.0]
+    profile_for = _profile_source(profile, {B // m for m in ms}, profile_microbatch, spent)
+    n = len(profile_for(B // ms[0]))
+    cands = candidate_layouts(p, n, ms, schedules=schedules, virtual_stages=virtual_stages,
+                              max_virtual_stages=max_virtual_stages, max_inflight=max_inflight)
+    if not cands:
+        raise PartitionError(f"no layout of {n} layers on {p} ranks with microbatches {ms} is accepted by the "
+                             f"schedules {list(schedules or SCHEDULES)}; allow more schedules or microbatch counts")
+    kwargs = dict(data_parallel=data_parallel, zero_stage=zero_stage, optimizer=optimizer,
+                  memory_limit_bytes=memory_limit_bytes, link_bytes_per_s=link_bytes_per_s, method=method,
+                  precision=precision, momentum=momentum, grad_accum_dtype=grad_accum_dtype, backend=backend,
+                  overlap_grad_reduce=overlap_grad_reduce, grad_bucket_mb=grad_bucket_mb,
+                  activation_checkpointing=_checkpointing(activation_checkpointing, memory_limit_bytes))
+    notes = _run(cands, profile_for, p, B, n, kwargs, top if prune else None, v_split_budget)
+    ranked = sorted(cands, key=_rank_key)
+    if ranked[0].status != "ok":
+        raise PartitionError(_nothing_fits(ranked, memory_limit_bytes))
+    result = SearchResult(ranked[0].plan, ranked, time.perf_counter() - t0, notes,  # type: ignore[arg-type]
+                          profile_seconds=spent[0])
+    result.plan.search = result.record(top)
+    result.plan.notes.append(f"chosen by the search over {len(ranked)} layouts (schedule, chunks, microbatches, "
+                             f"max_inflight, recompute, split): see the search table")
+    return result
+
+
+def _run(cands: list[Candidate], profile_for: Callable[[int], Profile], p: int, B: int, n: int,
+         kwargs: dict[str, Any], keep: int | None, v_split_budget: float) -> list[str]:
+    """Solve the layouts in order of their lower bounds, pruning once the table is settled."""
+    notes: list[str] = []
+    for c in cands:
+        c.lower_bound_s = _lower_bound(profile_for(B // c.microbatches), c, p)
+    best: list[float] = []
+    for c in sorted(cands, key=lambda c: c.lower_bound_s):
+        if keep is not None and len(best) > keep and c.lower_bound_s > best[keep]:
+            c.status = "pruned"
+            c.note = f"lower bound {c.lower_bound_s * 1e3:.3f} ms > the {keep + 1}th best step"
+            continue
+        if SCHEDULE_INFO[c.schedule].placement == "v" and p * n ** 4 / 4 > v_split_budget:
+            c.status = "skipped"
+            c.note = (f"zbv's exact V split of {n} layers over {p} ranks costs O(p n^4) (~{p * n ** 4 / 4:.1e} "
+                      f"steps > v_split_budget {v_split_budget:.0e})")
+            continue
+        _solve(c, profile_for(B // c.microbatches), p, kwargs)
+        if c.status == "ok":
+            best = sorted(best + [c.step_s])  # type: ignore[list-item]
+    skipped = [c for c in cands if c.status == "skipped"]
+    if skipped:
+        notes.append(f"{len(skipped)} layout(s) skipped: {skipped[0].note}")
+    if any(c.status == "pruned" for c in cands):
+        notes.append("pruned: layouts whose lower bound cannot enter the table (not solved)")
+    return notes
+
+
+def _nothing_fits(ranked: list[Candidate], memory_limit_bytes: Any) -> str:
+    """Why no layout works, with the partitioner's advice for one layout of each schedule."""
+    seen, hints = set(), []
+    for c in ranked:
+        if c.schedule not in seen and c.note:
+            seen.add(c.schedule)
+            hints.append(f"{c.label}: {c.note}")
+    return (f"no layout of the {len(ranked)} considered fits memory_limit_bytes={memory_limit_bytes}; "
+            + " | ".join(hints[:4]))
