@@ -28,11 +28,11 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from engine.footprint import GRAD_BUCKET_MB
 from experiments.config import (ConfigError, checkpointing_mode, configured_microbatches, optimizer_kwargs,
                                 parse_memory_limit, searches, validate_config)
 from experiments.fields import choice_text as _text
 from experiments.fields import get_field as _get
-from engine.footprint import GRAD_BUCKET_MB
 from partitioner.planner import recompute_follows
 
 __all__ = [
