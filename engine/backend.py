@@ -33,7 +33,7 @@ def make_optimizer(config: OptimizerConfig, module: torch.nn.Module, mesh: Any, 
     ``norm_skip``: names counted elsewhere in the global norm (the second copy of a tied
     parameter). The DeepSpeed backend is imported only when selected.
     """
-    if check_optimizer_config(config) == "deepspeed":
+    if check_optimizer_config(config, precision) == "deepspeed":
         from engine.zero import DeepSpeedStageOptimizer  # lazy: DeepSpeed is heavy
         return DeepSpeedStageOptimizer(config, module, dp_group=mesh.dp_group,
                                        pipeline_group=mesh.pipeline_group,

@@ -19,12 +19,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OPTIMIZERS", "PRECISIONS", "ZERO_STAGES", "BACKENDS", "NONFINITE",
-           "precision_problem", "check_precision", "check_optimizer_name", "check_zero_stage",
-           "check_nonfinite", "resolve_backend"]
+__all__ = ["OPTIMIZERS", "PRECISIONS", "GRAD_ACCUM_DTYPES", "ZERO_STAGES", "BACKENDS",
+           "NONFINITE", "precision_problem", "check_precision", "check_optimizer_name",
+           "check_zero_stage", "check_nonfinite", "resolve_backend", "weight_bytes",
+           "compute_name", "loss_scaled", "check_grad_accum_dtype"]
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+# "bf16" / "fp16": the modules hold 16-bit weights; DeepSpeed's optimizer keeps the fp32 masters
+# (and moments), ZeRO-sharded, and refreshes the 16-bit weights after each step.
+# "*-autocast": fp32 weights and gradients, compute under torch.autocast.
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast")
+GRAD_ACCUM_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2)
 BACKENDS: tuple[str, ...] = ("auto", "torch", "deepspeed")
 NONFINITE: tuple[str, ...] = ("raise", "skip")
@@ -52,6 +57,50 @@ def check_precision(value: Any) -> str:
     raise ValueError(f"precision must be one of {PRECISIONS} ({how}), got {value!r}; {problem}")
 
 
+def weight_bytes(precision: str) -> int:
+    """Bytes per element of the modules' weights under ``precision``.
+
+    >>> weight_bytes("bf16"), weight_bytes("bf16-autocast")
+    (2, 4)
+    """
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
+def compute_name(precision: str) -> str | None:
+    """The autocast dtype's name under ``precision`` (None: no autocast).
+
+    >>> compute_name("fp16-autocast"), compute_name("bf16"), compute_name("fp32")
+    ('fp16', 'bf16', None)
+    """
+    return None if precision == "fp32" else precision.split("-")[0]
+
+
+def loss_scaled(precision: str) -> bool:
+    """Whether ``precision`` computes in fp16 (dynamic loss scaling).
+
+    >>> loss_scaled("fp16-autocast"), loss_scaled("bf16")
+    (True, False)
+    """
+    return precision.startswith("fp16")
+
+
+def check_grad_accum_dtype(grad_accum_dtype: Any, precision: str) -> str:
+    """``optimizer.grad_accum_dtype`` if it suits ``precision``, else ``ValueError``.
+
+    fp32 (the default) accumulates gradients across microbatches in fp32 whatever the weights;
+    a 16-bit accumulation must be the dtype of 16-bit weights (precision bf16 or fp16).
+    """
+    if grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+        raise ValueError(f"optimizer.grad_accum_dtype must be one of {GRAD_ACCUM_DTYPES}, got "
+                         f"{grad_accum_dtype!r}")
+    if grad_accum_dtype != "fp32" and grad_accum_dtype != precision:
+        raise ValueError(
+            f"optimizer.grad_accum_dtype={grad_accum_dtype!r} needs precision={grad_accum_dtype!r}"
+            f" (16-bit weights, whose gradients can accumulate in their own dtype); with "
+            f"precision={precision!r} gradients accumulate in fp32: set grad_accum_dtype=fp32")
+    return grad_accum_dtype
+
+
 def check_optimizer_name(name: Any) -> str:
     """The lower-cased optimizer name if it is one of :data:`OPTIMIZERS`, else ``ValueError``."""
     key = str(name).lower()
@@ -77,17 +126,24 @@ def check_nonfinite(value: Any) -> str:
     return value
 
 
-def resolve_backend(backend: str, zero_stage: int) -> str:
-    """``"torch"`` or ``"deepspeed"`` (``auto``: deepspeed iff ``zero_stage > 0``).
+def resolve_backend(backend: str, zero_stage: int, precision: str = "fp32") -> str:
+    """``"torch"`` or ``"deepspeed"`` (``auto``: deepspeed iff ``zero_stage > 0`` or the
+    precision keeps 16-bit weights, whose fp32 masters live in DeepSpeed's optimizer).
 
-    >>> resolve_backend("auto", 1)
-    'deepspeed'
+    >>> resolve_backend("auto", 1), resolve_backend("auto", 0, "bf16")
+    ('deepspeed', 'deepspeed')
     """
     if backend not in BACKENDS:
         raise ValueError(f"optimizer.backend must be auto, torch or deepspeed, got {backend!r}")
+    low = weight_bytes(precision) < 4
     if backend == "auto":
-        return "deepspeed" if zero_stage > 0 else "torch"
+        return "deepspeed" if zero_stage > 0 or low else "torch"
     if backend == "torch" and zero_stage > 0:
         raise ValueError(f"zero_stage={zero_stage} needs backend='deepspeed' (or 'auto'); "
                          "the torch backend does not shard optimizer state")
+    if backend == "torch" and low:
+        raise ValueError(f"precision={precision!r} keeps {precision} weights with fp32 master "
+                         "weights inside DeepSpeed's optimizer: use optimizer.backend=auto or "
+                         f"deepspeed, or precision={precision}-autocast (fp32 weights) with the "
+                         "torch backend")
     return backend

@@ -26,11 +26,33 @@ from torch import Tensor
 
 from engine import choices
 from engine.choices import PRECISIONS
+from engine.footprint import GRAD_BUCKET_MB
 from engine.overlap import GradBucketReducer
 
 __all__ = ["OptimizerConfig", "StageOptimizer", "TorchStageOptimizer", "NonFiniteError",
            "LossScaler", "lr_at", "make_torch_optimizer", "resolve_backend",
-           "check_optimizer_config", "PRECISIONS"]
+           "check_optimizer_config", "PRECISIONS", "weight_dtype", "compute_dtype"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def weight_dtype(precision: str) -> torch.dtype:
+    """The dtype of the modules' parameters under ``precision`` (``engine.choices``).
+
+    >>> weight_dtype("bf16"), weight_dtype("bf16-autocast")
+    (torch.bfloat16, torch.float32)
+    """
+    return torch.float32 if choices.weight_bytes(precision) == 4 else _DTYPES[precision]
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of the forward under ``precision`` (None: no autocast).
+
+    >>> compute_dtype("fp16-autocast"), compute_dtype("fp32")
+    (torch.float16, None)
+    """
+    name = choices.compute_name(precision)
+    return None if name is None else _DTYPES[name]
 
 
 
@@ -49,8 +71,9 @@ class OptimizerConfig:
     grad_clip: float | None = None       # global norm across the whole pipeline (and replicas)
     zero_stage: int = 0                  # 0, 1, 2 (DeepSpeed)
     backend: str = "auto"                # auto | torch | deepspeed
+    grad_accum_dtype: str = "fp32"       # fp32 | bf16 | fp16 (16-bit only with 16-bit weights)
     overlap_grad_reduce: bool = True     # torch backend, data_parallel > 1: all-reduce buckets during the last backward
-    grad_bucket_mb: float = 25.0         # data-parallel all-reduce bucket size (DDP's bucket_cap_mb)
+    grad_bucket_mb: float = GRAD_BUCKET_MB  # data-parallel all-reduce bucket size (DDP's bucket_cap_mb)
 
 
 class NonFiniteError(FloatingPointError):
@@ -112,16 +135,20 @@ class LossScaler:
         self.good_steps = int(sd.get("good_steps", 0))
 
 
-def check_optimizer_config(config: OptimizerConfig) -> str:
-    """Check the name, ZeRO stage and backend of ``config``; returns the resolved backend."""
+def check_optimizer_config(config: OptimizerConfig, precision: str = "fp32") -> str:
+    """Check the name, ZeRO stage, backend and gradient accumulation dtype of ``config`` for
+    ``precision``; returns the resolved backend."""
     choices.check_optimizer_name(config.name)
     choices.check_zero_stage(config.zero_stage)
-    return resolve_backend(config)
+    choices.check_grad_accum_dtype(getattr(config, "grad_accum_dtype", "fp32"), precision)
+    return resolve_backend(config, precision)
 
 
-def make_torch_optimizer(config: OptimizerConfig, params: Sequence[Tensor], *,
-                         foreach: bool | None = None) -> torch.optim.Optimizer:
-    """The torch optimizer ``config`` names over ``params``, at the schedule's first lr.
+def make_torch_optimizer(config: OptimizerConfig, params: Sequence[Tensor]
+                         ) -> torch.optim.Optimizer:
+    """The torch optimizer ``config`` names over ``params``, at the schedule's first lr. Fused
+    kernels (CPU and CUDA): the step makes no temporaries the size of the parameters, which
+    ``engine.footprint`` relies on.
 
     >>> opt = make_torch_optimizer(OptimizerConfig(name="sgd", lr=0.1), [torch.zeros(2, requires_grad=True)])
     """
@@ -129,10 +156,10 @@ def make_torch_optimizer(config: OptimizerConfig, params: Sequence[Tensor], *,
     lr = lr_at(c, 0)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=c.momentum, weight_decay=c.weight_decay,
-                               foreach=foreach)
+                               fused=True)
     cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
     return cls(params, lr=lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay,
-               foreach=foreach)
+               fused=True)
 
 
 @runtime_checkable
@@ -157,12 +184,14 @@ class StageOptimizer(Protocol):
     def state_dict(self) -> dict: ...
     def load_state_dict(self, sd: dict) -> None: ...
     def full_grads(self) -> dict[str, Tensor]: ...
+    def accumulated_grad(self, param: Tensor) -> Tensor: ...      # to sum tied copies in place
     def sync_gradients(self) -> None: ...     # sum over replicas now (before tied copies are summed)
 
 
-def resolve_backend(config: OptimizerConfig) -> str:
-    """``"torch"`` or ``"deepspeed"`` for a config (auto: deepspeed iff zero_stage > 0)."""
-    return choices.resolve_backend(config.backend, int(config.zero_stage))
+def resolve_backend(config: OptimizerConfig, precision: str = "fp32") -> str:
+    """``"torch"`` or ``"deepspeed"`` for a config (auto: deepspeed iff zero_stage > 0 or the
+    precision keeps 16-bit weights)."""
+    return choices.resolve_backend(config.backend, int(config.zero_stage), precision)
 
 
 class TorchStageOptimizer:
@@ -179,6 +208,10 @@ class TorchStageOptimizer:
                  norm_skip: Iterable[str] = ()):
         choices.check_precision(precision)
         choices.check_nonfinite(nonfinite)
+        if choices.weight_bytes(precision) < 4:
+            raise ValueError(f"the torch backend keeps fp32 weights; precision={precision!r} "
+                             "(16-bit weights, fp32 masters) runs on the DeepSpeed backend, or use "
+                             f"precision='{precision}-autocast'")
         self.config, self.mesh, self.m = config, mesh, microbatches
         self.precision, self.nonfinite = precision, nonfinite
         self.named = {n: p for n, p in named_params.items() if p.requires_grad}
@@ -186,9 +219,9 @@ class TorchStageOptimizer:
         self.params = list(self.named.values())
         self.steps = 0               # optimizer steps taken (skips excluded)
         self.attempts = 0            # step() calls
-        self.scaler = LossScaler(precision == "fp16")
+        self.scaler = LossScaler(choices.loss_scaled(precision))
         self.opt = make_torch_optimizer(config, self.params or [torch.nn.Parameter(torch.zeros(0))])
-        self.bucket_bytes = int(getattr(config, "grad_bucket_mb", 25.0) * 2**20)
+        self.bucket_bytes = int(getattr(config, "grad_bucket_mb", GRAD_BUCKET_MB) * 2**20)
         self.reducer = (GradBucketReducer(self.params, mesh.dp_group, microbatches, bucket_bytes=self.bucket_bytes)
                         if mesh.data_parallel > 1 and getattr(config, "overlap_grad_reduce", True) else None)
         self._synced = False
@@ -228,6 +261,14 @@ class TorchStageOptimizer:
         else:
             self._all_reduce_buckets([self._grad(p) for p in self.params], self.mesh.dp_group)
 
+    def accumulated_grad(self, param: Tensor) -> Tensor:
+        """``param.grad`` (zeros if none yet): the gradient accumulated so far this step."""
+        return self._grad(param)
+
+    def torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose state this backend holds (for memory measurement)."""
+        return [self.opt]
+
     def lr(self) -> float:
         return float(self.opt.param_groups[0]["lr"])
 
@@ -245,13 +286,13 @@ class TorchStageOptimizer:
         if div != 1.0:
             for g in grads:
                 g.div_(div)
-        if (need_norm or self.config.grad_clip is not None or self.precision == "fp16"
+        if (need_norm or self.config.grad_clip is not None or self.scaler.enabled
                 or self.nonfinite == "skip"):
             norm, bad_stages = self._global_norm()
         else:
             norm, bad_stages = None, self._local_nonfinite()
         if bad_stages:
-            if self.precision == "fp16":
+            if self.scaler.enabled:
                 self.scaler.update(overflow=True)
                 return True, None
             if self.nonfinite == "raise":

@@ -21,11 +21,12 @@ from torch import Tensor, nn
 
 from engine.allocator import tune_cpu_allocator
 from engine.backend import make_optimizer
-from engine.choices import check_nonfinite, check_precision
+from engine.choices import check_nonfinite, check_precision, loss_scaled
 from engine.comm import P2P
 from engine.executor import Executor
 from engine.mesh import Mesh
-from engine.optim import NonFiniteError, OptimizerConfig, StageOptimizer, check_optimizer_config
+from engine.optim import (NonFiniteError, OptimizerConfig, StageOptimizer,
+                          check_optimizer_config, compute_dtype, weight_dtype)
 from engine.stage import Chunk, build_layers
 
 __all__ = ["Pipeline", "StepResult", "check_stage_ranges"]
@@ -81,6 +82,18 @@ def check_stage_ranges(stage_ranges: Sequence[Sequence[int]], num_layers: int,
     return ranges
 
 
+def _per_chunk(flag: bool | Sequence[bool], n_chunks: int) -> list[bool]:
+    """``activation_checkpointing``: one bool for every chunk, or one per chunk (a plan's
+    ``stage_recompute``, in chunk order)."""
+    if isinstance(flag, (bool, int)):
+        return [bool(flag)] * n_chunks
+    flags = [bool(x) for x in flag]
+    if len(flags) != n_chunks:
+        raise ValueError(f"activation_checkpointing has {len(flags)} entries for {n_chunks} "
+                         "chunks; give one bool, or one per chunk (e.g. plan.stage_recompute)")
+    return flags
+
+
 def _check_layout(num_layers: int, stage_ranges: Sequence[Sequence[int]], schedule: Any,
                   microbatches: int, virtual_stages: int, max_inflight: int | None = None) -> Any:
     """The stage ranges against the model and the schedule; returns the validated schedule."""
@@ -132,17 +145,6 @@ def _check_zero2_ties(ties: Sequence[tuple[str, str]], num_layers: int,
                 "during backward; use zero_stage=1, or untie")
 
 
-def _per_chunk(activation_checkpointing: bool | Sequence[bool], n_chunks: int) -> list[bool]:
-    """``activation_checkpointing`` as one bool per chunk (a single bool applies to all)."""
-    if isinstance(activation_checkpointing, (bool, int)):
-        return [bool(activation_checkpointing)] * n_chunks
-    flags = [bool(x) for x in activation_checkpointing]
-    if len(flags) != n_chunks:
-        raise ValueError(f"activation_checkpointing has {len(flags)} entries for {n_chunks} chunks; "
-                         "give one bool, or one per chunk (num_stages x virtual_stages)")
-    return flags
-
-
 class Pipeline:
     """One rank's view of a pipeline-parallel (x data-parallel) training job.
 
@@ -161,7 +163,7 @@ class Pipeline:
                  activation_checkpointing: bool | Sequence[bool] = False, seed: int = 0,
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
-                 recv_lookahead: int = 2, diagnose_every: int = 100,
+                 recv_lookahead: int = 2, diagnose_every: int = 100, memory_every: int = 0,
                  max_inflight: int | None = None):
         from engine.schedules import lower
 
@@ -174,7 +176,6 @@ class Pipeline:
         v, p = sched.virtual_stages, sched.num_stages
         self.ranges = check_stage_ranges(stage_ranges, len(layers), p * v)
         n_chunks = p * v
-        recompute = _per_chunk(activation_checkpointing, n_chunks)
         self.schedule, self.num_stages, self.virtual_stages = sched, p, v
         self.microbatches, self.data_parallel = microbatches, data_parallel
         self.mesh = Mesh(p, data_parallel)
@@ -192,11 +193,15 @@ class Pipeline:
         set_worker_info(stage=me, replica=self.mesh.replica)
 
         autocast = self._autocast_factory()
+        recompute = _per_chunk(activation_checkpointing, n_chunks)
+        self.recompute = recompute
         self.chunks: dict[int, Chunk] = {}
         for s in self.my_stages:
             start, stop = self.ranges[s]
+            built = [m.to(weight_dtype(precision)) for m in
+                     build_layers(layers, start, stop, seed, self.device)]
             self.chunks[s] = Chunk(
-                s, start, build_layers(layers, start, stop, seed, self.device),
+                s, start, built,
                 loss_fn=loss_fn if s == n_chunks - 1 else None,
                 activation_checkpointing=recompute[s], autocast=autocast,
                 measure_activations=False)
@@ -220,6 +225,7 @@ class Pipeline:
                                  split=split, node_split=node_split)
         self.nonfinite = nonfinite
         self.diagnose_every = int(diagnose_every)
+        self.memory_every = int(memory_every)
         self.step_count = 0
 
     @staticmethod
@@ -265,16 +271,16 @@ class Pipeline:
                              f"({data_parallel}) x microbatches ({microbatches}); use a batch "
                              f"size that is a multiple of {per}")
         if optimizer is not None:
-            check_optimizer_config(optimizer)
+            check_optimizer_config(optimizer, precision)
             if int(optimizer.zero_stage) == 2:
                 _check_zero2_ties(ties, num_layers, stage_ranges, sched)
         return sched
 
     # ---- setup helpers -------------------------------------------------------------------------
     def _autocast_factory(self) -> Callable[[], Any]:
-        if self.precision == "fp32":
+        dtype = compute_dtype(self.precision)
+        if dtype is None:
             return contextlib.nullcontext
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         dev = self.device.type
         return lambda: torch.autocast(dev, dtype=dtype)
 
@@ -340,12 +346,42 @@ class Pipeline:
                 for c in self.chunks.values() for j, layer in enumerate(c.module)}
 
     def state_dict(self) -> dict:
-        """This rank's layers keyed by global layer index, plus optimizer state and step."""
-        return {"layers": {int(k): m.state_dict() for k, m in self.layer_module.items()},
-                "optimizer": self.optimizer.state_dict(), "step": self.step_count}
+        """This rank's layers keyed by global layer index, plus optimizer state and step.
+
+        The layers hold fp32 weights whatever the precision: with 16-bit weights, the
+        optimizer's fp32 masters (a collective over the data-parallel group under ZeRO), so a
+        checkpoint resumes exactly, with any split, replica count or precision."""
+        if weight_dtype(self.precision) == torch.float32:
+            layers = {int(k): m.state_dict() for k, m in self.layer_module.items()}
+        else:
+            layers = self._master_layers()
+        return {"layers": layers, "optimizer": self.optimizer.state_dict(),
+                "step": self.step_count}
+
+    def _master_layers(self) -> dict[int, dict[str, Tensor]]:
+        masters = self.optimizer.master_weights()
+        by_id = {id(p): masters[n] for n, p in self.layer_module.named_parameters()
+                 if n in masters}
+        out = {}
+        for k, m in self.layer_module.items():
+            sd = {n: (t.float() if t.is_floating_point() else t) for n, t in m.state_dict().items()}
+            for n, p in m.named_parameters(remove_duplicate=False):
+                if id(p) in by_id:
+                    sd[n] = by_id[id(p)]
+            out[int(k)] = sd
+        return out
+
+    def checkpoint_template(self) -> dict[int, dict[str, Tensor]]:
+        """Per layer of this rank, meta tensors with the names, shapes and dtypes that
+        :meth:`state_dict` writes (floating tensors as fp32): what a checkpoint must match."""
+        return {int(k): {n: torch.empty(t.shape, device="meta",
+                                        dtype=torch.float32 if t.is_floating_point() else t.dtype)
+                         for n, t in m.state_dict().items()}
+                for k, m in self.layer_module.items()}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Load this rank's layers (by global index; others ignored) and optimizer state."""
+        """Load this rank's layers (by global index; others ignored) and optimizer state. With
+        16-bit weights the layers' (fp32) weights also become the optimizer's masters."""
         layers = sd["layers"]
         for k, m in self.layer_module.items():
             if int(k) not in layers:
@@ -353,30 +389,49 @@ class Pipeline:
             m.load_state_dict(layers[int(k)])
         if "optimizer" in sd:
             self.optimizer.load_state_dict(sd["optimizer"])
+        if weight_dtype(self.precision) != torch.float32:
+            self.optimizer.load_master_weights({f"{k}.{n}": t for k, params in layers.items()
+                                                for n, t in params.items()})
         self.step_count = int(sd.get("step", self.step_count))
 
-    def train_step(self, inputs: Any, targets: Any, *, diagnose: bool | None = None
-                   ) -> StepResult:
+    def train_step(self, inputs: Any, targets: Any, *, diagnose: bool | None = None,
+                   measure_memory: bool | None = None) -> StepResult:
         """One optimizer step on the global batch (see docs/contracts.md). ``diagnose`` (default:
         every ``diagnose_every`` steps) adds the costly figures: bytes saved for backward, the
-        peak of live activations and the global gradient norm."""
+        peak of live activations and the global gradient norm. ``measure_memory`` (default: the
+        first two steps and every ``memory_every`` steps when ``memory_every`` > 0; implies
+        ``diagnose``) measures this rank's peak with torch's MemTracker (``engine.memtrack``)
+        into ``stats["memory_measured"]``: a diagnostic that slows the step several-fold."""
+        if measure_memory is None:
+            k, n = self.step_count, self.memory_every
+            measure_memory = n > 0 and (k < 2 or k % n == 0)
+        if measure_memory:
+            from engine.memtrack import measure_step
+            opt = self.optimizer
+            result, report = measure_step(
+                lambda: self._train_step(inputs, targets, True), modules=[self.layer_module],
+                optimizers=getattr(opt, "torch_optimizers", lambda: [])(),
+                kinds=getattr(opt, "memory_kinds", lambda: {})(), device=self.device)
+            result.stats["memory_measured"] = report.to_dict()
+            return result
         if diagnose is None:
             diagnose = self.diagnose_every > 0 and self.step_count % self.diagnose_every == 0
+        return self._train_step(inputs, targets, diagnose)
+
+    def _train_step(self, inputs: Any, targets: Any, diagnose: bool) -> StepResult:
         t0 = time.perf_counter()
         self.optimizer.zero_grad()
         stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose)
         t1 = time.perf_counter()
         self.optimizer.sync_gradients()   # replicas first: it waits for the overlapped buckets
         for group, prm in self._tie_groups:
-            if prm.grad is None:
-                prm.grad = torch.zeros_like(prm)
-            dist.all_reduce(prm.grad, group=group)
+            dist.all_reduce(self.optimizer.accumulated_grad(prm), group=group)
         # One all-reduce carries the loss and, per chunk, whether its forward output was
         # non-finite: every rank then knows the same first stage where a NaN/inf appeared.
         loss, bad_chunks = self._reduce_loss(stats.pop("_losses"), stats.pop("_flags"))
         if bad_chunks:
             stats["nonfinite_stage"] = bad_chunks[0]
-            if self.nonfinite == "raise" and self.precision != "fp16":
+            if self.nonfinite == "raise" and not loss_scaled(self.precision):
                 raise self._nonfinite_error(bad_chunks, loss)
         skipped, norm = self.optimizer.step(need_norm=diagnose)
         stats["optimizer_s"] = time.perf_counter() - t1

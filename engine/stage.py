@@ -15,11 +15,15 @@ each boundary's backward once more, restricted to its parameter edges (only the 
 kernels, e.g. ``x^T dy``), and one backward from those edges into the parameters. No
 input-gradient work is repeated, and a parameter used several times accumulates every use.
 Outputs that do not depend on a chunk input (the first chunk of a language model) go to ``W``
-whole. With activation checkpointing, or an optimizer backend that cannot take
-``GradientEdge`` roots (DeepSpeed's), the split falls back to a per-layer graph cut: each
-layer's input a detached leaf, ``I`` walks the layers with ``torch.autograd.grad``, ``W``
-backpropagates the per-layer graphs into the parameters (repeating the intra-layer
-input-gradient chain, so slower).
+whole. With an optimizer backend that cannot take ``GradientEdge`` roots (DeepSpeed's), the
+split falls back to a per-layer graph cut: each layer's input a detached leaf, ``I`` walks the
+layers with ``torch.autograd.grad``, ``W`` backpropagates the per-layer graphs into the
+parameters (repeating the intra-layer input-gradient chain, so slower).
+
+Activation checkpointing (per chunk) makes the whole chunk one ``torch.utils.checkpoint``
+unit: a held microbatch keeps only the chunk's input, and its backward recomputes the chunk
+(one microbatch's activations at a time). A checkpointed chunk does not split: ``I`` runs the
+full backward, ``W`` is empty (deferring W would keep the recomputed activations alive).
 
 Example::
 
@@ -87,6 +91,7 @@ class _MbState:
     boundaries: list[tuple[Any, list[tuple[Any, int]], tuple]] | None = None
     saved_bytes: int = 0
     loss: Tensor | None = None
+    whole: bool = False                        # one checkpointed unit: I is the full backward
 
 
 class Chunk:
@@ -125,11 +130,11 @@ class Chunk:
         return self.loss_fn is not None
 
     # ---- forward -----------------------------------------------------------------------------
-    def _run_layer(self, layer: nn.Module, x: Any) -> Any:
-        if self.checkpointing and any(p.requires_grad for p in layer.parameters()) \
-                and torch.is_grad_enabled():
-            return checkpoint(layer, x, use_reentrant=False)
-        return layer(x)
+    def _run_all(self, x: Any, target: Any) -> Any:
+        """Every layer (and the loss on the last chunk): one checkpointed unit."""
+        for layer in self.module:
+            x = layer(x)
+        return self.loss_fn(x, target) if self.loss_fn is not None else x
 
     def forward(self, mb: int, x: Any, target: Any = None, *, split: bool = False,
                 keep: bool = True, node_split: bool | None = None,
@@ -138,7 +143,15 @@ class Chunk:
         (training) the state for backward is kept; ``split`` prepares the I/W split
         (``node_split``: the graph-node split; default: unless checkpointing). ``measure``
         (default: the chunk's ``measure_activations``) counts the bytes saved for backward,
-        with a Python hook per saved tensor: a diagnostic, not for every step."""
+        with a Python hook per saved tensor: a diagnostic, not for every step.
+
+        With activation checkpointing the whole chunk (its layers and, on the last chunk, the
+        loss) is one checkpoint: per microbatch it keeps only its input, and backward
+        recomputes the chunk. Its I/W split is then one full backward at I (the recomputed
+        activations are freed at once, not held until W); W has nothing left to do."""
+        if keep and self.checkpointing and torch.is_grad_enabled():
+            return self._forward_checkpointed(mb, x, target, split,
+                                              self.measure if measure is None else measure)
         if node_split is None:
             node_split = not self.checkpointing
         node_split = split and node_split
@@ -146,8 +159,7 @@ class Chunk:
         measure = self.measure if measure is None else measure
         seen: dict[int, int] = {}
         hooks = (torch.autograd.graph.saved_tensors_hooks(*self._hooks(seen))
-                 if keep and measure and not self.checkpointing
-                 else contextlib.nullcontext())
+                 if keep and measure else contextlib.nullcontext())
         chunk_in = _rg(flatten(x)[1])
         segments: list[tuple[list[Tensor], list[Tensor], bool]] = []
         cur = x
@@ -155,9 +167,7 @@ class Chunk:
             for j, layer in enumerate(self.module):
                 if split and j > 0:
                     cur = _cut(cur)
-                if keep and measure and self.checkpointing:
-                    self._count(flatten(cur)[1], seen)
-                out = self._run_layer(layer, cur)
+                out = layer(cur)
                 if split:
                     segments.append((_rg(flatten(cur)[1]), _rg(flatten(out)[1]),
                                      bool(self._layer_params[j])))
@@ -171,13 +181,29 @@ class Chunk:
                 cur = loss
         if keep and torch.is_grad_enabled():
             outs = [cur] if self.loss_fn is not None else _rg(flatten(cur)[1])
-            st = _MbState(chunk_in, outs, split or node_split, segments,
-                          saved_bytes=sum(seen.values()),
-                          loss=cur if self.loss_fn is not None else None, node_split=node_split)
-            self.state[mb] = st
-            self.live_bytes += st.saved_bytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self._keep(mb, _MbState(chunk_in, outs, split or node_split, segments,
+                                    saved_bytes=sum(seen.values()),
+                                    loss=cur if self.loss_fn is not None else None,
+                                    node_split=node_split))
         return cur
+
+    def _forward_checkpointed(self, mb: int, x: Any, target: Any, split: bool,
+                              measure: bool) -> Any:
+        seen: dict[int, int] = {}
+        if measure:
+            self._count(flatten(x)[1], seen)   # what the checkpoint keeps: the chunk's input
+        with self.autocast():
+            cur = checkpoint(self._run_all, x, target, use_reentrant=False)
+        outs = [cur] if self.loss_fn is not None else _rg(flatten(cur)[1])
+        self._keep(mb, _MbState(_rg(flatten(x)[1]), outs, split, [], whole=True,
+                                saved_bytes=sum(seen.values()),
+                                loss=cur if self.loss_fn is not None else None))
+        return cur
+
+    def _keep(self, mb: int, st: "_MbState") -> None:
+        self.state[mb] = st
+        self.live_bytes += st.saved_bytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _hooks(self, seen: dict[int, int]) -> tuple[Callable, Callable]:
         def pack(t: Tensor) -> Tensor:
@@ -217,7 +243,7 @@ class Chunk:
         """Full backward of ``mb``; returns the gradients w.r.t. the chunk's inputs that require
         grad (in order). ``grads``: gradients w.r.t. the outputs (None on the last chunk)."""
         st = self.state[mb]
-        if st.split:
+        if st.split and not st.whole:
             gx = self.backward_input(mb, grads, optimizer)
             self.backward_weight(mb, optimizer)
             return gx
@@ -234,6 +260,12 @@ class Chunk:
         st = self.state[mb]
         if not st.split:
             raise RuntimeError(f"chunk {self.index} microbatch {mb}: I without a split forward")
+        if st.whole:  # checkpointed: one full backward (recompute, input and weight gradients)
+            outs, gs = self._out_grads(st, grads, optimizer)
+            if outs and outs[0].requires_grad:
+                optimizer.backward(outs, gs)
+            st.pending_w = []
+            return self._input_grads(st)
         if st.node_split:
             return self._node_input(st, grads, optimizer)
         outs, gs = self._out_grads(st, grads, optimizer)

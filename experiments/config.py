@@ -20,14 +20,17 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from engine.choices import BACKENDS, NONFINITE, OPTIMIZERS, PRECISIONS
+from engine.choices import BACKENDS, GRAD_ACCUM_DTYPES, NONFINITE, OPTIMIZERS, PRECISIONS
+from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULES
 from experiments.fields import choice_text, get_field
+from partitioner.devices import ATTENTION_BACKENDS
 from partitioner.planner import METHODS
+from partitioner.planner import checkpointing_mode as _recompute_mode
 from partitioner.search import AUTO
 
 __all__ = [
@@ -38,9 +41,12 @@ __all__ = [
     "ScheduleName",
     "PartitionMethod",
     "ProfileMode",
+    "AttentionBackend",
     "OptimizerName",
     "OptimizerBackend",
     "Precision",
+    "GradAccumDtype",
+    "checkpointing_mode",
     "LoggerMode",
     "MLPProfile",
     "HFArch",
@@ -113,9 +119,11 @@ def _choice(name: str, values: tuple[str, ...]) -> type[Choice]:
 ScheduleName = _choice("ScheduleName", (*SCHEDULES, AUTO))
 PartitionMethod = _choice("PartitionMethod", METHODS)
 ProfileMode = _choice("ProfileMode", ("measure", "analytic"))
+AttentionBackend = _choice("AttentionBackend", ATTENTION_BACKENDS)
 OptimizerName = _choice("OptimizerName", OPTIMIZERS)
 OptimizerBackend = _choice("OptimizerBackend", BACKENDS)
 Precision = _choice("Precision", PRECISIONS)
+GradAccumDtype = _choice("GradAccumDtype", GRAD_ACCUM_DTYPES)
 LoggerMode = _choice("LoggerMode", ("offline", "online", "disabled"))
 MLPProfile = _choice("MLPProfile", ("uniform", "ramp", "hourglass"))
 HFArch = _choice("HFArch", ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox"))
@@ -197,7 +205,7 @@ class PipelineConfig:
     virtual_stages: int = 1  # model chunks per rank (v); the schedule says which (>= 2: interleaved-1f1b, 2: zbv); chosen under schedule=auto
     max_inflight: Optional[int] = None  # zb-h2: most microbatches a rank holds, stages..2*stages-1 (null: 2*stages-1); chosen under schedule=auto
     data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel
-    activation_checkpointing: bool = False  # recompute each chunk's forward during backward
+    activation_checkpointing: Union[bool, str] = False  # false | true (every chunk recomputes) | auto (the partitioner decides per chunk)
     comm_timeout_s: float = 60.0  # a point-to-point transfer waiting longer than this fails the job
     nonfinite: NonFinite = NonFinite["raise"]  # a non-finite loss/gradient: raise (stop) | skip (drop the step)
 
@@ -222,6 +230,7 @@ class PartitionerConfig:
     repeats: int = 5  # measure: timed repeats per layer (median is used)
     warmup: int = 2  # measure: untimed repeats before timing
     device_spec: Optional[str] = None  # analytic: device preset (partitioner.DEVICE_PRESETS, e.g. h100); null = this CPU
+    attention: Optional[AttentionBackend] = None  # analytic: SDPA kernel attention is costed through: flash | efficient | math; null = the device spec's (flash)
     link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs; null = free transfers
     fixed_costs: bool = True  # measure: charge the runtime's fixed costs (per action, message, step) measured on this machine (cached; CPU runs)
     search: SearchConfig = field(default_factory=SearchConfig)  # pipeline.schedule=auto / microbatches=auto
@@ -242,11 +251,12 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # floor of the cosine decay, as a fraction of lr
     grad_clip: Optional[float] = None  # clip the global gradient norm (whole pipeline); null = off
     zero_stage: int = 0  # DeepSpeed ZeRO stage over the data-parallel group: 0, 1 or 2
-    backend: OptimizerBackend = OptimizerBackend["auto"]  # auto | torch | deepspeed (auto: deepspeed iff zero_stage > 0)
+    backend: OptimizerBackend = OptimizerBackend["auto"]  # auto | torch | deepspeed (auto: deepspeed iff zero_stage > 0 or 16-bit weights)
+    grad_accum_dtype: GradAccumDtype = GradAccumDtype["fp32"]  # gradients accumulated over microbatches in: fp32 | bf16 | fp16 (= the 16-bit weights')
     # torch backend with data_parallel > 1: all-reduce gradient buckets over the replicas during the
     # last backward, as soon as each is final (DDP's overlap); false: one reduction after the schedule
     overlap_grad_reduce: bool = True
-    grad_bucket_mb: float = 25.0  # size of a data-parallel all-reduce bucket (DDP's bucket_cap_mb)
+    grad_bucket_mb: float = GRAD_BUCKET_MB  # size of a data-parallel all-reduce bucket (DDP's bucket_cap_mb)
 
 
 @dataclass
@@ -319,6 +329,7 @@ class TrainConfig:
     device: Device = Device["auto"]  # auto (cuda if available) | cpu | cuda
     timeout_s: Optional[float] = None  # whole-job limit for the local launcher; null = none
     max_restarts: int = 0  # local launcher: restart all ranks after a failure, up to N times (resume from the newest checkpoint)
+    memory_every: int = 100  # measure each rank's peak memory (torch MemTracker) on the first 2 steps and every this many; 0 = off
 
 
 @dataclass
@@ -392,7 +403,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
-    precision: Precision = Precision["fp32"]  # fp32 | bf16 | fp16 (mixed precision compute)
+    precision: Precision = Precision["fp32"]  # fp32 | bf16 | fp16 (16-bit weights, fp32 masters in the optimizer) | bf16-autocast | fp16-autocast (fp32 weights)
     name: str = "default"  # experiment name (run directory, W&B run name)
 
 
@@ -406,9 +417,16 @@ def compose_config(*overrides: str) -> Any:
     """
     from hydra import compose, initialize_config_dir
 
+    from hydra.errors import ConfigCompositionException
+
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        cfg = compose(config_name="config", overrides=list(overrides))
+    try:  # a bool-or-"auto" field: the one value OmegaConf's types cannot hold to its choices
+        checkpointing_mode(_get(cfg, "pipeline.activation_checkpointing", False))
+    except ConfigError as err:
+        raise ConfigCompositionException(str(err)) from None
+    return cfg
 
 
 def register_configs() -> None:
@@ -558,6 +576,7 @@ def validate_config(cfg: Any) -> None:
     _check_precision(cfg)
     _check_memory_limit(cfg)
     _check_optimizer(cfg)
+    _check_checkpointing(cfg)
     _check_model_and_data(cfg)
     _check_intervals(cfg)
 
@@ -713,20 +732,46 @@ def _check_memory_limit(cfg: Any) -> None:
 
 
 def _check_optimizer(cfg: Any) -> None:
-    from engine.choices import ZERO_STAGES, resolve_backend
+    from engine.choices import ZERO_STAGES, check_grad_accum_dtype, resolve_backend
 
     zero = int(_get(cfg, "optimizer.zero_stage", 0))
     if zero not in ZERO_STAGES:
         raise ConfigError(f"optimizer.zero_stage={zero}; choose 0 (off), 1 (optimizer state) or 2 (+ gradients)")
     if float(_get(cfg, "optimizer.lr", 1.0)) <= 0:
         raise ConfigError("optimizer.lr must be positive, e.g. optimizer.lr=3e-3")
-    try:
-        resolve_backend(choice_text(_get(cfg, "optimizer.backend", "auto")), zero)
-    except ValueError:
+    precision = choice_text(_get(cfg, "precision", "fp32"))
+    backend = choice_text(_get(cfg, "optimizer.backend", "auto"))
+    if backend == "torch" and zero > 0:
         raise ConfigError(
             f"optimizer.zero_stage={zero} needs DeepSpeed; set optimizer.backend=auto (or deepspeed), "
-            "or optimizer.zero_stage=0"
-        ) from None
+            "or optimizer.zero_stage=0")
+    try:
+        resolve_backend(backend, zero, precision)
+        check_grad_accum_dtype(choice_text(_get(cfg, "optimizer.grad_accum_dtype", "fp32")), precision)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def checkpointing_mode(value: Any) -> bool | str:
+    """`pipeline.activation_checkpointing` as False, True or "auto" (ConfigError otherwise); what
+    each means is the partitioner's rule (`partitioner.planner.CHECKPOINTING`).
+
+    >>> checkpointing_mode("auto"), checkpointing_mode(False), checkpointing_mode("true")
+    ('auto', False, True)
+    """
+    try:
+        mode = _recompute_mode(choice_text(value))
+    except ValueError:
+        raise ConfigError(f"pipeline.activation_checkpointing={value!r}; choose false (no chunk recomputes), true "
+                          "(every chunk recomputes) or auto (the partitioner recomputes per chunk only where the "
+                          "memory limit needs it)") from None
+    return {"off": False, "on": True}.get(mode, mode)
+
+
+def _check_checkpointing(cfg: Any) -> None:
+    checkpointing_mode(_get(cfg, "pipeline.activation_checkpointing", False))
+    if int(_get(cfg, "train.memory_every", 0) or 0) < 0:
+        raise ConfigError("train.memory_every must be >= 0 (0 turns the memory measurement off)")
 
 
 def _check_model_and_data(cfg: Any) -> None:

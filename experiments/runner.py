@@ -141,7 +141,7 @@ class Trainer:
         self.pipe = Pipeline(self.spec.layers, loss_fn=self.spec.loss_fn,
                              optimizer=OptimizerConfig(**engine_optimizer_kwargs(self.cfg)),
                              **pipeline_kwargs(self.cfg, self.job.stage_ranges, ties=self.spec.ties,
-                                               device=device, recompute=self.plan.stage_recompute))
+                                               device=device, recompute=self.plan.stage_recompute or None))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.p = self.pipe.num_stages
@@ -200,7 +200,7 @@ class Trainer:
         resume_from, skipped = recovery.resume_point(self.job.resume_from, self.job.checkpoint_root, attempt)
         if resume_from:
             pipe = self.pipe
-            expected = {int(i): m.state_dict() for i, m in pipe.layer_module.items()}
+            expected = pipe.checkpoint_template()   # fp32 (the masters, with 16-bit weights)
             c = ck.load_checkpoint(resume_from, sorted(expected), expected=expected,
                                    num_layers=len(self.spec.layers), rank=self.rank, world=self.world)
             pipe.load_state_dict({"layers": c.layers, "step": c.meta["step"],
@@ -227,13 +227,21 @@ class Trainer:
         """Whether step `done` gathers the per-rank figures: the first, every `log_every`, the last."""
         return done % self.log_every == 0 or done == self.total_steps or done == self.start + 1
 
+    def _measured(self, step: int) -> bool:
+        """Whether step `step` (0-based) measures each rank's peak memory: the first two steps
+        of the run (or of a resumed run) and every `train.memory_every` steps."""
+        every = int(self.tcfg.get("memory_every") or 0)
+        return every > 0 and (step - self.start < 2 or step % every == 0)
+
     def step(self, step: int) -> Any:
         """One optimizer step on the global batch of `step`; returns the `StepResult`. The
-        engine's costly diagnostics (activation bytes, grad norm) run on logged steps only."""
+        engine's costly diagnostics (activation bytes, grad norm) run on logged steps only, the
+        memory measurement (MemTracker) on the steps of `_measured`."""
         t0 = time.perf_counter()
         batch = self._batch_of(step)
         self.data_time = time.perf_counter() - t0
-        res = self.pipe.train_step(*batch, diagnose=self._logged(step + 1))
+        res = self.pipe.train_step(*batch, diagnose=self._logged(step + 1),
+                                   measure_memory=self._measured(step))
         res.stats["data_time_s"] = self.data_time
         self.losses.append(res.loss)
         self.times.append(res.step_time_s)
@@ -265,17 +273,35 @@ class Trainer:
                 self.measured_f[j] += s["forward_s"] or 0.0
                 self.measured_b[j] += s["backward_s"] or 0.0
         self.n_gathered += warm
+        if all("memory_measured" in g for g in gathered[:self.p]):
+            self._memory_figures(ranks, gathered, done)
         extra = {"optimizer_state_bytes": [g.get("optimizer_state_bytes") for g in gathered],
                  "bubble_fraction": statistics.fmean(
                      s["idle_fraction"] for s in ranks if s["idle_fraction"] is not None)}
         return ranks, extra
+
+    def _memory_figures(self, ranks: list[dict], gathered: list[dict], done: int) -> None:
+        """Measured beside predicted peak memory per pipeline rank (replica 0); a warning when a
+        rank measures more than 10% above the plan's prediction."""
+        pred = list(self.plan.rank_memory_bytes or [None] * self.p)
+        for j, (row, g) in enumerate(zip(ranks, gathered[:self.p])):
+            mem = g["memory_measured"]
+            row.update(peak_bytes_measured=mem["peak_bytes"], peak_bytes_predicted=pred[j],
+                       memory_measured=mem["breakdown"])
+            if mem.get("device_peak_bytes") is not None:
+                row["device_peak_bytes_measured"] = mem["device_peak_bytes"]
+            if self.owner and pred[j] and mem["peak_bytes"] > 1.1 * pred[j]:
+                print(f"warning: step {done}, pipeline rank {j}: measured peak memory "
+                      f"{mem['peak_bytes'] / 2**20:.1f} MiB is {mem['peak_bytes'] / pred[j] - 1:.0%} above the "
+                      f"plan's prediction {pred[j] / 2**20:.1f} MiB (measured by kind: "
+                      f"{ {k: round(v / 2**20, 1) for k, v in mem['breakdown'].items()} } MiB)", flush=True)
 
     def record(self, done: int, res: Any) -> None:
         """Gather (every `log_every` steps), evaluate, write metrics, show progress."""
         extra: dict[str, Any] = {"lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
                                  "data_time_s": self.data_time, "predicted_step_s": self.plan.step_s}
         ranks = None
-        if self._logged(done):
+        if self._logged(done) or "memory_measured" in res.stats:
             ranks, more = self._gather(res, done)
             extra.update(more)
         eval_every = int(self.tcfg.get("eval_every") or 0)

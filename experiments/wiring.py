@@ -28,10 +28,12 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from experiments.config import (ConfigError, configured_microbatches, optimizer_kwargs, parse_memory_limit, searches,
-                                validate_config)
+from engine.footprint import GRAD_BUCKET_MB
+from experiments.config import (ConfigError, checkpointing_mode, configured_microbatches, optimizer_kwargs,
+                                parse_memory_limit, searches, validate_config)
 from experiments.fields import choice_text as _text
 from experiments.fields import get_field as _get
+from partitioner.planner import recompute_follows
 
 __all__ = [
     "microbatch_size", "world_size", "run_name", "resolve_device", "torch_dtype", "schedule_chunks",
@@ -80,10 +82,14 @@ def resolve_device(cfg: Any) -> str:
 
 
 def torch_dtype(cfg: Any) -> Any:
-    """The compute dtype of `precision` (fp32 -> torch.float32, bf16 -> torch.bfloat16, fp16 -> torch.float16)."""
+    """The compute dtype of `precision` (fp32 -> torch.float32; bf16 and bf16-autocast ->
+    torch.bfloat16; fp16 and fp16-autocast -> torch.float16)."""
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[_text(_get(cfg, "precision"))]
+    from engine.choices import compute_name
+
+    name = compute_name(_text(_get(cfg, "precision")))
+    return {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def schedule_chunks(schedule: str) -> int:
@@ -110,6 +116,8 @@ def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:
                    warmup=int(_get(part, "warmup")))
     else:
         out["device_spec"] = _get(part, "device_spec")
+        attention = _get(part, "attention", None)
+        out["attention"] = _text(attention) if attention is not None else None
     return out
 
 
@@ -124,6 +132,13 @@ def _planner_kwargs(cfg: Any) -> dict[str, Any]:
         "memory_limit_bytes": parse_memory_limit(_get(part, "memory_limit")),
         "method": _text(_get(part, "method")),
         "link_bytes_per_s": float(link) if link is not None else None,
+        "activation_checkpointing": checkpointing_mode(_get(p, "activation_checkpointing")),
+        "precision": _text(_get(cfg, "precision")),
+        "momentum": float(_get(opt, "momentum", 0.0) or 0.0),
+        "grad_accum_dtype": _text(_get(opt, "grad_accum_dtype", "fp32")),
+        "backend": _text(_get(opt, "backend", "auto")),
+        "overlap_grad_reduce": bool(_get(opt, "overlap_grad_reduce", True)),
+        "grad_bucket_mb": float(_get(opt, "grad_bucket_mb", GRAD_BUCKET_MB)),
     }
 
 
@@ -137,7 +152,6 @@ def partition_kwargs(cfg: Any) -> dict[str, Any]:
         "virtual_stages": int(_get(p, "virtual_stages")),
         "max_inflight": _optional_int(_get(p, "max_inflight")),
         **_planner_kwargs(cfg),
-        "activation_checkpointing": bool(_get(p, "activation_checkpointing")),
     }
 
 
@@ -148,9 +162,10 @@ def _optional_int(value: Any) -> int | None:
 def search_kwargs(cfg: Any) -> dict[str, Any]:
     """Keyword arguments for `partitioner.search(profiles, **kwargs)` (`pipeline.schedule=auto` and
     / or `pipeline.microbatches=auto`; `partitioner.search` bounds it). A fixed schedule, count,
-    `virtual_stages` (interleaved) or `max_inflight` restricts the search to it;
-    `pipeline.activation_checkpointing=false` lets it recompute per stage only where the memory
-    limit needs it (`"auto"`), `true` recomputes everywhere."""
+    `virtual_stages` (interleaved) or `max_inflight` restricts the search to it.
+    `pipeline.activation_checkpointing` follows the partitioner's one rule
+    (`partitioner.planner.CHECKPOINTING`): false, only layouts that fit without recomputation;
+    true, every chunk recomputes; auto, per chunk where the memory limit needs it."""
     p, sc = _get(cfg, "pipeline"), _get(cfg, "partitioner.search")
     schedule, listed = _text(_get(p, "schedule")), _get(sc, "schedules")
     if schedule != "auto":
@@ -167,7 +182,6 @@ def search_kwargs(cfg: Any) -> dict[str, Any]:
         "max_inflight": None if cap is None else [cap],
         "top": int(_get(sc, "top")),
         **_planner_kwargs(cfg),
-        "activation_checkpointing": True if bool(_get(p, "activation_checkpointing")) else "auto",
     }
 
 
@@ -181,12 +195,18 @@ def pipeline_kwargs(cfg: Any, stage_ranges: Sequence[Sequence[int]], *, ties: Se
     """Keyword arguments for `engine.Pipeline(spec.layers, **kwargs)`, except `loss_fn` and `optimizer`.
 
     The caller adds `loss_fn=spec.loss_fn` and `optimizer=engine.OptimizerConfig(**engine_optimizer_kwargs(cfg))`.
-    `recompute`: the plan's per-chunk choice (`Plan.stage_recompute`), which replaces
-    `pipeline.activation_checkpointing` (one bool when every chunk agrees, else one per chunk).
+    ``recompute``: the plan's per-chunk ``stage_recompute`` (what `pipeline.activation_checkpointing`
+    decided: every chunk, none, or with auto the partitioner's choice), passed as one bool when
+    every chunk agrees, else one per chunk; without it the config's true / false applies to every
+    chunk.
     """
     validate_config(cfg)
     p = _get(cfg, "pipeline")
-    ckpt: Any = bool(_get(p, "activation_checkpointing"))
+    mode = checkpointing_mode(_get(p, "activation_checkpointing"))
+    if not recompute and mode == "auto":
+        raise ConfigError("pipeline.activation_checkpointing=auto needs the plan's per-chunk choice: pass "
+                          "recompute=plan.stage_recompute")
+    ckpt: Any = bool(mode)
     if recompute:
         ckpt = bool(recompute[0]) if len(set(map(bool, recompute))) == 1 else [bool(x) for x in recompute]
     return {
@@ -198,6 +218,7 @@ def pipeline_kwargs(cfg: Any, stage_ranges: Sequence[Sequence[int]], *, ties: Se
         "data_parallel": int(_get(p, "data_parallel")),
         "precision": _text(_get(cfg, "precision")),
         "activation_checkpointing": ckpt,
+        "memory_every": int(_get(cfg, "train.memory_every", 0) or 0),
         "seed": int(_get(cfg, "train.seed")),
         "device": device,
         "ties": [tuple(t) for t in ties],
@@ -271,16 +292,32 @@ def check_checkpoint_model(path: Path, spec: Any) -> None:
 # --------------------------------------------------------------------------- profile and plan
 def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
     """`partitioner.profile` of the model on one microbatch (`microbatch` samples, default the
-    configured size), timed with one thread (as the workers run)."""
+    configured size), timed with one thread (as the workers run).
+
+    A measured profile runs the layers as the engine does: weights in the precision's weight
+    dtype (fp32 under `bf16-autocast`) and, with 16-bit compute, under `torch.autocast`, so it
+    saves what the run saves (autocast keeps fp32 inputs and 16-bit weight copies)."""
+    import contextlib
+
     import torch
 
     import partitioner
+    from engine.optim import compute_dtype
 
+    kwargs = profile_kwargs(cfg)
+    compute = compute_dtype(_text(_get(cfg, "precision")))
+    ctx: Any = contextlib.nullcontext()
+    if kwargs["mode"] == "measure" and compute is not None:
+        from engine.choices import weight_bytes
+        if weight_bytes(_text(_get(cfg, "precision"))) == 4:
+            kwargs["dtype"] = torch.float32
+        ctx = torch.autocast(torch.device(kwargs["device"]).type, dtype=compute)
     size = microbatch_size(cfg) if microbatch is None else int(microbatch)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        prof = partitioner.profile(spec.layers, spec.example_input(size), **profile_kwargs(cfg))
+        with ctx:
+            prof = partitioner.profile(spec.layers, spec.example_input(size), **kwargs)
     finally:
         torch.set_num_threads(threads)
     prof.meta["microbatch_size"] = size
@@ -357,10 +394,16 @@ def resolve_layout(config: dict, plan: Any) -> dict:
 
 def plan_matches(plan: Any, cfg: Any, num_layers: int) -> bool:
     """Whether a saved plan fits the configured layout (stages, chunks, schedule, m, replicas,
-    method); under `auto`, a searched plan whose layout the search could choose."""
+    method), precision and checkpointing (`pipeline.activation_checkpointing`: false / true,
+    no chunk / every chunk recomputes; auto, any); under `auto` layouts, a searched plan whose
+    layout the search could choose."""
+    mode = checkpointing_mode(_get(cfg, "pipeline.activation_checkpointing"))
     same = (plan.num_layers == num_layers and plan.num_stages == int(_get(cfg, "pipeline.stages"))
             and plan.data_parallel == int(_get(cfg, "pipeline.data_parallel"))
-            and plan.method == _text(_get(cfg, "partitioner.method")))
+            and plan.method == _text(_get(cfg, "partitioner.method"))
+            and plan.precision == _text(_get(cfg, "precision"))
+            and len(plan.stage_recompute or []) == plan.num_chunks
+            and recompute_follows(mode, plan.stage_recompute))
     if searches(cfg):
         kw = search_kwargs(cfg)
         return (same and plan.search is not None and kw["batch_per_replica"] % plan.microbatches == 0

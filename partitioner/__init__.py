@@ -16,7 +16,7 @@ engine's simulator when a plan is predicted.
 """
 
 from .costs import FixedCosts, LayerCost, Profile
-from .devices import DEVICE_PRESETS, DeviceSpec, get_device_spec, measure_cpu_spec
+from .devices import ATTENTION_BACKENDS, DEVICE_PRESETS, DeviceSpec, get_device_spec, measure_cpu_spec
 from .memory import SCHEDULES, inflight_per_chunk, static_factor
 from .plan import PartitionError, Plan
 from .planner import METHODS, partition
@@ -25,6 +25,6 @@ from .search import AUTO, Candidate, SearchResult, search
 
 __all__ = [
     "LayerCost", "Profile", "FixedCosts", "profile", "partition", "Plan", "PartitionError", "DeviceSpec", "DEVICE_PRESETS",
-    "get_device_spec", "measure_cpu_spec", "SCHEDULES", "METHODS", "inflight_per_chunk", "static_factor",
+    "ATTENTION_BACKENDS", "get_device_spec", "measure_cpu_spec", "SCHEDULES", "METHODS", "inflight_per_chunk", "static_factor",
     "search", "SearchResult", "Candidate", "AUTO",
 ]

@@ -37,6 +37,10 @@ class LayerCost:
       previous layer already counted in its ``activation_bytes`` (e.g. ReLU then Linear save the
       same tensor). A stage starting at this layer receives its own copy, so the memory model
       adds these bytes per in-flight microbatch only when a cut falls just before the layer.
+    - ``largest_param_bytes``: bytes of the layer's largest parameter tensor (None: all of
+      ``param_bytes``); the optimizer backends' backward transient follows it.
+    - ``workspace_bytes``: the transient of the layer's backward beyond what it saved (the
+      gradients of its intermediate tensors); None: estimated as twice ``output_bytes``.
     """
 
     forward_s: float
@@ -49,6 +53,8 @@ class LayerCost:
     forward_flops: float | None = None
     backward_flops: float | None = None
     shared_input_bytes: int = 0
+    largest_param_bytes: int | None = None
+    workspace_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("forward_s", "backward_s", "param_bytes", "activation_bytes", "output_bytes"):

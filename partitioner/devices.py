@@ -16,7 +16,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-__all__ = ["DeviceSpec", "DEVICE_PRESETS", "get_device_spec", "measure_cpu_spec"]
+__all__ = ["DeviceSpec", "DEVICE_PRESETS", "ATTENTION_BACKENDS", "get_device_spec", "measure_cpu_spec"]
+
+# The SDPA kernels an analytic profile can cost attention through (partitioner.profile):
+# flash / efficient keep O(s) per head for backward, math the s x s probabilities.
+ATTENTION_BACKENDS: tuple[str, ...] = ("flash", "efficient", "math")
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,11 @@ class DeviceSpec:
     efficiency: float = 1.0               # fraction of peak reached in practice
     overhead_s: float = 0.0               # per-op launch/dispatch overhead
     notes: str = ""
+    attention: str = "flash"              # SDPA kernel it runs: one of ATTENTION_BACKENDS
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"DeviceSpec.attention={self.attention!r}; use one of {ATTENTION_BACKENDS}")
 
     def flops_per_s(self, dtype: str = "float32") -> float:
         d = dtype.replace("torch.", "")

@@ -1,54 +1,143 @@
-"""Per-stage memory model: static state by optimizer/dtype/ZeRO, activations by schedule.
+"""Per-rank memory model: what the run holds at its peak, term by term.
 
-Memory of a stage covering layers ``[s, e)`` at pipeline position ``j``::
+A rank holds, at the peak of one of two phases (``engine.footprint`` states what the optimizer
+backend keeps, from the run's precision, optimizer, ZeRO stage and replicas):
 
-    static_factor * param_bytes(s, e)              # weights + grads + optimizer state
+* forward/backward: ``parameters`` + ``gradients`` + ``optimizer_state`` (fp32 masters and
+  moments, sharded by ZeRO) + ``activations`` (per chunk, the microbatches in flight at the
+  rank's peak, read from the engine's schedule, times the bytes each saves for backward; a
+  recomputing chunk keeps its input per microbatch plus one microbatch's activations while it
+  recomputes) + ``communication`` (the boundary buffers: the gradient sent back and the one
+  received per chunk) + ``temporary`` (the backend's backward transient, e.g. a 16-bit
+  gradient and its fp32 copy, ZeRO-2's reduce bucket; plus the largest layer's backward
+  workspace);
+* the step: ``parameters`` + the gradients held at the step + ``optimizer_state`` + the step's
+  temporaries (the flattened reduce bucket, ZeRO's flat partition and its fp32 copy).
+
+For the split search a stage costs (additive over its layers, as :mod:`partitioner.solve`
+needs)::
+
+    per_param_bytes * params(s, e)                 # the forward/backward phase's state
     + inflight[j] * (activation_bytes(s, e)        # saved-for-backward, per held microbatch
                      + shared_input_bytes[s])      #   (+ the input copy at a cut, see LayerCost)
     + output_bytes[s-1] + output_bytes[e-1]        # boundary buffers (gradient in / out)
 
+and what does not add over layers (the largest parameter's transient, the backward workspace)
+is taken off the limit before the search.
+
 Example::
 
-    from partitioner.memory import static_factor, inflight_per_chunk
-    static_factor(4, "adamw", zero_stage=1, data_parallel=4)   # 4+4+8/4 bytes per 4 bytes -> 2.5
-    inflight_per_chunk("1f1b", 4, 8)                            # [4, 3, 2, 1]
+    from partitioner.memory import MemorySettings, inflight_per_chunk
+    mem = MemorySettings(precision="bf16", optimizer="adamw", zero_stage=1, data_parallel=2)
+    mem.per_param_bytes()                # 2 + 4 + 12 / 2 = 12
+    inflight_per_chunk("1f1b", 4, 8)     # [4, 3, 2, 1]
 """
 
 from __future__ import annotations
 
-from engine.choices import OPTIMIZERS, ZERO_STAGES
+from dataclasses import asdict, dataclass
+
+from engine.choices import OPTIMIZERS, PRECISIONS, ZERO_STAGES, check_grad_accum_dtype
+from engine.footprint import GRAD_BUCKET_MB, Footprint, optimizer_state_bytes_per_param, state_footprint
 from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule, chunk_ranks
 
 __all__ = ["static_factor", "inflight_per_chunk", "inflight_from_schedule", "rank_totals",
-           "OPTIMIZER_STATE_BYTES", "SCHEDULES"]
+           "OPTIMIZER_STATE_BYTES", "SCHEDULES", "MemorySettings", "BREAKDOWN_KEYS",
+           "rank_breakdown"]
 
-# Optimizer state in bytes per parameter (kept in fp32), for each of engine.choices.OPTIMIZERS.
-OPTIMIZER_STATE_BYTES: dict[str, int] = {
-    "adamw": 8, "adam": 8,            # exp_avg + exp_avg_sq
-    "sgd": 0,                         # plain SGD
-}
+# Optimizer state in bytes per parameter (kept in fp32), for each of engine.choices.OPTIMIZERS
+# (SGD: its momentum buffer, when momentum > 0).
+OPTIMIZER_STATE_BYTES: dict[str, int] = {name: optimizer_state_bytes_per_param(name, 0.0)
+                                         for name in OPTIMIZERS}
+BREAKDOWN_KEYS: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations",
+                                   "communication", "temporary")
+_REF_NUMEL = 1_000_000   # below every bucket cap: per-parameter costs are their uncapped bound
 
 
-def static_factor(itemsize: int, optimizer: str = "adamw", zero_stage: int = 1, data_parallel: int = 1) -> float:
-    """Bytes of static state per byte of parameters.
+@dataclass(frozen=True)
+class MemorySettings:
+    """What a run's memory per parameter depends on (``precision`` None: fp32 for a 4-byte
+    profile, bf16 for a 16-bit one)."""
 
-    Weights and gradients are kept in the training dtype (``itemsize`` bytes per element);
-    optimizer state in fp32, plus an fp32 master copy when the dtype is narrower than fp32
-    (mixed precision). ZeRO stage >= 1 divides optimizer state (and the master copy) by the
-    data-parallel degree, stage >= 2 also the gradients.
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    momentum: float = 0.0
+    zero_stage: int = 1
+    data_parallel: int = 1
+    grad_accum_dtype: str = "fp32"
+    backend: str = "auto"
+    overlap_grad_reduce: bool = True     # the torch backend's data-parallel reduction (engine.overlap)
+    grad_bucket_mb: float = GRAD_BUCKET_MB
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; use one of {PRECISIONS}")
+        if self.optimizer.lower() not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {list(OPTIMIZERS)}")
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage must be 0, 1 or 2 (got {self.zero_stage}); stage 3 shards "
+                             "weights, which a pipeline stage keeps whole")
+        if self.data_parallel < 1:
+            raise ValueError(f"data_parallel must be >= 1, got {self.data_parallel}")
+        check_grad_accum_dtype(self.grad_accum_dtype, self.precision)
+
+    def footprint(self, numel: float, largest: float = 0) -> Footprint:
+        """The optimizer backend's bytes for a rank of ``numel`` parameters."""
+        return state_footprint(int(numel), int(largest), precision=self.precision,
+                               optimizer=self.optimizer, momentum=self.momentum,
+                               zero_stage=self.zero_stage, data_parallel=self.data_parallel,
+                               grad_accum_dtype=self.grad_accum_dtype, backend=self.backend,
+                               overlap_grad_reduce=self.overlap_grad_reduce, grad_bucket_mb=self.grad_bucket_mb)
+
+    def per_param_bytes(self, numel: float = _REF_NUMEL) -> float:
+        """Forward/backward-phase bytes per parameter of a rank holding ``numel`` parameters
+        (weights, gradients, optimizer state and the backend's backward transient that grows
+        with the parameters; the default: below every bucket cap)."""
+        f = self.footprint(numel)
+        return (f.parameters + f.gradients + f.optimizer_state + f.backward_temporary) / max(numel, 1.0)
+
+    def step_per_param_bytes(self, numel: float = _REF_NUMEL) -> float:
+        """Step-phase bytes per parameter of a rank holding ``numel`` parameters."""
+        f = self.footprint(numel)
+        return (f.parameters + f.optimizer_state + f.step_gradients + f.step_temporary) / max(numel, 1.0)
+
+    def largest_param_bytes(self, largest: float) -> float:
+        """The backward transient that follows the largest parameter tensor (its gradient being
+        accumulated, its fp32 copy), beyond :meth:`per_param_bytes`."""
+        return (self.footprint(_REF_NUMEL, largest).backward_temporary
+                - self.footprint(_REF_NUMEL, 0).backward_temporary)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, activations: float,
+                   communication: float, workspace: float) -> dict[str, float]:
+    """The rank's memory at its peak, by :data:`BREAKDOWN_KEYS` (bytes; they sum to the peak):
+    the larger of the forward/backward phase and the step phase."""
+    f = settings.footprint(numel, largest)
+    backward = {"parameters": f.parameters, "gradients": f.gradients,
+                "optimizer_state": f.optimizer_state, "activations": activations,
+                "communication": communication, "temporary": f.backward_temporary + workspace}
+    step = {"parameters": f.parameters, "gradients": f.step_gradients,
+            "optimizer_state": f.optimizer_state, "activations": 0.0, "communication": 0.0,
+            "temporary": f.step_temporary}
+    return backward if sum(backward.values()) >= sum(step.values()) else step
+
+
+def static_factor(itemsize: int, optimizer: str = "adamw", zero_stage: int = 1, data_parallel: int = 1,
+                  precision: str | None = None, momentum: float = 0.0,
+                  grad_accum_dtype: str = "fp32") -> float:
+    """Forward/backward-phase bytes of state per byte of profiled parameters
+    (:meth:`MemorySettings.per_param_bytes` / ``itemsize``; ``precision`` None: fp32 for a
+    4-byte profile, bf16 for a 2-byte one).
+
+    >>> static_factor(4, "adamw", zero_stage=1, data_parallel=2)   # (4 + 4 + (8 + 4) / 2) / 4
+    3.5
     """
-    opt = optimizer.lower()
-    if opt not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {list(OPTIMIZERS)}")
-    if zero_stage not in ZERO_STAGES:
-        raise ValueError(f"zero_stage must be 0, 1 or 2 (got {zero_stage}); stage 3 shards weights, "
-                         "which a pipeline stage keeps whole")
-    if data_parallel < 1:
-        raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
-    state = OPTIMIZER_STATE_BYTES[opt] + (4 if itemsize < 4 else 0)
-    grads = itemsize / (data_parallel if zero_stage >= 2 else 1)
-    state = state / (data_parallel if zero_stage >= 1 else 1)
-    return (itemsize + grads + state) / itemsize
+    precision = precision or ("fp32" if itemsize >= 4 else "bf16")
+    mem = MemorySettings(precision, optimizer, momentum, zero_stage, data_parallel, grad_accum_dtype)
+    return mem.per_param_bytes() / itemsize
 
 
 def _interleaved_forward_order(p: int, m: int, v: int) -> list[int]:

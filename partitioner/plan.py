@@ -32,7 +32,12 @@ class Plan(JsonMixin):
     ``stage_ranges`` (half-open layer ranges), ``stage_time_s`` (forward + backward, plus
     recomputation and boundary transfers), ``stage_memory_bytes`` (predicted peak),
     ``stage_activation_bytes`` (saved-for-backward bytes at the peak), ``stage_inflight``,
-    ``stage_recompute``. Per rank: ``rank_memory_bytes``, ``rank_fits``.
+    ``stage_recompute``. Per rank: ``rank_memory_bytes`` (predicted peak), ``rank_fits`` and
+    ``rank_memory_breakdown`` (per rank, bytes of ``parameters``, ``gradients``,
+    ``optimizer_state``, ``activations``, ``communication``, ``temporary`` at that peak; they sum
+    to ``rank_memory_bytes``; see ``partitioner.memory``). A chunk's ``stage_memory_bytes`` is its
+    share of its rank's peak (the shares of a rank sum to it). ``precision``: the run's, as
+    planned (what the parameters cost).
 
     ``step_s`` / ``bubble_fraction``: from :meth:`simulate` (``engine.simulate`` on these
     costs; see ``predicted_by``). ``lower_bound_s``: a lower bound on the step of this schedule for any
@@ -81,6 +86,8 @@ class Plan(JsonMixin):
     rank_optimizer_s: list[float] = field(default_factory=list)
     rank_memory_bytes: list[int] = field(default_factory=list)
     rank_fits: list[bool] = field(default_factory=list)
+    rank_memory_breakdown: list[dict[str, int]] = field(default_factory=list)
+    precision: str = "fp32"
     layer_names: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     search: dict[str, Any] | None = None
@@ -174,7 +181,8 @@ class Plan(JsonMixin):
 
     # -- table ------------------------------------------------------------------------
     def summary(self, width: int = 110) -> str:
-        """A readable table of the plan (rich when available, else plain text)."""
+        """A readable table of the plan (rich when available, else plain text): one row per
+        chunk, then each rank's predicted peak by kind."""
         head = ["stage", "rank", "layers", "#", "time ms", "mem GiB", "act GiB", "in-flight", "limit GiB", "fits"]
         rows = []
         p = self.num_stages
@@ -192,28 +200,27 @@ class Plan(JsonMixin):
             ])
         title = (f"{self.method} split: {self.num_layers} layers, {self.schedule}, p={p}, m={self.microbatches}"
                  + (f", v={self.virtual_stages}" if self.virtual_stages > 1 else "")
-                 + (f", dp={self.data_parallel} zero={self.zero_stage}" if self.data_parallel > 1 else ""))
+                 + (f", dp={self.data_parallel} zero={self.zero_stage}" if self.data_parallel > 1 else "")
+                 + f", {self.precision} {self.optimizer}")
         foot = [
             f"step {self.step_s * 1e3:.3f} ms ({self.predicted_by}); bubble {self.bubble_fraction:.1%}; "
             f"bottleneck {self.bottleneck_s * 1e3:.3f} ms",
             f"lower bound {self.lower_bound_s * 1e3:.3f} ms; gap {self.gap:.1%}; fits: {'yes' if self.fits else 'NO'}",
         ] + [f"- {n}" for n in self.notes]
-        try:
-            from rich.console import Console
-            from rich.table import Table
-        except ImportError:  # pragma: no cover - rich is a dependency, plain text is a fallback
-            return _plain(title, head, rows, foot)
-        t = Table(title=title)
-        for h in head:
-            t.add_column(h, justify="right" if h not in ("layers",) else "left")
-        for r in rows:
-            t.add_row(*r)
-        buf = io.StringIO()
-        con = Console(file=buf, width=width, force_terminal=False, color_system=None)
-        con.print(t)
-        for line in foot:
-            con.print(line, highlight=False, markup=False)
-        return buf.getvalue() + (format_search(self.search) if self.search else "")
+        tables = [(title, head, rows)]
+        if self.rank_memory_breakdown:
+            tables.append(self._memory_table())
+        return _render(tables, foot, width) + (format_search(self.search) if self.search else "")
+
+    def _memory_table(self) -> tuple[str, list[str], list[list[str]]]:
+        """Each rank's predicted peak memory by kind (GiB)."""
+        keys = ("parameters", "gradients", "optimizer_state", "activations", "communication", "temporary")
+        head = ["rank", "params", "grads", "optimizer", "activations", "comm", "temporary", "peak GiB"]
+        rows = []
+        for r, d in enumerate(self.rank_memory_breakdown):
+            rows.append([str(r)] + [f"{d.get(k, 0) / 2**30:.3f}" for k in keys]
+                        + [f"{self.rank_memory_bytes[r] / 2**30:.3f}"])
+        return "predicted peak memory per rank (GiB)", head, rows
 
     def __str__(self) -> str:
         return self.summary()
@@ -293,19 +300,27 @@ def format_search(record: dict[str, Any], width: int = 120) -> str:
              + (f" ({record['profile_seconds']:.2f} s profiling)" if record.get("profile_seconds", 0) >= 0.01 else "")
              + "; * = chosen")
     foot = [f"- {n}" for n in record.get("notes", [])]
+    return _render([(title, head, body)], foot, width, left=("schedule", "status"), no_wrap=True)
+
+
+def _render(tables: list[tuple[str, list[str], list[list[str]]]], foot: list[str], width: int,
+            left: tuple[str, ...] = ("layers",), no_wrap: bool = False) -> str:
+    """Tables (title, header, rows) then the foot lines, with rich (plain text without it);
+    the ``left`` columns are left-justified, the others right."""
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # pragma: no cover - rich is a dependency, plain text is a fallback
-        return _plain(title, head, body, foot)
-    t = Table(title=title)
-    for h in head:
-        t.add_column(h, justify="left" if h in ("schedule", "status") else "right", no_wrap=True)
-    for r in body:
-        t.add_row(*r)
+        return "".join(_plain(t, h, r, []) for t, h, r in tables) + "\n".join(foot) + "\n"
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)
-    con.print(t)
+    for title, head, rows in tables:
+        t = Table(title=title)
+        for h in head:
+            t.add_column(h, justify="left" if h in left else "right", no_wrap=no_wrap)
+        for r in rows:
+            t.add_row(*r)
+        con.print(t)
     for line in foot:
         con.print(line, highlight=False, markup=False)
     return buf.getvalue()

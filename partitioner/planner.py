@@ -31,18 +31,54 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks
 
 from .costs import FixedCosts, Profile
-from .memory import SCHEDULES, inflight_from_schedule, inflight_per_chunk, rank_totals, static_factor
+from .memory import (BREAKDOWN_KEYS, SCHEDULES, MemorySettings, inflight_from_schedule, inflight_per_chunk,
+                     rank_breakdown, rank_totals)
 from .plan import PartitionError, Plan
 from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optimal_split, parameter_split,
                     pipeline_lower_bound, split_costs, uniform_split)
 from .vsplit import min_v_memory_scale, optimal_v_split
 
-__all__ = ["partition", "METHODS"]
+__all__ = ["partition", "METHODS", "CHECKPOINTING", "checkpointing_mode", "recompute_follows"]
 
 METHODS: tuple[str, ...] = ("optimal", "uniform", "parameters", "greedy")
+
+CHECKPOINTING: tuple[str, ...] = ("off", "on", "auto")
+"""The activation-checkpointing modes, the one rule that :func:`partition`, ``partitioner.search``
+and the experiments follow: ``off`` (False): no chunk recomputes, only splits that fit without
+recomputation are considered; ``on`` (True): every chunk recomputes; ``auto``: the planner
+recomputes per chunk where the memory limit needs it."""
+
+_CHECKPOINTING_NAMES = {"false": "off", "off": "off", "true": "on", "on": "on", "auto": "auto"}
+
+
+def checkpointing_mode(value: Any) -> str:
+    """``activation_checkpointing`` (False, True, "auto" or their names) as one of
+    :data:`CHECKPOINTING`; ValueError otherwise.
+
+    >>> checkpointing_mode(False), checkpointing_mode("true"), checkpointing_mode("auto")
+    ('off', 'on', 'auto')
+    """
+    mode = _CHECKPOINTING_NAMES.get(str(value).strip().lower()) if isinstance(value, (bool, str)) else None
+    if mode is None:
+        raise ValueError(f"activation_checkpointing must be False (no chunk recomputes), True (every chunk "
+                         f"recomputes) or 'auto' (the planner recomputes per chunk where memory needs it), "
+                         f"got {value!r}")
+    return mode
+
+
+def recompute_follows(activation_checkpointing: Any, recompute: Sequence[bool]) -> bool:
+    """Whether a per-chunk recompute choice (``Plan.stage_recompute``) is one the mode allows:
+    none recompute (off), all (on), any (auto).
+
+    >>> recompute_follows(False, [False, False]), recompute_follows(True, [True, False])
+    (True, False)
+    """
+    mode, chosen = checkpointing_mode(activation_checkpointing), [bool(x) for x in recompute]
+    return mode == "auto" or chosen == [mode == "on"] * len(chosen)
 
 _BASELINE_NOTES = {
     "uniform": "uniform: equal layer counts (Megatron); memory limits not used to choose",
@@ -69,16 +105,21 @@ class _Problem:
     f: np.ndarray                             # forward seconds per layer
     b: np.ndarray                             # backward seconds per layer
     w: np.ndarray                             # weight-gradient seconds per layer
-    static: np.ndarray                        # parameter + gradient + optimizer bytes per layer
+    static: np.ndarray                        # per layer: its parameters' state (the search's view)
     act: np.ndarray
     out: np.ndarray
     shared: np.ndarray
     comm_layer: np.ndarray                    # transfer seconds of a cut after each layer
     inflight: list[int]                       # microbatches held per chunk
-    rank_caps: list[float] | None
+    limits: list[float] | None                # the memory limit per rank
     names: list[str]
     param: np.ndarray                         # parameter bytes per layer
     fixed: FixedCosts | None                  # the runtime's fixed costs (None: compute only)
+    memory: MemorySettings                    # what the run holds per parameter
+    numel: np.ndarray                         # parameters per layer
+    largest: np.ndarray                       # elements of each layer's largest parameter
+    workspace: np.ndarray                     # each layer's backward transient, bytes
+    reserve: list[float]                      # per rank, bytes taken off the limit before the search
 
     @property
     def n(self) -> int:
@@ -102,6 +143,14 @@ class _Problem:
         return np.concatenate([[0.0], 2 * self.comm_layer[:-1], [0.0]])
 
     @property
+    def rank_caps(self) -> list[float] | None:
+        """The limits the search works with: each rank's limit less its reserve (what does not
+        add over layers: the largest parameter's transient, the backward workspace)."""
+        if self.limits is None:
+            return None
+        return [max(c - r, 1.0) for c, r in zip(self.limits, self.reserve)]
+
+    @property
     def chunk_caps(self) -> list[float] | None:
         return None if self.rank_caps is None else [self.rank_caps[r] / self.v for r in self.ranks]
 
@@ -114,7 +163,9 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
               virtual_stages: int = 1, data_parallel: int = 1, zero_stage: int = 1, optimizer: str = "adamw",
               memory_limit_bytes: "float | Sequence[float] | None" = None, method: str = "optimal",
               link_bytes_per_s: float | None = None, activation_checkpointing: "bool | str" = False,
-              simulate: bool = True, max_inflight: int | None = None) -> Plan:
+              simulate: bool = True, max_inflight: int | None = None, precision: str | None = None,
+              momentum: float = 0.0, grad_accum_dtype: str = "fp32", backend: str = "auto",
+              overlap_grad_reduce: bool = True, grad_bucket_mb: float = GRAD_BUCKET_MB) -> Plan:
     """Split ``profile`` into ``num_stages`` pipeline stages (see the module docstring).
 
     ``memory_limit_bytes``: one number for every rank, or one per rank. ``method``: "optimal"
@@ -123,8 +174,10 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     False, True (every stage recomputes) or "auto" (a stage recomputes only where the exact
     search needs it to fit). ``simulate``: predict the step with :meth:`Plan.simulate` (else
     the closed form). ``max_inflight``: zb-h2's bound on the microbatches a rank holds (its
-    memory knob). Raises :class:`PartitionError` when no split fits, naming the smallest
-    limit (or the stage count) that would.
+    memory knob). ``precision`` (None: fp32 for a 4-byte profile, bf16 for a 16-bit one),
+    ``momentum`` (SGD's), ``grad_accum_dtype``, ``backend``, ``overlap_grad_reduce`` and
+    ``grad_bucket_mb``: what the run keeps per parameter (:class:`partitioner.memory.MemorySettings`). Raises :class:`PartitionError` when no split
+    fits, naming the smallest limit (or the stage count) that would.
     """
     p, m, v = int(num_stages), int(microbatches), int(virtual_stages)
     ckpt = _check_arguments(profile, p, m, v, schedule, method, link_bytes_per_s, activation_checkpointing,
@@ -132,13 +185,12 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     notes: list[str] = []
     if link_bytes_per_s is None and profile.fixed is not None:
         link_bytes_per_s = profile.fixed.link_bytes_per_s
-    prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, link_bytes_per_s,
-                    static_factor(profile.itemsize, optimizer, zero_stage, data_parallel),
+    memory = MemorySettings(precision or ("fp32" if profile.itemsize >= 4 else "bf16"), optimizer, momentum,
+                            int(zero_stage), int(data_parallel), grad_accum_dtype, backend,
+                            bool(overlap_grad_reduce), float(grad_bucket_mb))
+    prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, link_bytes_per_s, memory,
                     _rank_caps(memory_limit_bytes, p), simulate, notes)
-    if method == "optimal":
-        bounds, recompute = _optimal(prob, notes)
-    else:
-        bounds, recompute = _baseline(method, prob, notes)
+    bounds, recompute = _search(method, prob, notes)
     _note_recompute(recompute, ckpt, notes)
     plan = _plan(prob, bounds, recompute, notes, method=method, data_parallel=data_parallel,
                  zero_stage=zero_stage, optimizer=optimizer, max_inflight=max_inflight)
@@ -160,9 +212,7 @@ def _check_arguments(profile: Profile, p: int, m: int, v: int, schedule: str, me
     build_schedule(schedule, p, m, v, max_inflight=max_inflight)  # e.g. interleaving needs v >= 2
     if link is not None and link <= 0:
         raise ValueError("link_bytes_per_s must be > 0 (or None for free transfers)")
-    ckpt = {False: "off", True: "on", "off": "off", "on": "on", "auto": "auto"}.get(activation_checkpointing)
-    if ckpt is None:
-        raise ValueError(f"activation_checkpointing must be False, True or 'auto', got {activation_checkpointing!r}")
+    ckpt = checkpointing_mode(activation_checkpointing)
     n, k = len(profile), p * v
     if k > n:
         raise PartitionError(
@@ -188,10 +238,18 @@ def _rank_caps(memory_limit_bytes: "float | Sequence[float] | None", p: int) -> 
 
 
 def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflight: int | None, ckpt: str,
-             link: float | None, static_per_param_byte: float, rank_caps: list[float] | None, simulate: bool,
+             link: float | None, memory: MemorySettings, limits: list[float] | None, simulate: bool,
              notes: list[str]) -> _Problem:
     """The profile as arrays, with the schedule's in-flight microbatches per chunk."""
     L = profile.layers
+    numel = np.array([c.param_bytes for c in L], dtype=np.float64) / profile.itemsize
+    largest = np.array([c.param_bytes if c.largest_param_bytes is None else c.largest_param_bytes
+                        for c in L], dtype=np.float64) / profile.itemsize
+    workspace = np.array([2 * c.output_bytes if c.workspace_bytes is None else c.workspace_bytes for c in L],
+                         dtype=np.float64)
+    rank_numel = max(float(numel.sum()) / p, 1.0)   # the per-parameter costs at a balanced rank's size
+    per_param = max(memory.per_param_bytes(rank_numel), memory.step_per_param_bytes(rank_numel))
+    reserve = memory.largest_param_bytes(float(largest.max())) + float(workspace.max())
     out = np.array([c.output_bytes for c in L], dtype=np.float64)
     latency = profile.fixed.message_latency_s if profile.fixed is not None else 0.0
     comm_layer = (out / link if link else np.zeros(len(L))) + latency
@@ -205,11 +263,55 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
         p=p, m=m, v=v, schedule=schedule, max_inflight=max_inflight, ckpt=ckpt, link=link,
         f=np.array([c.forward_s for c in L]), b=np.array([c.backward_s for c in L]),
         w=np.array([c.weight_s for c in L]),
-        static=np.array([c.param_bytes for c in L], dtype=np.float64) * static_per_param_byte,
+        static=numel * per_param,
         act=np.array([c.activation_bytes for c in L], dtype=np.float64), out=out,
         shared=np.array([c.shared_input_bytes for c in L], dtype=np.float64),
-        comm_layer=comm_layer, inflight=inflight, rank_caps=rank_caps, names=[c.name for c in L],
-        param=np.array([c.param_bytes for c in L], dtype=np.float64), fixed=profile.fixed)
+        comm_layer=comm_layer, inflight=inflight, limits=limits, names=[c.name for c in L],
+        param=np.array([c.param_bytes for c in L], dtype=np.float64), fixed=profile.fixed, memory=memory,
+        numel=numel, largest=largest, workspace=workspace, reserve=[reserve] * p)
+
+
+def _search(method: str, prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], list[bool]]:
+    """The split (and where to recompute). The search sees additive per-layer costs; when the
+    exact per-rank peak of its answer exceeds a rank's limit (the step phase, bucket caps), the
+    shortfall is taken off that rank's limit and the search runs again."""
+    for attempt in range(4):
+        found: list[str] = []
+        if method == "optimal":
+            bounds, recompute = _optimal(prob, found)
+        else:
+            bounds, recompute = _baseline(method, prob, found)
+        if method != "optimal" or prob.limits is None:
+            break
+        peaks = _rank_peaks(prob, bounds, recompute)
+        over = [max(0.0, peaks[r] - prob.limits[r]) for r in range(prob.p)]
+        if not any(over):
+            break
+        prob.reserve = [res + o * 1.001 + 1.0 for res, o in zip(prob.reserve, over)]
+    notes.extend(found)
+    if attempt:
+        notes.append(f"searched {attempt + 1} times: each rank's limit less what its exact peak showed "
+                     f"beyond the per-layer costs ({[_gib(x) for x in prob.reserve]})")
+    return bounds, recompute
+
+
+def _rank_memory(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]) -> list[dict[str, float]]:
+    """Each rank's memory at its peak, by :data:`partitioner.memory.BREAKDOWN_KEYS`."""
+    out = []
+    for r in range(prob.p):
+        mine = [c for c, rank in enumerate(prob.ranks) if rank == r]
+        layers = [i for c in mine for i in range(*bounds[c])]
+        acts = sum(_held_activation_bytes(prob, *bounds[c], prob.inflight[c], recompute[c]) for c in mine)
+        comm = sum((prob.out[a - 1] if a > 0 else 0.0) + (prob.out[e - 1] if e < prob.n else 0.0)
+                   for a, e in (bounds[c] for c in mine))
+        out.append(rank_breakdown(prob.memory, numel=float(prob.numel[layers].sum()),
+                                  largest=float(prob.largest[layers].max()), activations=float(acts),
+                                  communication=float(comm), workspace=float(prob.workspace[layers].max())))
+    return out
+
+
+def _rank_peaks(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]) -> list[float]:
+    return [sum(d.values()) for d in _rank_memory(prob, bounds, recompute)]
 
 
 def _optimal(prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], list[bool]]:
@@ -268,15 +370,17 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
           **settings: Any) -> Plan:
     """The plan of a split: per-chunk costs and memory, per-rank fit, the closed-form step."""
     p = prob.p
-    t_stage, mem_stage = split_costs(bounds, time=prob.f + prob.b, cut_time=prob.cut_time,
-                                     recompute_time=prob.f, recompute=recompute, **prob.common)
+    t_stage, _ = split_costs(bounds, time=prob.f + prob.b, cut_time=prob.cut_time,
+                             recompute_time=prob.f, recompute=recompute, **prob.common)
     sum_of = lambda arr: [float(arr[a:e].sum()) for a, e in bounds]  # noqa: E731
     f_c, b_c, w_c = sum_of(prob.f), sum_of(prob.b), sum_of(prob.w)
     b_c = [bb + (ff if r else 0.0) for bb, ff, r in zip(b_c, f_c, recompute)]
     act_c = [_held_activation_bytes(prob, a, e, prob.inflight[c], recompute[c]) for c, (a, e) in enumerate(bounds)]
     comm_b = [float(prob.comm_layer[e - 1]) for _, e in bounds[:-1]]
-    rank_mem = [float(x) for x in rank_totals(list(mem_stage), prob.schedule, p, prob.v)]
-    caps = prob.rank_caps
+    breakdown = _rank_memory(prob, bounds, recompute)
+    rank_mem = [sum(d.values()) for d in breakdown]
+    mem_stage = _chunk_shares(prob, bounds, act_c, breakdown)
+    caps = prob.limits
     rank_fits = [True] * p if caps is None else [rank_mem[r] <= caps[r] * (1 + 1e-12) for r in range(p)]
     if caps is not None and not all(rank_fits):
         bad = [r for r in range(p) if not rank_fits[r]]
@@ -297,7 +401,27 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
         stage_inflight=list(prob.inflight), stage_recompute=list(recompute), stage_forward_s=f_c,
         stage_backward_s=b_c, stage_weight_s=w_c, boundary_comm_s=comm_b,
         rank_memory_bytes=[int(math.ceil(x)) for x in rank_mem], rank_fits=rank_fits,
-        layer_names=prob.names, notes=notes, **_fixed_fields(prob, bounds, settings), **settings)
+        rank_memory_breakdown=[{k: int(math.ceil(d[k])) for k in BREAKDOWN_KEYS} for d in breakdown],
+        precision=prob.memory.precision, layer_names=prob.names, notes=notes,
+        **_fixed_fields(prob, bounds, settings), **settings)
+
+
+def _chunk_shares(prob: _Problem, bounds: list[tuple[int, int]], act_c: list[float],
+                  breakdown: list[dict[str, float]]) -> list[float]:
+    """Each chunk's share of its rank's peak (the shares of a rank sum to it): its activations and
+    boundary buffers, and the rank's state and temporaries pro rata to its parameters."""
+    shares = []
+    for c, (a, e) in enumerate(bounds):
+        d = breakdown[prob.ranks[c]]
+        mine = [i for i, r in enumerate(prob.ranks) if r == prob.ranks[c]]
+        total = sum(float(prob.numel[slice(*bounds[i])].sum()) for i in mine)
+        frac = float(prob.numel[a:e].sum()) / total if total > 0 else float(c == mine[0])
+        comm = (prob.out[a - 1] if a > 0 else 0.0) + (prob.out[e - 1] if e < prob.n else 0.0)
+        held = act_c[c] if d["activations"] > 0 else 0.0
+        comm = comm if d["communication"] > 0 else 0.0
+        state = d["parameters"] + d["gradients"] + d["optimizer_state"] + d["temporary"]
+        shares.append(frac * state + held + comm)
+    return shares
 
 
 def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[str, Any]) -> dict[str, Any]:
@@ -355,8 +479,9 @@ def _infeasible_message(err: Exception, prob: _Problem) -> str:
     scalar = len(set(rank_caps)) == 1
     if scalar:
         need, _ = min_memory_scale(k, n, recompute_time=f, checkpointing=ckpt, **common)
-        need_rank = math.ceil(need * v)
-        msg = (f"no split of {n} layers into {p} stages fits {int(rank_caps[0])} bytes ({_gib(rank_caps[0])}) per rank "
+        need_rank = math.ceil(need * v + max(prob.reserve))
+        limit = prob.limits[0]  # type: ignore[index]
+        msg = (f"no split of {n} layers into {p} stages fits {int(limit)} bytes ({_gib(limit)}) per rank "
                f"with {schedule}, m={m}; the smallest memory_limit_bytes that works is {need_rank} "
                f"({_gib(need_rank)})")
         if v > 1:
@@ -364,9 +489,9 @@ def _infeasible_message(err: Exception, prob: _Problem) -> str:
         msg += _more_stages(prob)
     else:
         scale, _ = min_memory_scale(k, n, caps=chunk_caps, recompute_time=f, checkpointing=ckpt, **common)
-        need = [math.ceil(c * scale) for c in rank_caps]
-        msg = (f"no split of {n} layers into {p} stages fits the per-rank limits {[int(c) for c in rank_caps]}; "
-               f"scaling them by {scale:.4f} works: memory_limit_bytes={need}")
+        need = [math.ceil(c * scale + res) for c, res in zip(rank_caps, prob.reserve)]
+        msg = (f"no split of {n} layers into {p} stages fits the per-rank limits {[int(c) for c in prob.limits]}; "
+               f"memory_limit_bytes={need} works")
     if ckpt == "off" and fits_any(k, n, caps=chunk_caps, recompute_time=f, checkpointing="auto", **common):
         msg += "; activation_checkpointing='auto' would also fit"
     return msg
@@ -386,15 +511,15 @@ def _more_stages(prob: _Problem) -> str:
 
 def _infeasible_v_message(prob: _Problem) -> str:
     """The smallest limit that fits a V split (each rank: the sum of its two chunks)."""
-    n, p, rank_caps = prob.n, prob.p, prob.rank_caps
-    scalar = len(set(rank_caps)) == 1  # type: ignore[arg-type]
+    n, p, rank_caps, limits = prob.n, prob.p, prob.rank_caps, prob.limits
+    scalar = len(set(limits)) == 1  # type: ignore[arg-type]
     scale, _ = min_v_memory_scale(n, p, caps=None if scalar else rank_caps, recompute_time=prob.f,
                                   checkpointing=prob.ckpt, **prob.common)
     if scalar:
-        need = math.ceil(scale)
-        return (f"no V split of {n} layers over {p} ranks ({2 * p} chunks) fits {int(rank_caps[0])} bytes "
-                f"({_gib(rank_caps[0])}) per rank with {prob.schedule}, m={prob.m}; the smallest memory_limit_bytes "
+        need = math.ceil(scale + max(prob.reserve))
+        return (f"no V split of {n} layers over {p} ranks ({2 * p} chunks) fits {int(limits[0])} bytes "
+                f"({_gib(limits[0])}) per rank with {prob.schedule}, m={prob.m}; the smallest memory_limit_bytes "
                 f"that works is {need} ({_gib(need)})")
-    need = [math.ceil(c * scale) for c in rank_caps]
-    return (f"no V split of {n} layers over {p} ranks fits the per-rank limits {[int(c) for c in rank_caps]}; "
-            f"scaling them by {scale:.4f} works: memory_limit_bytes={need}")
+    need = [math.ceil(c * scale + res) for c, res in zip(rank_caps, prob.reserve)]
+    return (f"no V split of {n} layers over {p} ranks fits the per-rank limits {[int(c) for c in limits]}; "
+            f"memory_limit_bytes={need} works")

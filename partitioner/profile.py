@@ -35,7 +35,7 @@ import time
 from typing import Any, Callable
 
 from .costs import LayerCost, Profile
-from .devices import DeviceSpec, get_device_spec
+from .devices import ATTENTION_BACKENDS, DeviceSpec, get_device_spec
 
 __all__ = ["profile", "layer_sources"]
 
@@ -112,6 +112,11 @@ def _prep_input(x: Any, device, dtype, requires_grad: bool) -> Any:
     return _map(f, x)
 
 
+def _largest_param_bytes(layer: Any) -> int:
+    """Bytes of the layer's largest parameter tensor (0 without parameters)."""
+    return max((p.numel() * p.element_size() for p in layer.parameters()), default=0)
+
+
 def _storage_key(t) -> int:
     return t.untyped_storage()._cdata
 
@@ -165,14 +170,19 @@ def _backward(outs, inputs, grads):
 
 def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: Any = None, dtype: Any = None,
             repeats: int = 5, warmup: int = 2, weight_grad: bool = True,
-            device_spec: "str | DeviceSpec | None" = None, cache: bool = True) -> Profile:
+            device_spec: "str | DeviceSpec | None" = None, cache: bool = True,
+            attention: str | None = None) -> Profile:
     """Profile every layer; see the module docstring. Returns a :class:`Profile`.
 
     ``device``: where "measure" runs (default: CPU). ``dtype``: cast floating parameters and
     inputs (default: keep). ``device_spec``: for "analytic" (a preset name or a
     :class:`DeviceSpec`; default ``"cpu"``, measured once). ``cache`` (analytic only): cost
     identical layers once (same class, parameter shapes, plain attributes of every submodule
-    such as a head count, and input shapes).
+    such as a head count, and input shapes). ``attention`` (analytic only): the SDPA backend
+    the target runs, one of :data:`ATTENTION_BACKENDS` (default: the device spec's, flash on
+    the presets): ``F.scaled_dot_product_attention`` is costed through that kernel, so a
+    flash/efficient attention saves O(s) per head, not the s x s probabilities of the meta
+    device's math path. "measure" runs the device's own choice.
     """
     import torch
 
@@ -184,7 +194,11 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
     tdtype = dtype if (dtype is None or isinstance(dtype, torch.dtype)) else getattr(torch, str(dtype))
     if mode == "analytic":
         spec = get_device_spec(device_spec or "cpu")
-        return _profile_analytic(sources, example_input, tdtype, spec, cache)
+        backend = attention or spec.attention
+        with _attention_mode(backend):
+            prof = _profile_analytic(sources, example_input, tdtype, spec, cache)
+        prof.meta["attention"] = backend
+        return prof
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "meta":
         raise ValueError("mode='measure' needs a real device; use mode='analytic' for the meta device")
@@ -286,7 +300,8 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
             w_s = None
         costs.append(LayerCost(forward_s=f_s, backward_s=b_s, param_bytes=int(param_bytes),
                                activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
-                               weight_grad_s=w_s, name=name, shared_input_bytes=int(shared_bytes)))
+                               weight_grad_s=w_s, name=name, shared_input_bytes=int(shared_bytes),
+                               largest_param_bytes=_largest_param_bytes(layer)))
         x = _map(lambda t: t.requires_grad_(True) if t.is_floating_point() else t, nxt)
         prev_name = name
         del layer, nxt
@@ -329,6 +344,48 @@ def _roofline_mode(spec: DeviceSpec, dtype_name: str):
             return out
 
     return Roofline()
+
+
+def _attention_mode(backend: str | None):
+    """A TorchFunctionMode that runs ``F.scaled_dot_product_attention`` with ``backend``'s
+    kernel, so that the meta device saves (and the roofline moves) what that kernel does:
+    flash / efficient keep O(s) per head (output, log-sum-exp), math the s x s probabilities.
+    ``None`` or "math": SDPA as dispatched (the meta device's math path)."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    if backend in (None, "math"):
+        return contextlib.nullcontext()
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTENTION_BACKENDS}")
+
+    class Attention(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func is not F.scaled_dot_product_attention:
+                return func(*args, **kwargs)
+            return _fused_sdpa(backend, *args, **kwargs)
+
+    return Attention()
+
+
+def _fused_sdpa(backend: str, query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False):
+    """SDPA through the fused kernel (flash; efficient when a mask is given or asked for).
+    Flash takes grouped-query key/value heads as they are; efficient needs them repeated."""
+    import torch
+
+    if backend == "flash" and attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
 
 
 def _plain_attrs(mod) -> tuple:
@@ -408,7 +465,8 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
                                activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
                                weight_grad_s=min(w_s, bwd.time_s), name=name,
                                forward_flops=float(fc_f.get_total_flops()),
-                               backward_flops=float(fc_b.get_total_flops()), shared_input_bytes=int(shared_bytes)))
+                               backward_flops=float(fc_b.get_total_flops()), shared_input_bytes=int(shared_bytes),
+                               largest_param_bytes=_largest_param_bytes(layer)))
         nxt = _map(lambda t: t.detach(), out)
         skip_keys = {_storage_key(t) for t in out_tensors} & saved_keys
         del out, out_tensors, outs

@@ -6,7 +6,7 @@ layout the schedules accept (:func:`candidate_layouts`): each schedule of
 zbv: 2); microbatch counts that divide the batch (at least ``num_stages``); zb-h2's
 ``max_inflight`` at a few values from zb-h1's memory (p) to ZB-H2's (2p - 1). Each layout is
 solved by :func:`partitioner.partition` (the exact split under the memory limit, per-stage
-recomputation where the limit needs it, the step predicted by ``Plan.simulate`` with the
+recomputation where the limit needs it under ``activation_checkpointing="auto"``, the step predicted by ``Plan.simulate`` with the
 profile's fixed costs) and the layouts are ranked by predicted step; the fastest that fits is
 the choice. The partitioner is a black box here, so its memory and cost models flow through.
 
@@ -37,11 +37,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
 
+from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule
 
 from .costs import Profile
 from .plan import PartitionError, Plan, format_search
-from .planner import partition
+from .planner import checkpointing_mode, partition
 
 __all__ = ["AUTO", "Candidate", "SearchResult", "search", "candidate_layouts", "microbatch_counts",
            "inflight_values", "scale_profile", "V_SPLIT_BUDGET"]
@@ -263,11 +264,9 @@ def _profile_source(profile: ProfileSource, sizes: set[int], profile_microbatch:
 
 
 def _checkpointing(mode: Any, memory_limit_bytes: Any) -> str:
-    """What each layout is solved with: "auto" recomputes only where a limit needs it, so
-    without a limit it is "off"."""
-    ckpt = {False: "off", True: "on", "off": "off", "on": "on", "auto": "auto"}.get(mode)
-    if ckpt is None:
-        raise ValueError(f"activation_checkpointing must be False, True or 'auto', got {mode!r}")
+    """What each layout is solved with (:func:`partitioner.planner.checkpointing_mode`): "auto"
+    recomputes only where a limit needs it, so without a limit it is "off"."""
+    ckpt = checkpointing_mode(mode)
     return "off" if ckpt == "auto" and memory_limit_bytes is None else ckpt
 
 
@@ -314,16 +313,20 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
            max_inflight: Sequence[int] | None = None, data_parallel: int = 1, zero_stage: int = 1,
            optimizer: str = "adamw", memory_limit_bytes: "float | Sequence[float] | None" = None,
            link_bytes_per_s: float | None = None, activation_checkpointing: "bool | str" = "auto",
-           method: str = "optimal", top: int = 5, prune: bool = True,
+           method: str = "optimal", precision: str | None = None, momentum: float = 0.0,
+           grad_accum_dtype: str = "fp32", backend: str = "auto", overlap_grad_reduce: bool = True,
+           grad_bucket_mb: float = GRAD_BUCKET_MB, top: int = 5, prune: bool = True,
            v_split_budget: float = V_SPLIT_BUDGET) -> SearchResult:
     """Choose the layout with the smallest predicted step that fits (see the module docstring).
 
     ``profile``: a callable ``microbatch size -> Profile``, or one Profile measured at
     ``profile_microbatch`` samples. ``schedules`` / ``microbatches`` / ``virtual_stages`` /
     ``max_inflight`` restrict the search (default: all); the other keywords go to
-    :func:`partitioner.partition` (``activation_checkpointing="auto"``: recompute per stage
-    only where the memory limit needs it). ``top``: the alternatives kept exact (and shown);
-    ``prune=False`` solves every layout. Raises :class:`PartitionError` when nothing fits.
+    :func:`partitioner.partition` (``activation_checkpointing``: False, only layouts that fit
+    without recomputation; True, every chunk recomputes; "auto", recompute per chunk only where
+    the memory limit needs it; ``precision`` / ``momentum`` / ``grad_accum_dtype`` / ``backend`` /
+    ``overlap_grad_reduce`` / ``grad_bucket_mb``: what the run keeps per parameter). ``top``: the
+    alternatives kept exact (and shown); ``prune=False`` solves every layout. Raises :class:`PartitionError` when nothing fits.
     """
     t0 = time.perf_counter()
     p, B = int(num_stages), int(batch_per_replica)
@@ -338,6 +341,8 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
                              f"schedules {list(schedules or SCHEDULES)}; allow more schedules or microbatch counts")
     kwargs = dict(data_parallel=data_parallel, zero_stage=zero_stage, optimizer=optimizer,
                   memory_limit_bytes=memory_limit_bytes, link_bytes_per_s=link_bytes_per_s, method=method,
+                  precision=precision, momentum=momentum, grad_accum_dtype=grad_accum_dtype, backend=backend,
+                  overlap_grad_reduce=overlap_grad_reduce, grad_bucket_mb=grad_bucket_mb,
                   activation_checkpointing=_checkpointing(activation_checkpointing, memory_limit_bytes))
     notes = _run(cands, profile_for, p, B, n, kwargs, top if prune else None, v_split_budget)
     ranked = sorted(cands, key=_rank_key)

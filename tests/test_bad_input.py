@@ -176,7 +176,7 @@ def test_fp16_and_bf16_both_asked(base_cfg):
     # Hydra: a list is not a Precision; a quoted 'bf16,fp16' is not one of the choices; an
     # unquoted bf16,fp16 is refused as ambiguous unless --multirun (then it is a sweep: 2 runs).
     assert "is not a valid input for <enum 'Precision'>" in _compose_error("precision=[bf16,fp16]")
-    assert "expected one of [fp32, bf16, fp16]" in _compose_error("precision='bf16,fp16'")
+    assert "expected one of [fp32, bf16, fp16, bf16-autocast, fp16-autocast]" in _compose_error("precision='bf16,fp16'")
     assert "Ambiguous value" in _compose_error("precision=bf16,fp16")
     with pytest.raises(ConfigError, match="choose exactly one of .* bf16 and fp16 cannot be "
                                           "combined"):

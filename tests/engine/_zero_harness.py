@@ -234,12 +234,13 @@ def _resume_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def runtime_resume_job(p: int, d: int, zero: int, steps: int, save_dir: str | None,
-                       load_dir: str | None, schedule: str = "1f1b",
-                       virtual: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+                       load_dir: str | None, schedule: str = "1f1b", virtual: int = 1,
+                       precision: str = "fp32", microbatches: int = 2
+                       ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """engine.Pipeline (p stages x d replicas, `schedule` with `virtual` chunks per rank, layers
     split evenly over the chunks): optionally resume from `load_dir`, train `steps` steps,
     optionally checkpoint into `save_dir` (replica 0 writes the layers). Returns the losses and
-    this rank's parameters by "<layer>.<name>"."""
+    this rank's parameters by "<layer>.<name>" (with 16-bit weights: the fp32 masters)."""
     import functools
 
     from engine import Pipeline
@@ -250,12 +251,12 @@ def runtime_resume_job(p: int, d: int, zero: int, steps: int, save_dir: str | No
     cfg = OptimizerConfig(name="adamw", lr=0.01, weight_decay=0.01, warmup_steps=2, zero_stage=zero)
     pipe = Pipeline([functools.partial(_resume_layer, i) for i in range(n)],
                     [(c * n // chunks, (c + 1) * n // chunks) for c in range(chunks)],
-                    loss_fn=nn.functional.mse_loss, schedule=schedule, microbatches=2,
-                    virtual_stages=virtual, data_parallel=d, optimizer=cfg)
+                    loss_fn=nn.functional.mse_loss, schedule=schedule, microbatches=microbatches,
+                    virtual_stages=virtual, data_parallel=d, optimizer=cfg, precision=precision)
     rank, world = dist.get_rank(), dist.get_world_size()
     start = 0
     if load_dir:
-        expected = {int(i): m.state_dict() for i, m in pipe.layer_module.items()}
+        expected = pipe.checkpoint_template()
         c = ck.load_checkpoint(ck.latest_checkpoint(load_dir), sorted(expected), expected=expected,
                                num_layers=RESUME_LAYERS, rank=rank, world=world)
         pipe.load_state_dict({"layers": c.layers, "step": c.meta["step"],
@@ -269,6 +270,8 @@ def runtime_resume_job(p: int, d: int, zero: int, steps: int, save_dir: str | No
         ck.save_checkpoint(save_dir, start + steps, layers=sd["layers"] if first else {},
                            optimizer=per_layer if first else {}, num_layers=RESUME_LAYERS,
                            meta={"step": start + steps, "optimizer": scalars})
+    if precision in ("bf16", "fp16"):
+        return losses, pipe.optimizer.master_weights()
     named = {f"{i}.{n}": t.detach().clone()
              for i, ps in pipe.named_layer_parameters().items() for n, t in ps.items()}
     return losses, named

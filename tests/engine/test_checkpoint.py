@@ -291,16 +291,24 @@ def test_writer_killed_mid_checkpoint_leaves_previous_loadable(tmp_path, point):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("zero_before, zero_after", [(1, 1), (2, 0)])
-def test_zero_run_resumes_resplit_and_equals_uninterrupted(tmp_path, zero_before, zero_after):
+@pytest.mark.parametrize("zero_before, zero_after, precision", [(1, 1, "fp32"), (2, 0, "fp32"),
+                                                                  (1, 2, "bf16")])
+def test_zero_run_resumes_resplit_and_equals_uninterrupted(tmp_path, zero_before, zero_after,
+                                                           precision):
     """2 stages x 2 replicas with ZeRO, checkpoint after 2 steps, resume as 3 stages x 1 replica
-    (and with another backend): the third step equals the uninterrupted run's."""
+    (and with another backend): the third step equals the uninterrupted run's. With bf16 weights
+    the checkpoint holds the fp32 masters, which the resumed run continues from (compared as
+    masters; the microbatch size stays 2, so every 16-bit gradient is the same)."""
     from _zero_harness import runtime_resume_job
     from dist_helpers import run_workers
 
-    full = run_workers(runtime_resume_job, 4, 2, 2, zero_before, 3, None, None, timeout_s=300)
-    run_workers(runtime_resume_job, 4, 2, 2, zero_before, 2, str(tmp_path), None, timeout_s=300)
-    resumed = run_workers(runtime_resume_job, 3, 3, 1, zero_after, 1, None, str(tmp_path), timeout_s=300)
+    kw = dict(timeout_s=300)
+    full = run_workers(runtime_resume_job, 4, 2, 2, zero_before, 3, None, None, "1f1b", 1,
+                       precision, **kw)
+    run_workers(runtime_resume_job, 4, 2, 2, zero_before, 2, str(tmp_path), None, "1f1b", 1,
+                precision, **kw)
+    resumed = run_workers(runtime_resume_job, 3, 3, 1, zero_after, 1, None, str(tmp_path), "1f1b",
+                          1, precision, 2 if precision == "fp32" else 4, **kw)
     want = {k: v for _, params in full for k, v in params.items()}
     got = {k: v for _, params in resumed for k, v in params.items()}
     assert got.keys() == want.keys()

@@ -206,7 +206,7 @@ def test_nan_on_middle_stage_raises_with_step_and_stage(tmp_path):
 
 
 @pytest.mark.parametrize("kw", [{"nonfinite": "skip"},
-                                {"precision": "fp16", "nonfinite": "raise"}],
+                                {"precision": "fp16-autocast", "nonfinite": "raise"}],
                          ids=["skip", "fp16"])
 def test_nan_on_middle_stage_skips_step_on_every_rank(kw):
     out = run_workers(_train, STAGES, _tmp_pids(), "nan", 4, dict(kw), timeout_s=120)

@@ -70,7 +70,7 @@ def test_nonfinite_policy_and_fp16_scaling():
     with pytest.raises(NonFiniteError, match=r"stage\(s\) \[0\]"):
         _opt(m).step()
     assert _opt(m, nonfinite="skip").step() == (True, None)
-    o16 = _opt(m, precision="fp16")
+    o16 = _opt(m, precision="fp16-autocast")
     scale = o16.loss_scale
     before = [p.detach().clone() for p in m.parameters()]
     assert o16.step() == (True, None) and o16.loss_scale == scale / 2
@@ -103,7 +103,7 @@ def test_torch_backend_loss_scale_stops_at_one():
     # Both backends use LossScaler (the DeepSpeed one is checked in test_zero): a run of
     # overflows lowers the torch backend's scale to the same floor as DeepSpeed's, not to 0.
     m = nn.ModuleDict({"0": nn.Linear(2, 2)})
-    o16 = _opt(m, precision="fp16")
+    o16 = _opt(m, precision="fp16-autocast")
     assert isinstance(o16.scaler, LossScaler)
     for _ in range(20):
         for p in m.parameters():
@@ -159,8 +159,8 @@ def _train(precision, steps=20):
 
 def test_bf16_trains_close_to_fp32_and_fp16_runs():
     fp32 = [r.loss for r in _train("fp32")]
-    bf16 = [r.loss for r in _train("bf16")]
+    bf16 = [r.loss for r in _train("bf16-autocast")]
     assert bf16[-1] < 0.5 * bf16[0]
     assert abs(bf16[-1] - fp32[-1]) < 0.05 * fp32[0]
-    fp16 = _train("fp16", steps=5)   # CPU autocast supports float16 in this torch
+    fp16 = _train("fp16-autocast", steps=5)   # CPU autocast supports float16 in this torch
     assert not any(r.skipped for r in fp16) and fp16[-1].loss < fp16[0].loss

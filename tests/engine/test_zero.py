@@ -33,8 +33,8 @@ PARITY = [
 ]
 OTHER = [
     *[dict(cfg=dict(SGD, zero_stage=z, grad_clip=0.3), steps=3) for z in STAGES],
-    *[dict(cfg=dict(SGD, zero_stage=z), steps=3, precision="fp16", poison_step=1) for z in STAGES],
-    dict(cfg=dict(ADAMW, zero_stage=1), steps=3, precision="bf16", autocast=torch.bfloat16),
+    *[dict(cfg=dict(SGD, zero_stage=z), steps=3, precision="fp16-autocast", poison_step=1) for z in STAGES],
+    dict(cfg=dict(ADAMW, zero_stage=1), steps=3, precision="bf16-autocast", autocast=torch.bfloat16),
     *[dict(cfg=dict(ADAMW, zero_stage=z, warmup_steps=2), resume=True) for z in (1, 2)],
     dict(cfg=dict(SGD, zero_stage=0), resume=True),
     # fp32 with a non-finite gradient on one stage: raise everywhere, or skip everywhere

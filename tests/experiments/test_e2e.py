@@ -64,7 +64,14 @@ def test_default_like_job_writes_metrics_plan_and_offline_wandb(tmp_path):
         assert math.isfinite(r["loss"]) and r["step_time_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 128)
     gathered = [r for r in records if "rank_forward_s" in r]
-    assert [r["step"] for r in gathered] == [1, 4, 8]  # first step, every log_every, last
+    # first step, every log_every, last; and step 2: train.memory_every measures the first two
+    assert [r["step"] for r in gathered if r["step"] != 2] == [1, 4, 8]
+    measured = [r for r in records if "rank_peak_bytes_measured" in r]
+    assert [r["step"] for r in measured] == [1, 2]
+    for r in measured:   # MemTracker's peak per pipeline rank beside the plan's
+        assert len(r["rank_peak_bytes_measured"]) == len(r["rank_peak_bytes_predicted"]) == 2
+        assert all(0.5 < m / p < 1.5 for m, p in zip(r["rank_peak_bytes_measured"],
+                                                     r["rank_peak_bytes_predicted"]))
     for r in gathered:
         for key in ("forward_s", "backward_s", "idle_fraction", "peak_activation_bytes",
                     "optimizer_state_bytes", "predicted_peak_activation_bytes"):
@@ -170,8 +177,8 @@ def _auto_limit(overrides: list[str]) -> tuple[int, object]:
 
 def test_auto_layout_is_chosen_by_the_planner_and_run(tmp_path):
     auto = [*SMOKE[:1], "logger.progress=false", "logger.timeline=false", "pipeline.schedule=auto",
-            "pipeline.microbatches=auto", "partitioner.profile=analytic", "partitioner.device_spec=h100",
-            "model.layers=4", "train.batch_size=8"]
+            "pipeline.microbatches=auto", "pipeline.activation_checkpointing=auto", "partitioner.profile=analytic",
+            "partitioner.device_spec=h100", "model.layers=4", "train.batch_size=8"]
     limit, want = _auto_limit(auto)
     run_dir = tmp_path / "run"
     out = _ok(run_module("experiments.train", tmp_path, *auto, f"partitioner.memory_limit={limit}", "train.steps=2",

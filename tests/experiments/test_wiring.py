@@ -45,6 +45,18 @@ def test_partition_kwargs_are_plain_and_accepted_by_partition(compose_cfg):
     assert plan.stage_ranges[0][0] == 0 and plan.stage_ranges[-1][1] == len(spec.layers)
 
 
+def test_attention_backend_reaches_the_analytic_profile(compose_cfg):
+    base = ("experiment=smoke", "partitioner.profile=analytic", "partitioner.device_spec=h100")
+    assert profile_kwargs(compose_cfg(*base))["attention"] is None          # the device spec's
+    kw = profile_kwargs(compose_cfg(*base, "partitioner.attention=math"))
+    assert kw["attention"] == "math" and type(kw["attention"]) is str
+    spec = build_model(compose_cfg(*base).model)
+    x = spec.example_input(1)
+    assert partitioner.profile(spec.layers, x, **kw).meta["attention"] == "math"
+    with pytest.raises(Exception, match="attention"):
+        compose_cfg(*base, "partitioner.attention=cudnn")
+
+
 def test_pipeline_and_optimizer_kwargs_match_the_engine_signatures(compose_cfg):
     cfg = compose_cfg("precision=bf16", "optimizer=sgd")
     spec = build_model(cfg.model)
@@ -104,9 +116,13 @@ def test_search_kwargs_follow_the_config(compose_cfg):
     from experiments.wiring import search_kwargs
 
     kw = search_kwargs(compose_cfg("pipeline.schedule=auto", "pipeline.microbatches=auto", "train.batch_size=32",
-                                   "pipeline.data_parallel=2", "partitioner.memory_limit=1GiB"))
+                                   "pipeline.data_parallel=2", "partitioner.memory_limit=1GiB",
+                                   "pipeline.activation_checkpointing=auto"))
     assert kw["schedules"] is None and kw["microbatches"] is None and kw["batch_per_replica"] == 16
     assert kw["memory_limit_bytes"] == 2**30 and kw["activation_checkpointing"] == "auto"
+    plain = search_kwargs(compose_cfg("pipeline.schedule=auto", "partitioner.memory_limit=1GiB"))
+    assert plain["activation_checkpointing"] is False    # false: only layouts that fit without recompute
+    assert plain["precision"] == "fp32" and plain["grad_accum_dtype"] == "fp32"
     assert kw["max_inflight"] is None and kw["virtual_stages"] is None and kw["data_parallel"] == 2
     fixed = search_kwargs(compose_cfg("pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=3",
                                       "pipeline.microbatches=auto", "pipeline.activation_checkpointing=true"))
@@ -149,3 +165,59 @@ def test_auto_plans_resolve_to_a_plain_layout(compose_cfg):
     assert plan_matches(plan, compose_cfg(*base, f"pipeline.microbatches={plan.microbatches}"), len(spec.layers))
     assert not plan_matches(plan, compose_cfg(*base, f"pipeline.microbatches={other}"), len(spec.layers))
     assert not plan_matches(make_plan(resolved, spec), cfg, 4)  # a plan the search did not make
+
+
+def _partly_recomputing(compose_cfg, base: list[str]) -> tuple[int, object, object]:
+    """A memory limit (bytes) under which `activation_checkpointing=auto` recomputes some chunks
+    but not all, the plan it gives and the model (analytic costs: deterministic)."""
+    spec = build_model(compose_cfg(*base).model)
+    limit = max(make_plan(compose_cfg(*base), spec).rank_memory_bytes)
+    for _ in range(60):
+        limit = int(limit * 0.97)
+        try:
+            plan = make_plan(compose_cfg(*base, "pipeline.activation_checkpointing=auto",
+                                         f"partitioner.memory_limit={limit}B"), spec)
+        except partitioner.PartitionError:
+            break
+        if any(plan.stage_recompute) and not all(plan.stage_recompute):
+            return limit, plan, spec
+    pytest.fail("no memory limit made auto recompute some chunks but not all")
+
+
+@pytest.mark.parametrize("layout", [("pipeline.schedule=1f1b", "pipeline.microbatches=4"),
+                                    ("pipeline.schedule=auto", "pipeline.microbatches=auto")],
+                         ids=["planner", "search"])
+def test_one_checkpointing_rule_for_the_planner_and_the_search(compose_cfg, layout):
+    """false: no chunk recomputes (only layouts that fit without); true: every chunk; auto: per
+    chunk where the limit needs it. plan_matches holds a saved plan to it; pipeline_kwargs passes
+    the plan's per-chunk choice."""
+    from experiments.config import to_plain_dict
+    from experiments.wiring import resolve_layout
+
+    base = ["experiment=smoke", "model.layers=4", "partitioner.profile=analytic", "partitioner.device_spec=h100",
+            "train.batch_size=8", *layout]
+    limit, plan, spec = _partly_recomputing(compose_cfg, base)
+    n, lim = len(spec.layers), f"partitioner.memory_limit={limit}B"
+    auto, off, on = (compose_cfg(*base, lim, f"pipeline.activation_checkpointing={v}") for v in ("auto", "false", "true"))
+    assert (plan.search is not None) == ("pipeline.schedule=auto" in layout)
+    try:
+        plain = make_plan(off, spec)
+    except partitioner.PartitionError as err:   # nothing fits without recomputation
+        assert "activation_checkpointing='auto' would also fit" in str(err)
+    else:
+        assert not any(plain.stage_recompute) and plain.fits
+        if plain.search is not None:           # the search considered no recomputing layout
+            assert not any(r for c in plain.search["candidates"] for r in c["recompute"])
+        assert plan_matches(plain, off, n) and plan_matches(plain, auto, n) and not plan_matches(plain, on, n)
+    everywhere = make_plan(on, spec)
+    assert all(everywhere.stage_recompute) and everywhere.fits
+    assert plan_matches(everywhere, on, n) and plan_matches(everywhere, auto, n)
+    assert not plan_matches(everywhere, off, n)
+    assert plan_matches(plan, auto, n) and not plan_matches(plan, off, n) and not plan_matches(plan, on, n)
+    resolved = resolve_layout(to_plain_dict(auto), plan)
+    kwargs = pipeline_kwargs(resolved, plan.stage_ranges, recompute=plan.stage_recompute)
+    assert kwargs["activation_checkpointing"] == list(plan.stage_recompute)
+    with pytest.raises(ConfigError, match="recompute=plan.stage_recompute"):
+        pipeline_kwargs(resolved, plan.stage_ranges)
+    assert pipeline_kwargs(resolve_layout(to_plain_dict(on), everywhere), everywhere.stage_ranges,
+                           recompute=everywhere.stage_recompute)["activation_checkpointing"] is True

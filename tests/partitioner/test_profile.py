@@ -167,3 +167,66 @@ def test_analytic_cache_changes_nothing_and_tells_configs_apart():
     assert cached.layers == fresh.layers
     assert cached.meta["unique_layers_costed"] == 3  # block 0 sees a non-grad input, 1 and 2 differ
     assert cached.layers[1].activation_bytes != cached.layers[2].activation_bytes  # B*H*T*T differs
+
+
+def _llama_block(d: int, heads: int, kv_heads: int, inter: int, seq: int):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from experiments.models.hf import HFBlock
+
+    cfg = LlamaConfig(hidden_size=d, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      intermediate_size=inter, num_hidden_layers=1, max_position_embeddings=seq)
+    cfg._attn_implementation = "sdpa"
+    return lambda: HFBlock(LlamaDecoderLayer(cfg, 0), LlamaRotaryEmbedding(cfg))
+
+
+def _memtracker_saved_bytes(make, x) -> int:
+    """Bytes a real forward leaves alive for backward, measured by MemTracker (not by the
+    profile's saved-tensor hooks): activation memory after the forward, less the output."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    layer = make()
+    xi = x.clone().requires_grad_(True)
+    tracker = MemTracker()
+    tracker.track_external(layer, xi)
+    with tracker:
+        y = layer(xi)
+        snap = next(iter(tracker.get_tracker_snapshot("current").values()))
+    acts = next(v for k, v in snap.items() if getattr(k, "name", "") == "ACT")
+    return int(acts) - y.numel() * y.element_size()
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_analytic_attention_is_costed_as_the_fused_sdpa_kernel_keeps_it(kv_heads):
+    """A real LlamaDecoderLayer on this CPU runs SDPA's fused (flash) kernel: what it keeps for
+    backward, measured by MemTracker, is the analytic profile's figure under the device spec's
+    default (flash), not the meta device's math path, which keeps the b x h x s x s
+    probabilities on top."""
+    b, s, d, heads = 2, 256, 128, 4
+    make, x = _llama_block(d, heads, kv_heads, 344, s), torch.randn(b, s, d)
+    real = _memtracker_saved_bytes(make, x)
+    ana = {a: profile([make], x, mode="analytic", device_spec="h100", attention=a)
+           for a in (None, "flash", "efficient", "math")}
+    assert ana[None].meta["attention"] == "flash" and ana["math"].meta["attention"] == "math"
+    flash = ana[None].layers[0].activation_bytes
+    assert flash == ana["flash"].layers[0].activation_bytes
+    assert abs(flash - real) <= 0.01 * real, (flash, real)
+    probs = b * heads * s * s * 4   # less the log-sum-exp (b x h x s) the math path does not keep
+    assert ana["math"].layers[0].activation_bytes - flash >= probs - b * heads * s * 4 - 64
+    # efficient: O(s) per head too (grouped key/value heads repeated, as its kernel needs)
+    eff = ana["efficient"].layers[0].activation_bytes
+    assert flash - 64 <= eff <= flash + 2 * b * s * d * 4
+    # attention is costed the same work whatever keeps its memory
+    assert ana["math"].layers[0].forward_flops == ana["flash"].layers[0].forward_flops
+
+
+def test_attention_backend_is_validated():
+    from partitioner import get_device_spec
+
+    with pytest.raises(ValueError, match="attention backend"):
+        profile([lambda: nn.Linear(4, 4)], torch.randn(2, 4), mode="analytic", device_spec="h100",
+                attention="cudnn")
+    with pytest.raises(ValueError, match="DeviceSpec.attention"):
+        get_device_spec("h100", attention="cudnn")
+    assert get_device_spec("a100", attention="math").attention == "math"

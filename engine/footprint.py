@@ -1,0 +1,139 @@
+"""What a rank's optimizer backend holds in memory (pure Python, no torch).
+
+The one place that states the engine's memory layout per parameter: the torch backend
+(``engine.optim``) and the DeepSpeed backend (``engine.zero``, DeepSpeed 0.19's ZeRO-1/2 and bf16
+optimizers as driven there). The partitioner's memory model adds activations to it.
+
+A rank holding ``N`` parameters (``L`` elements in its largest parameter tensor) is in one of
+two phases at its peak:
+
+* forward/backward: weights, the gradients held through backward, the optimizer state, the
+  activations of the microbatches in flight and the transient of one backward
+  (``backward_temporary``: the 16-bit gradient of the parameter being accumulated and its
+  fp32 copy; ZeRO-2's reduce bucket and its flattened copy);
+* the step: weights, the gradients held at the step (``step_gradients``), the optimizer state
+  and the step's temporaries (``step_temporary``: the flattened reduce bucket, or with the
+  torch backend's overlapped reduction (``engine.overlap``) every bucket's flat copy, held
+  until the last one is reduced; ZeRO's flat
+  gradient partition and its fp32 copy). The torch optimizers are fused: no per-parameter
+  temporaries.
+
+Bytes per element: weights ``w`` (4, or 2 for 16-bit weights), gradient accumulation ``a``,
+optimizer state ``s`` (Adam 8, SGD with momentum 4, plain SGD 0), ZeRO partition ``N / d``,
+reduce bucket ``B`` (:func:`zero_bucket_elements`).
+
+Example::
+
+    >>> f = state_footprint(1000, 100, precision="bf16", optimizer="adamw", zero_stage=1,
+    ...                     data_parallel=2)
+    >>> f.parameters, f.gradients, f.optimizer_state   # 2 + 4 + 12 / 2 bytes per parameter
+    (2000.0, 4000.0, 6000.0)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["zero_bucket_elements", "BUCKET_ELEMENTS", "GRAD_BUCKET_MB", "TORCH_BUCKET_BYTES", "Footprint",
+           "state_footprint", "optimizer_state_bytes_per_param", "backend_of"]
+
+# DeepSpeed's default reduce / all-gather bucket, in elements.
+BUCKET_ELEMENTS = 500_000_000
+# The torch backend's data-parallel all-reduce bucket (closed once it holds this many bytes):
+# ``OptimizerConfig.grad_bucket_mb``'s default (DDP's bucket_cap_mb).
+GRAD_BUCKET_MB = 25.0
+TORCH_BUCKET_BYTES = int(GRAD_BUCKET_MB * 2**20)
+_WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16-autocast": 4, "fp16-autocast": 4}
+_ACCUM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def zero_bucket_elements(numel: int, data_parallel: int) -> int:
+    """DeepSpeed's reduce and all-gather bucket for a rank holding ``numel`` parameters: one
+    replica's partition (``numel / data_parallel``), at most DeepSpeed's default, even.
+
+    >>> zero_bucket_elements(1001, 2), zero_bucket_elements(10**12, 8)
+    (502, 500000000)
+    """
+    part = -(-int(numel) // max(1, int(data_parallel)))
+    return max(2, min(BUCKET_ELEMENTS, part + part % 2))
+
+
+def optimizer_state_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
+    """fp32 state the torch optimizer keeps per parameter: Adam's two moments, SGD's momentum
+    buffer (only with momentum > 0).
+
+    >>> optimizer_state_bytes_per_param("adamw"), optimizer_state_bytes_per_param("sgd", 0.9)
+    (8, 4)
+    """
+    name = optimizer.lower()
+    if name in ("adam", "adamw"):
+        return 8
+    if name == "sgd":
+        return 4 if momentum else 0
+    raise ValueError(f"unknown optimizer {optimizer!r}; use sgd, adam or adamw")
+
+
+def backend_of(precision: str, zero_stage: int, backend: str = "auto") -> str:
+    """``"torch"`` or ``"deepspeed"``: the backend ``engine.optim.make_optimizer`` picks."""
+    if backend != "auto":
+        return backend
+    return "deepspeed" if zero_stage > 0 or _WEIGHT_BYTES[precision] < 4 else "torch"
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes a rank's optimizer backend holds (see the module docstring for the phases)."""
+
+    parameters: float
+    gradients: float            # held through forward / backward
+    optimizer_state: float      # moments, momentum, fp32 masters (partitions under ZeRO)
+    backward_temporary: float   # one backward's transient, beyond the activations
+    step_gradients: float       # gradients held at the step's peak
+    step_temporary: float       # the step's transient
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimizer: str = "adamw",
+                    momentum: float = 0.0, zero_stage: int = 0, data_parallel: int = 1,
+                    grad_accum_dtype: str = "fp32", backend: str = "auto", overlap_grad_reduce: bool = True,
+                    grad_bucket_mb: float = GRAD_BUCKET_MB) -> Footprint:
+    """What a rank holding ``numel`` parameters (largest tensor ``largest`` elements) keeps
+    (``overlap_grad_reduce`` / ``grad_bucket_mb``: the torch backend's data-parallel reduction)."""
+    if precision not in _WEIGHT_BYTES:
+        raise ValueError(f"unknown precision {precision!r}; use one of {sorted(_WEIGHT_BYTES)}")
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"zero_stage must be 0, 1 or 2 (got {zero_stage})")
+    if data_parallel < 1:
+        raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
+    n, big, d = float(numel), float(min(largest, numel)), int(data_parallel)
+    w, s = _WEIGHT_BYTES[precision], optimizer_state_bytes_per_param(optimizer, momentum)
+    a = _ACCUM_BYTES[grad_accum_dtype] if w < 4 else 4
+    if backend_of(precision, zero_stage, backend) == "torch":
+        if d == 1:
+            bucket = 0.0
+        elif overlap_grad_reduce:    # the buckets' flat copies all live until the last is reduced
+            bucket = n
+        else:
+            bucket = min(n, grad_bucket_mb * 2**20 / 4 + big)
+        return Footprint(4 * n, 4 * n, s * n, 4 * big, 4 * n, 4 * bucket)
+    if w == 4 and zero_stage == 0:   # DeepSpeed's plain path: its all-reduce flattens
+        flat = 4 * min(n, BUCKET_ELEMENTS)
+        return Footprint(4 * n, 4 * n, s * n, 4 * big, 4 * n, max(flat, 8 * big))
+    dz = d if zero_stage > 0 else 1          # ZeRO-0 with 16-bit weights: whole fp32 masters
+    part, bucket = n / dz, float(zero_bucket_elements(numel, d))
+    state = (s + 4) * part                   # moments + the fp32 master partition
+    after = 2 * a * part + (4 * part if a < 4 else 0.0)  # flat partition (+ its fp32 copy)
+    if w < 4 and a == 4 and zero_stage < 2 and precision == "bf16":
+        # DeepSpeed's BF16_Optimizer: one flat fp32 gradient buffer, filled by hooks
+        return Footprint(w * n, 4 * n, state, (w + 4) * big, 4 * n, 0.0)
+    if zero_stage == 2:
+        # reduce at every backward: bucket (weight dtype), its flattened copy, the cast to the
+        # communication (= accumulation) dtype; the partition accumulates in `a`
+        cast = a * bucket if a != w else 0.0
+        return Footprint(w * n, a * part, state, 2 * w * bucket + cast, 0.0, after)
+    # ZeRO-1 (and 16-bit ZeRO-0): full gradients until the step's reduce
+    separate = a != w                         # 16-bit gradients moved into fp32 grad_accum
+    bw = (w * n + 4 * big) if separate else w * big
+    own = a * n if zero_stage == 0 and d > 1 else 0.0   # engine.zero's own all-reduce copy
+    return Footprint(w * n, a * n, state, bw, a * n, max(a * bucket, own, after - a * n))
