@@ -46,7 +46,8 @@ def test_stop_flag_leaves_an_ignored_sigint_ignored():
 
 
 def test_stop_flag_catches_sigint_where_the_process_handles_it():
-    old_int = signal.getsignal(signal.SIGINT)
+    # handled, whatever this test process inherited (a background shell job starts with SIGINT ignored)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
     flag = StopFlag()
     flag.install()
     try:
@@ -55,7 +56,9 @@ def test_stop_flag_catches_sigint_where_the_process_handles_it():
         assert flag.signum == signal.SIGINT
     finally:
         flag.restore()
-    assert signal.getsignal(signal.SIGINT) is old_int
+        restored = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, outer)
+    assert restored is signal.default_int_handler
 
 
 def test_train_run_leaves_the_signals_to_launch(monkeypatch, tmp_path, compose_cfg):
