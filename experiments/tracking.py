@@ -193,11 +193,8 @@ class Tracker:
             record.update(_transpose_ranks(ranks))
         record.update(extra)
         record = _jsonable(record)
-        if not self.enabled:
+        if not self._write(record):
             return record
-        assert self._file is not None
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
         if self.run is not None:
             flat = {k: v for k, v in record.items() if not k.startswith(RANK_PREFIX) and k != "step"}
             for key, values in record.items():
@@ -212,15 +209,21 @@ class Tracker:
                              step=int(step))
         return record
 
+    def _write(self, record: dict[str, Any]) -> bool:
+        """Append ``record`` to metrics.jsonl; False when tracking is disabled."""
+        if not self.enabled:
+            return False
+        assert self._file is not None
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        return True
+
     def log_event(self, kind: str, step: int, **fields: Any) -> dict[str, Any]:
         """Record an event (e.g. `restart`, `checkpoint`) as `{"event": kind, "step": step, ...}`
         in `metrics.jsonl`; its numbers go to W&B as `<kind>/<field>` with the next step."""
         record = _jsonable({"event": kind, "step": int(step), **fields})
-        if not self.enabled:
+        if not self._write(record):
             return record
-        assert self._file is not None
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
         if self.run is not None:
             self._pending.update({f"{kind}/{k}": v for k, v in record.items()
                                   if isinstance(v, (int, float)) and not isinstance(v, bool)
