@@ -387,6 +387,7 @@ class ExportConfig:
     checkpoint: str = MISSING  # a checkpoint (step_N dir), a checkpoint root, or a run directory (its newest)
     out: str = MISSING  # the Hugging Face directory to write (config.json + safetensors)
     max_shard_size: str = "5GB"  # shard the weights above this size (transformers' save_pretrained)
+    dtype: Optional[str] = None  # fp32 | bf16 | fp16 for the written weights; null: the checkpoint's (fp32 masters)
 
 
 @dataclass

@@ -113,14 +113,27 @@ def hf_model_from_layers(model_cfg: Mapping[str, Any], layers: Mapping[int, Mapp
     return model.eval()
 
 
-def export(checkpoint: str | Path, out: str | Path, *, max_shard_size: str | int = "5GB") -> Path:
-    """Write the Hugging Face directory `out` from a pipeshard checkpoint; returns `out`."""
+_EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def export(checkpoint: str | Path, out: str | Path, *, max_shard_size: str | int = "5GB",
+           dtype: str | None = None) -> Path:
+    """Write the Hugging Face directory `out` from a pipeshard checkpoint; returns `out`.
+
+    `dtype`: fp32 | bf16 | fp16 for the written weights; None keeps the checkpoint's (fp32: a
+    16-bit run's checkpoint holds its fp32 master weights)."""
+    if dtype is not None and dtype not in _EXPORT_DTYPES:
+        raise ConfigError(f"dtype={dtype!r}; choose one of {sorted(_EXPORT_DTYPES)} or null (the checkpoint's fp32)")
     path = resolve_checkpoint(checkpoint)
     meta, layers = read_checkpoint(path)
     model_cfg = meta.get("model")
     if not isinstance(model_cfg, Mapping):
         raise ConfigError(f"{path} records no model config (written by an older pipeshard?); cannot export")
     model = hf_model_from_layers(model_cfg, layers)
+    if dtype is not None:
+        import torch
+
+        model = model.to(getattr(torch, _EXPORT_DTYPES[dtype]))
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
@@ -146,7 +159,7 @@ def main() -> None:
     @hydra.main(config_path=str(CONF_DIR), config_name="export_hf", version_base="1.3")
     def _task(cfg: Any) -> None:
         with refuse_bad_input():
-            out = export(cfg.checkpoint, cfg.out, max_shard_size=cfg.max_shard_size)
+            out = export(cfg.checkpoint, cfg.out, max_shard_size=cfg.max_shard_size, dtype=cfg.get("dtype"))
             print(f"exported {resolve_checkpoint(cfg.checkpoint)} -> {out} "
                   "(load it with AutoModelForCausalLM.from_pretrained)", flush=True)
 

@@ -260,6 +260,7 @@ def test_prompts_inline_and_from_files(tmp_path):
 def test_export_of_a_random_tied_model_from_a_checkpoint(tmp_path):
     from engine.checkpoint import save_checkpoint
     from experiments.export_hf import export
+    from experiments.config import ConfigError
 
     cfg = {"name": "hf", "pretrained": None, "arch": "gpt_neox", "layers": 2, "dim": 32, "heads": 4, "vocab": 128,
            "seq_len": 16, "dropout": 0.0, "tie_embeddings": True, "kv_heads": None, "intermediate": None}
@@ -274,3 +275,15 @@ def test_export_of_a_random_tied_model_from_a_checkpoint(tmp_path):
     x = spec.example_input(2)
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, layers.eval()(x), **TOL)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(out / "model.safetensors"))
+    assert {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.float32}
+    half = load_file(str(export(tmp_path / "ck", tmp_path / "hf16", dtype="bf16") / "model.safetensors"))
+    assert {t.dtype for t in half.values() if t.is_floating_point()} == {torch.bfloat16}   # 16 bits, as asked
+    assert sorted(half) == sorted(stored)
+    for k, t in stored.items():
+        if t.is_floating_point():
+            assert torch.equal(half[k], t.to(torch.bfloat16)), k
+    with pytest.raises(ConfigError, match="choose one of"):
+        export(tmp_path / "ck", tmp_path / "bad", dtype="int8")
