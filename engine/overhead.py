@@ -35,12 +35,17 @@ __all__ = ["measure_fixed_costs", "fit_action_cost", "cache_path"]
 _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate line
 
 
+# Bump when the runtime's per-action path changes, so that cached figures are measured again
+# (2: receives posted when needed on gloo, recv_lookahead 0).
+_RUNTIME_VERSION = 2
+
+
 def cache_path() -> Path:
     """Where measured costs are kept (``PIPESHARD_CACHE_DIR``, default ~/.cache/pipeshard)."""
     import torch
 
     root = Path(os.environ.get("PIPESHARD_CACHE_DIR", Path.home() / ".cache" / "pipeshard"))
-    key = f"{platform.node()}-torch{torch.__version__}-{os.cpu_count()}cpu"
+    key = f"{platform.node()}-torch{torch.__version__}-{os.cpu_count()}cpu-v{_RUNTIME_VERSION}"
     return root / f"fixed_costs-{key}.json"
 
 

@@ -148,8 +148,10 @@ def _check_zero2_ties(ties: Sequence[tuple[str, str]], num_layers: int,
 class Pipeline:
     """One rank's view of a pipeline-parallel (x data-parallel) training job.
 
-    See docs/contracts.md for the arguments. Extra keyword ``recv_lookahead`` (default 2): how
-    many upcoming receives are posted ahead of the compute that needs them; ``max_inflight``:
+    See docs/contracts.md for the arguments. Extra keyword ``recv_lookahead``: how many upcoming
+    receives are posted ahead of the compute that needs them (default: 2 on NCCL; 0 on gloo,
+    where a receive posted early made every later send and receive call on the pair slower:
+    docs/performance.md, overhead benchmark); ``max_inflight``:
     zb-h2's bound on the microbatches a rank holds. Chunks are placed by the schedule
     (``Schedule.rank_of``: looped, or a V for zbv, whose first and last chunks share rank 0).
     ``activation_checkpointing``: one bool for every chunk, or one per chunk (global chunk
@@ -163,7 +165,7 @@ class Pipeline:
                  activation_checkpointing: bool | Sequence[bool] = False, seed: int = 0,
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
-                 recv_lookahead: int = 2, diagnose_every: int = 100, memory_every: int = 0,
+                 recv_lookahead: int | None = None, diagnose_every: int = 100, memory_every: int = 0,
                  max_inflight: int | None = None):
         from engine.schedules import lower
 
@@ -221,7 +223,9 @@ class Pipeline:
         # The graph-node I/W split needs a backend that takes GradientEdge roots; else per-layer cuts.
         node_split = None if self.optimizer.accepts_gradient_edges else False
         split = {(a.stage, a.microbatch) for a in self.program if a.kind == "I"}
-        self.executor = Executor(self.chunks, self.p2p, sched, lookahead=recv_lookahead,
+        if recv_lookahead is None:
+            recv_lookahead = 2 if self.mesh.backend == "nccl" else 0
+        self.executor = Executor(self.chunks, self.p2p, sched, lookahead=int(recv_lookahead),
                                  split=split, node_split=node_split)
         self.nonfinite = nonfinite
         self.diagnose_every = int(diagnose_every)

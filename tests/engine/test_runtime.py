@@ -82,7 +82,8 @@ def _worker(cases):
                                                   overlap_grad_reduce=case.get("overlap", True),
                                                   grad_bucket_mb=case.get("bucket_mb", 25.0)),
                         activation_checkpointing=case.get("ckpt", False), comm_timeout_s=30,
-                        ties=TIES if case.get("tie") else (), max_inflight=case.get("cap"))
+                        ties=TIES if case.get("tie") else (), max_inflight=case.get("cap"),
+                        recv_lookahead=case.get("lookahead"))
         losses, grads, stats = [], [], []
         for step in range(len(BATCHES)):
             x, y = _data(step)
@@ -186,6 +187,7 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
 
 def test_parity_four_stages_every_schedule():
     cases = [dict(schedule=s, p=4, m=4) for s in SCHEDS]
+    cases += [dict(schedule=s, p=4, m=4, lookahead=2) for s in SCHEDS]   # receives posted ahead (NCCL's default)
     cases += [dict(schedule="interleaved-1f1b", p=4, v=2, m=4),
               dict(schedule="1f1b", p=2, d=2, m=2, bucket_mb=1e-4),   # a bucket per tensor: early
               dict(schedule="zb-h1", p=2, d=2, m=4, overlap=False),
