@@ -41,6 +41,12 @@ class LayerCost:
       ``param_bytes``); the optimizer backends' backward transient follows it.
     - ``workspace_bytes``: the transient of the layer's backward beyond what it saved (the
       gradients of its intermediate tensors); None: estimated as twice ``output_bytes``.
+    - ``pending_grad_bytes``: what a microbatch keeps between its input-gradient (I) and its
+      deferred weight-gradient (W) backward under a split-backward schedule (zb-h1, zb-h2,
+      zbv), beyond its saved activations: the gradients arriving at the layer's weight-owning
+      autograd nodes (e.g. each Linear's output gradient), which W consumes. None (a profile
+      written before the field existed): ``output_bytes`` for a layer with parameters, else 0
+      (the gradient at the layer's output, the least a weight-owning layer keeps).
     """
 
     forward_s: float
@@ -55,16 +61,26 @@ class LayerCost:
     shared_input_bytes: int = 0
     largest_param_bytes: int | None = None
     workspace_bytes: int | None = None
+    pending_grad_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("forward_s", "backward_s", "param_bytes", "activation_bytes", "output_bytes"):
             v = getattr(self, f)
             if v is None or v < 0:
                 raise ValueError(f"LayerCost.{f} must be >= 0, got {v!r}")
+        if self.pending_grad_bytes is not None and self.pending_grad_bytes < 0:
+            raise ValueError(f"LayerCost.pending_grad_bytes must be >= 0 or None, got {self.pending_grad_bytes!r}")
         if self.weight_grad_s is not None and not (0 <= self.weight_grad_s <= self.backward_s * (1 + 1e-9) + 1e-12):
             raise ValueError(
                 f"LayerCost.weight_grad_s={self.weight_grad_s!r} must lie in [0, backward_s={self.backward_s!r}]"
             )
+
+    @property
+    def pending_bytes(self) -> int:
+        """:attr:`pending_grad_bytes`, or its default when unknown (see the class docstring)."""
+        if self.pending_grad_bytes is not None:
+            return self.pending_grad_bytes
+        return self.output_bytes if self.param_bytes > 0 else 0
 
     @property
     def weight_s(self) -> float:

@@ -6,8 +6,12 @@ crosses a cut after the layer), cut into ``k`` contiguous non-empty stages. Stag
 covering ``[s, e)`` in variant ``v`` (plain, or recomputing its activations) costs::
 
     time_j = PT_v[e] - PT_v[s] + cut_time[e]            # cut_time[n] = 0
-    mem_j  = static(s, e) + alpha_j * act(s, e) + beta_j * out[s-1] + gamma_j * shared[s]
-             + out[e-1]                                  # boundary terms only at real cuts
+    mem_j  = static(s, e) + alpha_j * act(s, e) + delta_j * pend(s, e) + beta_j * out[s-1]
+             + gamma_j * shared[s] + out[e-1]            # boundary terms only at real cuts
+
+(``pend``: the gradients a microbatch keeps between its I and its W under a split-backward
+schedule, ``delta_j`` the microbatches stage j has pending at its peak; a recomputing stage
+runs I and W as one full backward, so its ``delta`` is 0.)
 
 "Is there a split with every stage within time ``B`` and its memory cap?" is answered in
 three exact steps:
@@ -74,7 +78,7 @@ class Problem:
     microbatch plus one microbatch's activations while recomputing)."""
 
     def __init__(self, time, k, static=None, act=None, out=None, inflight=None, cut_time=None,
-                 recompute_time=None, checkpointing: str = "off", shared=None):
+                 recompute_time=None, checkpointing: str = "off", shared=None, pend=None, pending=None):
         t = np.asarray(time, dtype=np.float64)
         if t.ndim != 1 or t.size == 0:
             raise ValueError("time must be a non-empty 1-D sequence")
@@ -101,6 +105,10 @@ class Problem:
         self.cut_time = ct
         self.PS = np.concatenate([[0.0], np.cumsum(self.static)])
         self.PA = np.concatenate([[0.0], np.cumsum(self.act)])
+        self.PG = np.concatenate([[0.0], np.cumsum(_arr(pend, n, "pend"))])
+        self.pending = np.zeros(k) if pending is None else np.asarray(pending, dtype=np.float64)
+        if self.pending.shape != (k,):
+            raise ValueError(f"pending must have length {k}")
         # boundary buffers: inbuf[s] = out[s-1] for s >= 1; outbuf[e] = out[e-1] for e < n
         self.inbuf = np.concatenate([[0.0], self.out])
         self.outbuf = np.concatenate([[0.0], self.out[:-1], [0.0]])
@@ -130,21 +138,32 @@ class Problem:
         t = np.empty(len(bounds))
         m = np.empty(len(bounds))
         for j in range(len(bounds)):
-            _, PT, EC, al, be, ga = self.variants[vi[j]]
+            name, PT, EC, al, be, ga = self.variants[vi[j]]
             t[j] = EC[e[j]] - PT[s[j]]
-            m[j] = (self.PS[e[j]] - self.PS[s[j]] + al[j] * (self.PA[e[j]] - self.PA[s[j]])
-                    + be[j] * self.inbuf[s[j]] + ga[j] * self.shared[s[j]] + self.outbuf[e[j]])
+            a, d = self.coefs(name, al, j)
+            m[j] = (self.PS[e[j]] - self.PS[s[j]] + a * (self.PA[e[j]] - self.PA[s[j]])
+                    + d * (self.PG[e[j]] - self.PG[s[j]]) + be[j] * self.inbuf[s[j]] + ga[j] * self.shared[s[j]] + self.outbuf[e[j]])
         return t, m
+
+    def coefs(self, name: str, al: np.ndarray, j: int) -> tuple[float, float]:
+        """Stage j's (alpha, delta) in variant ``name``: held microbatches times ``act``,
+        pending ones times ``pend`` (only a plain stage splits its backward)."""
+        return float(al[j]), (float(self.pending[j]) if name == "plain" else 0.0)
+
+    def held(self, name: str, al: np.ndarray, j: int, idx):  # noqa: ANN001, ANN201 - int or array
+        """The prefix of stage j's per-microbatch bytes in variant ``name`` at ``idx``."""
+        a, d = self.coefs(name, al, j)
+        return a * self.PA[idx] + d * self.PG[idx] if d else a * self.PA[idx]
 
     def stage_ok(self, j: int, s: np.ndarray, e: int, B: float, caps: np.ndarray | None, v: int) -> np.ndarray:
         """Mask over candidate starts ``s`` for stage j ending at e in variant v."""
-        _, PT, EC, al, be, ga = self.variants[v]
+        name, PT, EC, al, be, ga = self.variants[v]
         ok = np.ones(s.shape, dtype=bool)
         if np.isfinite(B):
             ok &= PT[s] >= EC[e] - B - time_tol(B)
         if caps is not None:
-            u = be[j] * self.inbuf[s] + ga[j] * self.shared[s] - self.PS[s] - al[j] * self.PA[s]
-            rhs = caps[j] - self.PS[e] - al[j] * self.PA[e] - self.outbuf[e]
+            u = be[j] * self.inbuf[s] + ga[j] * self.shared[s] - self.PS[s] - self.held(name, al, j, s)
+            rhs = caps[j] - self.PS[e] - self.held(name, al, j, e) - self.outbuf[e]
             ok &= u <= rhs + mem_tol(caps[j])
         return ok
 
@@ -185,7 +204,7 @@ class Problem:
         ok = np.zeros(E.size, dtype=bool)
         cnt = np.concatenate([[0], np.cumsum(Rw)]) if caps is None else None
         S = np.arange(s0, s1 + 1)
-        for _, PT, EC, al, be, ga in self.variants:
+        for name, PT, EC, al, be, ga in self.variants:
             if np.isfinite(B):
                 lo = np.searchsorted(PT, EC[E] - B - time_tol(B), side="left")
             else:
@@ -196,8 +215,8 @@ class Problem:
                 okv &= (cnt[np.clip(hi, -1, Rw.size - 1) + 1] - cnt[np.clip(lo, 0, Rw.size)]) > 0
             else:
                 u = np.where(Rw, be[j] * self.inbuf[S] + ga[j] * self.shared[S] - self.PS[S]
-                             - al[j] * self.PA[S], np.inf)
-                rhs = caps[j] - self.PS[E] - al[j] * self.PA[E] - self.outbuf[E]
+                             - self.held(name, al, j, S), np.inf)
+                rhs = caps[j] - self.PS[E] - self.held(name, al, j, E) - self.outbuf[E]
                 okv &= _range_min(u, lo, hi, okv) <= rhs + mem_tol(caps[j])
             ok |= okv
         if not ok.any():
@@ -212,22 +231,23 @@ class Problem:
         of the end cost (lists), and the largest boundary memory terms; cached."""
         if self._tables is None or self._tables[0] is not self.variants:
             per = []
-            for _, PT, EC, al, be, ga in self.variants:
+            for name, PT, EC, al, be, ga in self.variants:
                 if np.any(np.diff(PT) < 0):
                     per = None   # no monotone start cost: the sweep decides everything
                     break
                 opt = np.minimum.accumulate(EC[::-1])[::-1]
                 pess = np.maximum.accumulate(EC)
                 bmax = be * float(self.inbuf.max()) + ga * float(self.shared.max())
-                per.append((PT.tolist(), opt.tolist(), pess.tolist(), al, bmax))
+                dl = self.pending if name == "plain" else np.zeros(self.k)
+                per.append((PT.tolist(), opt.tolist(), pess.tolist(), al, bmax, dl))
             self._tables = (self.variants, per, self.PS.tolist(), self.PA.tolist(),
-                            float(self.outbuf.max()))
+                            float(self.outbuf.max()), self.PG.tolist())
         return self._tables
 
     def _forward(self, B: float, caps: np.ndarray | None, pessimistic: bool) -> list[int] | None:
         """Optimistic: upper bounds Z_j on every feasible split's cuts (None: infeasible).
         Pessimistic: the cuts of a split that is truly feasible (None: none found)."""
-        _, per, PS, PA, obmax = self._greedy_tables()
+        _, per, PS, PA, obmax, PG = self._greedy_tables()
         n, k = self.n, self.k
         if per is None:
             return None if pessimistic else [0] + [n - (k - 1 - j) for j in range(k)]
@@ -235,14 +255,15 @@ class Problem:
         for j in range(k):
             s = cuts[-1]
             reach = s
-            for PTl, opt, pess, al, bmax in per:
-                a = float(al[j])
+            for PTl, opt, pess, al, bmax, dl in per:
+                a, d = float(al[j]), float(dl[j])
                 e = bisect_right(pess if pessimistic else opt, PTl[s] + B + time_tol(B)) - 1 \
                     if np.isfinite(B) else n
                 if caps is not None:
                     budget = caps[j] + mem_tol(caps[j]) - ((bmax[j] + obmax) if pessimistic else 0.0)
-                    q = PS[s] + a * PA[s] + budget
-                    e = min(e, s + bisect_right(range(s, n + 1), q, key=lambda x: PS[x] + a * PA[x]) - 1)
+                    q = PS[s] + a * PA[s] + d * PG[s] + budget
+                    e = min(e, s + bisect_right(range(s, n + 1), q,
+                                                key=lambda x: PS[x] + a * PA[x] + d * PG[x]) - 1)
                 reach = max(reach, e)
             nxt = min(reach, n - (k - 1 - j))
             # a bound need not advance (the true cut may lie below it); a split must
@@ -255,7 +276,7 @@ class Problem:
         """Lower bounds L_j on every feasible split's cuts (optimistic, from the right): the
         j-th cut is at least the least start that the optimistic stage j allows for an end at
         L_{j+1} (that least start only grows with the end), and one above the previous cut."""
-        _, per, PS, PA, _ = self._greedy_tables()
+        _, per, PS, PA, _, PG = self._greedy_tables()
         n, k = self.n, self.k
         if per is None:
             return list(range(k)) + [n]
@@ -263,12 +284,12 @@ class Problem:
         for j in range(k - 1, -1, -1):
             e = cuts[-1]
             start = n
-            for PTl, opt, _, al, _ in per:
-                a = float(al[j])
+            for PTl, opt, _, al, _, dl in per:
+                a, d = float(al[j]), float(dl[j])
                 s = bisect_left(PTl, opt[e] - B - time_tol(B)) if np.isfinite(B) else 0
                 if caps is not None:
-                    q = PS[e] + a * PA[e] - caps[j] - mem_tol(caps[j])
-                    s = max(s, bisect_left(range(0, e + 1), q, key=lambda x: PS[x] + a * PA[x]))
+                    q = PS[e] + a * PA[e] + d * PG[e] - caps[j] - mem_tol(caps[j])
+                    s = max(s, bisect_left(range(0, e + 1), q, key=lambda x: PS[x] + a * PA[x] + d * PG[x]))
                 start = min(start, s)
             cuts.append(max(start, j))
         cuts = cuts[::-1]

@@ -10,7 +10,10 @@ backend keeps, from the run's precision, optimizer, ZeRO stage and replicas):
   recomputes) + ``communication`` (the boundary buffers: the gradient sent back and the one
   received per chunk) + ``temporary`` (the backend's backward transient, e.g. a 16-bit
   gradient and its fp32 copy, ZeRO-2's reduce bucket; plus the largest layer's backward
-  workspace);
+  workspace; plus, under a split-backward schedule (zb-h1, zb-h2, zbv), the gradients each
+  microbatch keeps between its I and its deferred W, times the microbatches pending). Held
+  and pending counts are taken at the same moment: the rank's peak of held activations +
+  pending gradients (:func:`held_and_pending`), not two separate maxima;
 * the step: ``parameters`` + the gradients held at the step + ``optimizer_state`` + the step's
   temporaries (the flattened reduce bucket, ZeRO's flat partition and its fp32 copy).
 
@@ -20,6 +23,7 @@ needs)::
     per_param_bytes * params(s, e)                 # the forward/backward phase's state
     + inflight[j] * (activation_bytes(s, e)        # saved-for-backward, per held microbatch
                      + shared_input_bytes[s])      #   (+ the input copy at a cut, see LayerCost)
+    + pending[j] * pending_grad_bytes(s, e)        # kept from I to W (split backward, not recomputing)
     + output_bytes[s-1] + output_bytes[e-1]        # boundary buffers (gradient in / out)
 
 and what does not add over layers (the largest parameter's transient, the backward workspace)
@@ -36,12 +40,18 @@ Example::
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from engine.choices import OPTIMIZERS, PRECISIONS, ZERO_STAGES, check_grad_accum_dtype
-from engine.footprint import GRAD_BUCKET_MB, Footprint, optimizer_state_bytes_per_param, state_footprint
+from engine.footprint import (GRAD_BUCKET_MB, Footprint, backend_of, optimizer_state_bytes_per_param,
+                              state_footprint)
 from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule, chunk_ranks
 
+if TYPE_CHECKING:
+    from .costs import LayerCost
+
 __all__ = ["static_factor", "inflight_per_chunk", "inflight_from_schedule", "rank_totals",
+           "schedule_states", "peak_state", "held_and_pending", "State",
            "OPTIMIZER_STATE_BYTES", "SCHEDULES", "MemorySettings", "BREAKDOWN_KEYS",
            "rank_breakdown"]
 
@@ -101,6 +111,20 @@ class MemorySettings:
         f = self.footprint(numel)
         return (f.parameters + f.optimizer_state + f.step_gradients + f.step_temporary) / max(numel, 1.0)
 
+    @property
+    def node_split(self) -> bool:
+        """Whether the engine splits I/W at the autograd nodes (the torch backend) or, when the
+        backend cannot take gradient edges as backward roots (DeepSpeed's), at each layer."""
+        return backend_of(self.precision, self.zero_stage, self.backend) == "torch"
+
+    def pending_grad_bytes(self, cost: "LayerCost") -> int:
+        """Bytes a layer keeps per microbatch between its I and its W: the gradients at its
+        weight-owning nodes (``LayerCost.pending_bytes``) under the node split; under the
+        per-layer cut the gradient at the output of a layer with parameters."""
+        if self.node_split:
+            return cost.pending_bytes
+        return cost.output_bytes if cost.param_bytes > 0 else 0
+
     def largest_param_bytes(self, largest: float) -> float:
         """The backward transient that follows the largest parameter tensor (its gradient being
         accumulated, its fp32 copy), beyond :meth:`per_param_bytes`."""
@@ -112,13 +136,15 @@ class MemorySettings:
 
 
 def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, activations: float,
-                   communication: float, workspace: float) -> dict[str, float]:
+                   communication: float, workspace: float, pending: float = 0.0) -> dict[str, float]:
     """The rank's memory at its peak, by :data:`BREAKDOWN_KEYS` (bytes; they sum to the peak):
-    the larger of the forward/backward phase and the step phase."""
+    the larger of the forward/backward phase and the step phase. ``pending``: the gradients
+    kept between I and W at the peak (split-backward schedules), booked as ``temporary``:
+    gradients of intermediate tensors made by a backward, as MemTracker books them."""
     f = settings.footprint(numel, largest)
     backward = {"parameters": f.parameters, "gradients": f.gradients,
                 "optimizer_state": f.optimizer_state, "activations": activations,
-                "communication": communication, "temporary": f.backward_temporary + workspace}
+                "communication": communication, "temporary": f.backward_temporary + workspace + pending}
     step = {"parameters": f.parameters, "gradients": f.step_gradients,
             "optimizer_state": f.optimizer_state, "activations": 0.0, "communication": 0.0,
             "temporary": f.step_temporary}
@@ -193,25 +219,85 @@ def inflight_per_chunk(schedule: str, num_stages: int, microbatches: int, virtua
     return out
 
 
+State = tuple[tuple[int, ...], tuple[int, ...]]   # (held, pending) per chunk of a rank
+
+
+def schedule_states(schedule) -> list[list[State]]:  # noqa: ANN001 - an engine.schedules.Schedule
+    """Per rank, the microbatches each of its chunks (``stages_of`` order) holds and has pending
+    after each of its actions, read from the action lists: F adds a held one; I a pending one
+    (its input gradient done, its weight gradient deferred); W releases both; B a held one.
+    Only the states no other state of the rank dominates are kept (a peak is one of them), in
+    order of first appearance.
+
+    >>> from engine.schedules import build_schedule
+    >>> schedule_states(build_schedule("zb-h1", 2, 4))
+    [[((2,), (1,))], [((2,), (2,))]]
+    """
+    out = []
+    for r, acts in enumerate(schedule.actions):
+        mine = schedule.stages_of(r)
+        held, pend = dict.fromkeys(mine, 0), dict.fromkeys(mine, 0)
+        seen: list[State] = []
+        for a in acts:
+            if a.kind in ("F", "I"):
+                (held if a.kind == "F" else pend)[a.stage] += 1
+            elif a.kind in ("B", "W"):
+                held[a.stage] -= 1
+                pend[a.stage] -= a.kind == "W"
+            else:
+                continue
+            st = (tuple(held[c] for c in mine), tuple(pend[c] for c in mine))
+            if st not in seen:
+                seen.append(st)
+        flat = [h + g for h, g in seen]
+        out.append([st for st, x in zip(seen, flat)
+                    if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in flat)])
+    return out
+
+
+def peak_state(states: list[State], held_bytes: list[float], pending_bytes: list[float]) -> State:
+    """The state of one rank with the most ``sum(held * held_bytes + pending * pending_bytes)``
+    over its chunks (the first such): the peak of the combined quantity, not two maxima.
+
+    >>> peak_state([((3, 1), (0, 1)), ((4, 0), (1, 0))], [1.0, 1.0], [0.0, 5.0])
+    ((3, 1), (0, 1))
+    """
+    def total(st: State) -> float:
+        return sum(h * a + g * b for h, g, a, b in zip(st[0], st[1], held_bytes, pending_bytes))
+    best = states[0]
+    for st in states[1:]:
+        if total(st) > total(best):
+            best = st
+    return best
+
+
+def held_and_pending(schedule, held_bytes: list[float] | None = None,  # noqa: ANN001
+                     pending_bytes: list[float] | None = None) -> tuple[list[int], list[int]]:
+    """Per chunk, the microbatches held and pending (I done, W not yet) at its rank's peak of
+    ``held * held_bytes[c] + pending * pending_bytes[c]`` summed over the rank's chunks
+    (per-chunk bytes per microbatch; default 1 and 0: the peak count of held microbatches).
+
+    >>> from engine.schedules import build_schedule
+    >>> held_and_pending(build_schedule("zb-h1", 4, 8), [1.0] * 4, [0.5] * 4)
+    ([4, 4, 4, 4], [1, 2, 3, 4])
+    """
+    k = schedule.num_chunks
+    a = [1.0] * k if held_bytes is None else list(held_bytes)
+    g = [0.0] * k if pending_bytes is None else list(pending_bytes)
+    held, pend = [0] * k, [0] * k
+    for r, states in enumerate(schedule_states(schedule)):
+        mine = schedule.stages_of(r)
+        h, p = peak_state(states, [a[c] for c in mine], [g[c] for c in mine])
+        for i, c in enumerate(mine):
+            held[c], pend[c] = h[i], p[i]
+    return held, pend
+
+
 def inflight_from_schedule(schedule) -> list[int]:  # noqa: ANN001 - an engine.schedules.Schedule
     """Per chunk, the microbatches it holds when its rank first reaches its peak count, read
     from a schedule's action lists (F adds one; B, or W for split backwards, releases one).
     This is what the engine runs, so the planner prefers it to the closed forms above."""
-    k = schedule.num_chunks
-    out = [0] * k
-    for r, acts in enumerate(schedule.actions):
-        held = [0] * k
-        best, best_held = 0, [0] * k
-        for a in acts:
-            if a.kind == "F":
-                held[a.stage] += 1
-                if sum(held) > best:
-                    best, best_held = sum(held), list(held)
-            elif a.kind in ("B", "W"):
-                held[a.stage] -= 1
-        for c in schedule.stages_of(r):
-            out[c] = best_held[c]
-    return out
+    return held_and_pending(schedule)[0]
 
 
 def rank_totals(per_chunk: list, schedule: str, num_stages: int, virtual_stages: int = 1) -> list:

@@ -32,6 +32,8 @@ class Plan(JsonMixin):
     ``stage_ranges`` (half-open layer ranges), ``stage_time_s`` (forward + backward, plus
     recomputation and boundary transfers), ``stage_memory_bytes`` (predicted peak),
     ``stage_activation_bytes`` (saved-for-backward bytes at the peak), ``stage_inflight``,
+    ``stage_pending`` (split-backward schedules: the microbatches whose weight gradients are
+    still deferred at the rank's peak; their kept gradients count in ``temporary``),
     ``stage_recompute``. Per rank: ``rank_memory_bytes`` (predicted peak), ``rank_fits`` and
     ``rank_memory_breakdown`` (per rank, bytes of ``parameters``, ``gradients``,
     ``optimizer_state``, ``activations``, ``communication``, ``temporary`` at that peak; they sum
@@ -76,6 +78,7 @@ class Plan(JsonMixin):
     predicted_by: str = "engine.simulate"
     stage_activation_bytes: list[int] = field(default_factory=list)
     stage_inflight: list[int] = field(default_factory=list)
+    stage_pending: list[int] = field(default_factory=list)
     stage_recompute: list[bool] = field(default_factory=list)
     stage_forward_s: list[float] = field(default_factory=list)
     stage_backward_s: list[float] = field(default_factory=list)

@@ -35,8 +35,8 @@ from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks
 
 from .costs import FixedCosts, Profile
-from .memory import (BREAKDOWN_KEYS, SCHEDULES, MemorySettings, inflight_from_schedule, inflight_per_chunk,
-                     rank_breakdown, rank_totals)
+from .memory import (BREAKDOWN_KEYS, SCHEDULES, MemorySettings, held_and_pending, inflight_from_schedule,
+                     inflight_per_chunk, peak_state, rank_breakdown, rank_totals, schedule_states)
 from .plan import PartitionError, Plan
 from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optimal_split, parameter_split,
                     pipeline_lower_bound, split_costs, uniform_split)
@@ -110,7 +110,11 @@ class _Problem:
     out: np.ndarray
     shared: np.ndarray
     comm_layer: np.ndarray                    # transfer seconds of a cut after each layer
-    inflight: list[int]                       # microbatches held per chunk
+    inflight: list[int]                       # microbatches held per chunk (the search's view)
+    pend: np.ndarray                          # per layer: gradients kept from I to W (0: no split)
+    pending: list[int]                        # microbatches pending (I done, W not) per chunk
+    states: list | None                       # per rank, its (held, pending) states (split backward)
+    input_grad: bool                          # the model input is a float tensor (else chunk 0 defers all)
     limits: list[float] | None                # the memory limit per rank
     names: list[str]
     param: np.ndarray                         # parameter bytes per layer
@@ -156,7 +160,8 @@ class _Problem:
 
     @property
     def common(self) -> dict[str, Any]:
-        return dict(static=self.static, act=self.act, out=self.out, inflight=self.inflight, shared=self.shared)
+        return dict(static=self.static, act=self.act, out=self.out, inflight=self.inflight, shared=self.shared,
+                    pend=self.pend, pending=self.pending)
 
 
 def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", microbatches: int,
@@ -253,22 +258,41 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
     out = np.array([c.output_bytes for c in L], dtype=np.float64)
     latency = profile.fixed.message_latency_s if profile.fixed is not None else 0.0
     comm_layer = (out / link if link else np.zeros(len(L))) + latency
-    if simulate:  # what the engine will run
-        sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)
-        inflight, source = inflight_from_schedule(sched), "engine schedule"
-    else:
-        inflight, source = inflight_per_chunk(schedule, p, m, v, max_inflight=max_inflight), "closed form"
+    act = np.array([c.activation_bytes for c in L], dtype=np.float64)
+    pend = np.zeros(len(L))
+    inflight, pending, states = _counts(profile, schedule, p, m, v, max_inflight, memory, simulate, act, pend)
+    source = "engine schedule" if simulate or states else "closed form"
     notes.append(f"in-flight microbatches per stage {inflight} (from the {source})")
+    if states:
+        notes.append(f"microbatches with weight gradients pending (I done, W not) per stage {pending}, "
+                     f"at the peak of activations + kept gradients")
     return _Problem(
         p=p, m=m, v=v, schedule=schedule, max_inflight=max_inflight, ckpt=ckpt, link=link,
         f=np.array([c.forward_s for c in L]), b=np.array([c.backward_s for c in L]),
         w=np.array([c.weight_s for c in L]),
-        static=numel * per_param,
-        act=np.array([c.activation_bytes for c in L], dtype=np.float64), out=out,
+        static=numel * per_param, act=act, out=out, pend=pend, pending=pending, states=states,
+        input_grad=bool(profile.meta.get("input_requires_grad", True)),
         shared=np.array([c.shared_input_bytes for c in L], dtype=np.float64),
         comm_layer=comm_layer, inflight=inflight, limits=limits, names=[c.name for c in L],
         param=np.array([c.param_bytes for c in L], dtype=np.float64), fixed=profile.fixed, memory=memory,
         numel=numel, largest=largest, workspace=workspace, reserve=[reserve] * p)
+
+
+def _counts(profile: Profile, schedule: str, p: int, m: int, v: int, max_inflight: int | None,
+            memory: MemorySettings, simulate: bool, act: np.ndarray, pend: np.ndarray
+            ) -> tuple[list[int], list[int], list | None]:
+    """Per chunk, the microbatches held and pending for the search, and (split-backward
+    schedules) each rank's states; fills ``pend`` (bytes kept from I to W per layer). The
+    search's state of a rank is its peak with every chunk costing the profile's mean layer."""
+    k = p * v
+    if not SCHEDULE_INFO[schedule].splits_backward:
+        if simulate:  # what the engine will run
+            return inflight_from_schedule(build_schedule(schedule, p, m, v, max_inflight=max_inflight)), [0] * k, None
+        return inflight_per_chunk(schedule, p, m, v, max_inflight=max_inflight), [0] * k, None
+    pend[:] = [memory.pending_grad_bytes(c) for c in profile.layers]
+    sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)
+    inflight, pending = held_and_pending(sched, [float(act.mean())] * k, [float(pend.mean())] * k)
+    return inflight, pending, schedule_states(sched)
 
 
 def _search(method: str, prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], list[bool]]:
@@ -295,18 +319,39 @@ def _search(method: str, prob: _Problem, notes: list[str]) -> tuple[list[tuple[i
     return bounds, recompute
 
 
+def _chunk_counts(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]
+                  ) -> tuple[list[int], list[int]]:
+    """Per chunk, the microbatches held and pending at its rank's peak of held activations +
+    pending gradients for this split (a recomputing chunk keeps no gradients to W)."""
+    if not prob.states:
+        return list(prob.inflight), [0] * prob.k
+    held, pending = [0] * prob.k, [0] * prob.k
+    for r, states in enumerate(prob.states):
+        mine = [c for c, rank in enumerate(prob.ranks) if rank == r]
+        a = [_held_activation_bytes(prob, *bounds[c], 1, recompute[c])
+             - _held_activation_bytes(prob, *bounds[c], 0, recompute[c]) for c in mine]
+        g = [_pending_bytes(prob, *bounds[c], recompute[c]) for c in mine]
+        h, q = peak_state(states, a, g)
+        for i, c in enumerate(mine):
+            held[c], pending[c] = h[i], 0 if recompute[c] else q[i]
+    return held, pending
+
+
 def _rank_memory(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]) -> list[dict[str, float]]:
     """Each rank's memory at its peak, by :data:`partitioner.memory.BREAKDOWN_KEYS`."""
     out = []
+    held, pending = _chunk_counts(prob, bounds, recompute)
     for r in range(prob.p):
         mine = [c for c, rank in enumerate(prob.ranks) if rank == r]
         layers = [i for c in mine for i in range(*bounds[c])]
-        acts = sum(_held_activation_bytes(prob, *bounds[c], prob.inflight[c], recompute[c]) for c in mine)
+        acts = sum(_held_activation_bytes(prob, *bounds[c], held[c], recompute[c]) for c in mine)
+        kept = sum(pending[c] * _pending_bytes(prob, *bounds[c], recompute[c]) for c in mine)
         comm = sum((prob.out[a - 1] if a > 0 else 0.0) + (prob.out[e - 1] if e < prob.n else 0.0)
                    for a, e in (bounds[c] for c in mine))
         out.append(rank_breakdown(prob.memory, numel=float(prob.numel[layers].sum()),
                                   largest=float(prob.largest[layers].max()), activations=float(acts),
-                                  communication=float(comm), workspace=float(prob.workspace[layers].max())))
+                                  communication=float(comm), workspace=float(prob.workspace[layers].max()),
+                                  pending=kept))
     return out
 
 
@@ -320,7 +365,7 @@ def _optimal(prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], l
         if prob.vee:  # exact on ranks: each rank's time and memory sum its two chunks
             bounds, _, var = optimal_v_split(prob.f + prob.b, prob.p, caps=prob.rank_caps, cut_time=prob.cut_time,
                                              recompute_time=prob.f, checkpointing=prob.ckpt, return_variants=True,
-                                             **prob.common)
+                                             states=prob.states, **prob.common)
         else:
             bounds, _, var = optimal_split(prob.f + prob.b, prob.k, caps=prob.chunk_caps, cut_time=prob.cut_time,
                                            recompute_time=prob.f, checkpointing=prob.ckpt, return_variants=True,
@@ -375,7 +420,8 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
     sum_of = lambda arr: [float(arr[a:e].sum()) for a, e in bounds]  # noqa: E731
     f_c, b_c, w_c = sum_of(prob.f), sum_of(prob.b), sum_of(prob.w)
     b_c = [bb + (ff if r else 0.0) for bb, ff, r in zip(b_c, f_c, recompute)]
-    act_c = [_held_activation_bytes(prob, a, e, prob.inflight[c], recompute[c]) for c, (a, e) in enumerate(bounds)]
+    held, pending = _chunk_counts(prob, bounds, recompute)
+    act_c = [_held_activation_bytes(prob, a, e, held[c], recompute[c]) for c, (a, e) in enumerate(bounds)]
     comm_b = [float(prob.comm_layer[e - 1]) for _, e in bounds[:-1]]
     breakdown = _rank_memory(prob, bounds, recompute)
     rank_mem = [sum(d.values()) for d in breakdown]
@@ -398,7 +444,7 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
         memory_limit_bytes=None if caps is None else [int(x) for x in caps],
         link_bytes_per_s=prob.link, bottleneck_lower_bound_s=lb_b, closed_form_step_s=closed,
         predicted_by="closed form", stage_activation_bytes=[int(math.ceil(x)) for x in act_c],
-        stage_inflight=list(prob.inflight), stage_recompute=list(recompute), stage_forward_s=f_c,
+        stage_inflight=held, stage_pending=pending, stage_recompute=list(recompute), stage_forward_s=f_c,
         stage_backward_s=b_c, stage_weight_s=w_c, boundary_comm_s=comm_b,
         rank_memory_bytes=[int(math.ceil(x)) for x in rank_mem], rank_fits=rank_fits,
         rank_memory_breakdown=[{k: int(math.ceil(d[k])) for k in BREAKDOWN_KEYS} for d in breakdown],
@@ -444,6 +490,18 @@ def _held_activation_bytes(prob: _Problem, a: int, e: int, inflight: int, recomp
     return inflight * (prob.act[a:e].sum() + (prob.shared[a] if a > 0 else 0.0))
 
 
+def _pending_bytes(prob: _Problem, a: int, e: int, recompute: bool) -> float:
+    """Gradients a chunk keeps per pending microbatch from I to W. A recomputing chunk runs
+    I and W as one backward (none); a first chunk without a float input has no input gradient
+    to compute, so the engine defers its whole backward to W and keeps only its output's
+    gradient (the search counts the per-layer sum there, an upper bound)."""
+    if recompute:
+        return 0.0
+    if a == 0 and not prob.input_grad:
+        return float(prob.out[e - 1]) if e < prob.n else 0.0
+    return float(prob.pend[a:e].sum())
+
+
 def _lower_bound(prob: _Problem) -> tuple[float, float]:
     """(lower bound on the step over every split, lower bound on the bottleneck)."""
     t = prob.f + prob.b
@@ -462,7 +520,8 @@ def _predict(plan: Plan, prob: _Problem) -> None:
     res = plan.simulate()
     plan.step_s, plan.bubble_fraction = plan.predicted_step_s(res.step_s), res.bubble_fraction
     plan.predicted_by = "engine.simulate" + (" + fixed costs" if prob.fixed is not None else "")
-    held = rank_totals(prob.inflight, prob.schedule, prob.p, prob.v)
+    sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
+    held = rank_totals(inflight_from_schedule(sched), prob.schedule, prob.p, prob.v)
     if list(res.peak_inflight) != held:  # pragma: no cover - the two models agree by construction
         plan.notes.append(f"warning: simulator's peak in-flight {res.peak_inflight} differs from the memory "
                           f"model {held}")
@@ -514,7 +573,7 @@ def _infeasible_v_message(prob: _Problem) -> str:
     n, p, rank_caps, limits = prob.n, prob.p, prob.rank_caps, prob.limits
     scalar = len(set(limits)) == 1  # type: ignore[arg-type]
     scale, _ = min_v_memory_scale(n, p, caps=None if scalar else rank_caps, recompute_time=prob.f,
-                                  checkpointing=prob.ckpt, **prob.common)
+                                  checkpointing=prob.ckpt, states=prob.states, **prob.common)
     if scalar:
         need = math.ceil(scale + max(prob.reserve))
         return (f"no V split of {n} layers over {p} ranks ({2 * p} chunks) fits {int(limits[0])} bytes "

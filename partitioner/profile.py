@@ -37,7 +37,7 @@ from typing import Any, Callable
 from .costs import LayerCost, Profile
 from .devices import ATTENTION_BACKENDS, DeviceSpec, get_device_spec
 
-__all__ = ["profile", "layer_sources"]
+__all__ = ["profile", "layer_sources", "kept_grad_bytes"]
 
 
 def layer_sources(layers: Any) -> list[Callable[[], Any]]:
@@ -192,17 +192,22 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
         raise ValueError("repeats must be >= 1 and warmup >= 0")
     sources = layer_sources(layers)
     tdtype = dtype if (dtype is None or isinstance(dtype, torch.dtype)) else getattr(torch, str(dtype))
+    # without a float input the first chunk's I has nothing to do: it keeps its output gradient
+    # whole until W (engine.stage), which the memory model reads from here
+    grad_in = any(t.is_floating_point() for t in _tensors(example_input))
     if mode == "analytic":
         spec = get_device_spec(device_spec or "cpu")
         backend = attention or spec.attention
         with _attention_mode(backend):
             prof = _profile_analytic(sources, example_input, tdtype, spec, cache)
-        prof.meta["attention"] = backend
+        prof.meta.update(attention=backend, input_requires_grad=grad_in)
         return prof
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "meta":
         raise ValueError("mode='measure' needs a real device; use mode='analytic' for the meta device")
-    return _profile_measure(sources, example_input, dev, tdtype, repeats, warmup, weight_grad)
+    prof = _profile_measure(sources, example_input, dev, tdtype, repeats, warmup, weight_grad)
+    prof.meta["input_requires_grad"] = grad_in
+    return prof
 
 
 def _build(src, dev, dtype):
@@ -298,16 +303,87 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
             w_s = min(max(b_s - statistics.median(bi), 0.0), b_s)
         else:
             w_s = None
+        pending = _measure_pending(layer, x, grads) if params else 0
         costs.append(LayerCost(forward_s=f_s, backward_s=b_s, param_bytes=int(param_bytes),
                                activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
                                weight_grad_s=w_s, name=name, shared_input_bytes=int(shared_bytes),
-                               largest_param_bytes=_largest_param_bytes(layer)))
+                               largest_param_bytes=_largest_param_bytes(layer), pending_grad_bytes=pending))
         x = _map(lambda t: t.requires_grad_(True) if t.is_floating_point() else t, nxt)
         prev_name = name
         del layer, nxt
     return Profile(costs, dtype=_dtype_name(dtype or found_dtype, example_input),
                    meta={"mode": "measure", "device": str(dev), "repeats": repeats, "warmup": warmup,
                          "threads": torch.get_num_threads()})
+
+
+class _PlainBackward:
+    """The optimizer interface :class:`engine.stage.Chunk` calls in backward, without an optimizer."""
+
+    @staticmethod
+    def scale_loss(loss):
+        return loss
+
+    @staticmethod
+    def backward(outs, grads, inputs=None) -> None:
+        import torch
+
+        torch.autograd.backward(outs, grads, inputs=inputs)
+
+
+def kept_grad_bytes(chunk: Any, mb: int) -> int:
+    """Bytes of the distinct storages a chunk keeps for microbatch ``mb`` between its I and its
+    W (the gradients recorded at its weight-owning nodes and the outputs deferred whole to W),
+    parameters excluded. The engine's own bookkeeping (``engine.stage._MbState``) is read."""
+    st = chunk.state[mb]
+    grads = [g for _, _, gs in st.boundaries or () for g in gs if g is not None]
+    grads += [g for _, gs in st.pending_w or () for g in gs]
+    params = {_storage_key(p) for p in chunk.module.parameters()}
+    seen: dict[int, int] = {}
+    for g in grads:
+        k = _storage_key(g)
+        if k not in params:
+            seen[k] = g.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _measure_pending(layer, x, grads) -> int:
+    """What one microbatch keeps between I and W on ``layer`` alone: the engine's own split path
+    (``Chunk.forward(split=True)`` then ``backward_input``), its kept gradients summed."""
+    from engine.stage import Chunk
+
+    chunk = Chunk(0, 0, [layer], measure_activations=False)
+    chunk.forward(0, x, split=True)
+    chunk.backward_input(0, list(grads), _PlainBackward())
+    out = kept_grad_bytes(chunk, 0)
+    chunk.state.clear()   # W is not run: the parameters' .grad stay untouched
+    return out
+
+
+def _weight_ops_mode(param_keys: set):
+    """A TorchDispatchMode summing the output bytes of the ops that take a parameter (views
+    excluded): the gradients a split backward keeps at the weight-owning nodes until W."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class WeightOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if getattr(func, "is_view", False):
+                return out
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if any(_storage_key(t) in param_keys for t in ins):
+                first = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
+                if first is not None and first.is_floating_point():
+                    self.bytes += first.numel() * first.element_size()
+            return out
+
+    return WeightOps()
 
 
 def _roofline_mode(spec: DeviceSpec, dtype_name: str):
@@ -436,8 +512,9 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
             continue
         param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
         fwd = _roofline_mode(spec, pdname)
+        wops = _weight_ops_mode({_storage_key(p) for p in layer.parameters() if p.requires_grad})
         with FlopCounterMode(display=False) as fc_f:
-            with fwd:
+            with fwd, wops:
                 out, act_bytes, saved_keys, shared_bytes = _forward_saved(layer, x, i, prev_name, name, skip_keys)
         out_tensors = _tensors(out)
         out_bytes = sum(t.numel() * t.element_size() for t in out_tensors)
@@ -466,7 +543,7 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
                                weight_grad_s=min(w_s, bwd.time_s), name=name,
                                forward_flops=float(fc_f.get_total_flops()),
                                backward_flops=float(fc_b.get_total_flops()), shared_input_bytes=int(shared_bytes),
-                               largest_param_bytes=_largest_param_bytes(layer)))
+                               largest_param_bytes=_largest_param_bytes(layer), pending_grad_bytes=int(wops.bytes)))
         nxt = _map(lambda t: t.detach(), out)
         skip_keys = {_storage_key(t) for t in out_tensors} & saved_keys
         del out, out_tensors, outs

@@ -217,7 +217,7 @@ def candidate_layouts(num_stages: int, num_layers: int, microbatches: Sequence[i
 
 def scale_profile(profile: Profile, factor: float) -> Profile:
     """``profile`` for a microbatch ``factor`` times as large: times, FLOPs and per-sample bytes
-    (activations, outputs, shared inputs) scaled linearly, parameters kept. Linear time is an
+    (activations, outputs, shared inputs, gradients kept from I to W) scaled linearly, parameters kept. Linear time is an
     approximation (small microbatches use a device less well): measure per size when it matters."""
     if factor == 1:
         return profile
@@ -229,6 +229,7 @@ def scale_profile(profile: Profile, factor: float) -> Profile:
             weight_grad_s=None if c.weight_grad_s is None else c.weight_grad_s * k,
             activation_bytes=int(round(c.activation_bytes * k)), output_bytes=int(round(c.output_bytes * k)),
             shared_input_bytes=int(round(c.shared_input_bytes * k)),
+            pending_grad_bytes=None if c.pending_grad_bytes is None else int(round(c.pending_grad_bytes * k)),
             forward_flops=None if c.forward_flops is None else c.forward_flops * k,
             backward_flops=None if c.backward_flops is None else c.backward_flops * k)
 

@@ -51,7 +51,7 @@ def _caps_array(caps, k: int) -> np.ndarray | None:
 
 def optimal_split(time, k: int, *, static=None, act=None, out=None, inflight=None, caps=None,
                   cut_time=None, recompute_time=None, checkpointing: str = "off",
-                  return_variants: bool = False, shared=None):
+                  return_variants: bool = False, shared=None, pend=None, pending=None):
     """Exact min-bottleneck contiguous split of ``len(time)`` layers into ``k`` stages.
 
     Returns ``(bounds, bottleneck)`` (plus the per-stage variant list, 1 = recompute, with
@@ -59,7 +59,8 @@ def optimal_split(time, k: int, *, static=None, act=None, out=None, inflight=Non
     ``checkpointing``: "off", "on" (every stage recomputes) or "auto" (a stage recomputes only
     when that is what lets the split fit, decided exactly inside the search).
     """
-    P = Problem(time, k, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared)
+    P = Problem(time, k, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared,
+                pend, pending)
     c = _caps_array(caps, k)
     if not P.feasible(np.inf, c):
         raise Infeasible("no split fits the memory limits")
@@ -101,15 +102,15 @@ def _min_bottleneck(P: Problem, caps: np.ndarray | None) -> float:
 
 
 def min_memory_scale(k: int, n: int, *, static=None, act=None, out=None, inflight=None, caps=None,
-                     recompute_time=None, checkpointing: str = "off", rel_tol: float = 1e-9, shared=None
-                     ) -> tuple[float, list[tuple[int, int]]]:
+                     recompute_time=None, checkpointing: str = "off", rel_tol: float = 1e-9, shared=None,
+                     pend=None, pending=None) -> tuple[float, list[tuple[int, int]]]:
     """Smallest factor ``a`` such that some split fits ``a * caps`` (``caps=None``: a cap of 1
     byte per stage, so ``a`` is the smallest uniform limit in bytes), with that split.
     Time is unconstrained. Bisection on ``a`` with the exact probe; the returned figure is the
     largest ``mem_j / caps_j`` of the split found, so it is achieved (feasible) and within
     ``rel_tol`` (or a quarter byte) of the minimum."""
     P = Problem(np.zeros(n), k, static, act, out, inflight, None,
-                np.zeros(n) if checkpointing != "off" else None, checkpointing, shared)
+                np.zeros(n) if checkpointing != "off" else None, checkpointing, shared, pend, pending)
     base = np.ones(k) if caps is None else _caps_array(caps, k)
     if np.any(base <= 0):
         raise ValueError("memory caps must be > 0")
@@ -131,21 +132,21 @@ def min_memory_scale(k: int, n: int, *, static=None, act=None, out=None, infligh
 
 
 def split_costs(bounds, *, time, static=None, act=None, out=None, inflight=None, cut_time=None,
-                recompute_time=None, recompute=None, shared=None):
+                recompute_time=None, recompute=None, shared=None, pend=None, pending=None):
     """(stage times, stage memory) arrays of a given split; ``recompute``: per-stage bools."""
     rec = [bool(r) for r in recompute] if recompute is not None else [False] * len(bounds)
     mode = "auto" if any(rec) else "off"
     P = Problem(time, len(bounds), static, act, out, inflight, cut_time,
-                recompute_time if any(rec) else None, mode, shared)
+                recompute_time if any(rec) else None, mode, shared, pend, pending)
     return P.costs(bounds, [1 if r else 0 for r in rec])
 
 
 def fits_any(k: int, n: int, *, static=None, act=None, out=None, inflight=None, caps=None,
-             recompute_time=None, checkpointing: str = "off", shared=None) -> bool:
+             recompute_time=None, checkpointing: str = "off", shared=None, pend=None, pending=None) -> bool:
     """Whether any split into ``k`` stages fits ``caps`` (time unconstrained)."""
     try:
         P = Problem(np.zeros(n), k, static, act, out, inflight, None,
-                    np.zeros(n) if checkpointing != "off" else None, checkpointing, shared)
+                    np.zeros(n) if checkpointing != "off" else None, checkpointing, shared, pend, pending)
     except Infeasible:
         return False
     return P.feasible(np.inf, _caps_array(caps, k))

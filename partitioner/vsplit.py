@@ -30,20 +30,58 @@ from .feasible import Infeasible, Problem, mem_tol
 __all__ = ["optimal_v_split", "min_v_memory_scale", "v_split_costs"]
 
 
-def _chunk_tables(P: Problem, j: int, local_end: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per variant, (time, memory) of chunk ``j`` on ``[s, e)`` as (n+1, n+1) matrices indexed
-    [s, e] (inf where s >= e). ``local_end``: the chunk's outgoing hand-off is on its rank."""
+States = Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]]
+
+
+def _coefs(P: Problem, name: str, al, be, ga, j: int, count: tuple[int, int] | None
+           ) -> tuple[float, float, float, float]:
+    """Chunk j's (alpha, beta, gamma, delta) in variant ``name``; ``count`` = (held, pending)
+    overrides the problem's in-flight and pending counts (``feasible.Problem``'s variants)."""
+    if count is None:
+        a, d = P.coefs(name, al, j)
+        return a, float(be[j]), float(ga[j]), d
+    held, pending = count
+    if name == "recompute":
+        return 1.0, held + 1.0, 0.0, 0.0
+    return float(held), 1.0, float(held), float(pending)
+
+
+def _chunk_tables(P: Problem, j: int, local_end: bool = False, counts: list | None = None
+                  ) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+    """Per variant, (time, memories) of chunk ``j`` on ``[s, e)`` as (n+1, n+1) matrices indexed
+    [s, e] (inf where s >= e): one memory per (held, pending) state of ``counts`` (None: the
+    problem's own counts). ``local_end``: the chunk's outgoing hand-off is on its rank."""
     n = P.n
     s = np.arange(n + 1)[:, None]
     e = np.arange(n + 1)[None, :]
     bad = s >= e
     out = []
-    for _, PT, EC, al, be, ga in P.variants:
+    for name, PT, EC, al, be, ga in P.variants:
         end = (EC - P.cut_time) if local_end else EC
         t = end[e] - PT[s]
-        m = (P.PS[e] - P.PS[s] + al[j] * (P.PA[e] - P.PA[s]) + be[j] * P.inbuf[s]
-             + ga[j] * P.shared[s] + P.outbuf[e])
-        out.append((np.where(bad, np.inf, t), np.where(bad, np.inf, m)))
+        ms = []
+        for count in counts or [None]:
+            a, b, g, d = _coefs(P, name, al, be, ga, j, count)
+            m = (P.PS[e] - P.PS[s] + a * (P.PA[e] - P.PA[s]) + d * (P.PG[e] - P.PG[s]) + b * P.inbuf[s]
+                 + g * P.shared[s] + P.outbuf[e])
+            ms.append(np.where(bad, np.inf, m))
+        out.append((np.where(bad, np.inf, t), ms))
+    return out
+
+
+def _counts(states: States | None, p: int, j: int) -> list | None:
+    """Chunk j's (held, pending) in each state of its rank (rank r: chunks r and 2p-1-r)."""
+    if states is None:
+        return None
+    r, side = (j, 0) if j < p else (2 * p - 1 - j, 1)
+    return [(held[side], pending[side]) for held, pending in states[r]]
+
+
+def _pair(ml: list[np.ndarray], mr: list[np.ndarray]) -> np.ndarray:
+    """A rank's memory: the largest over its states of its two chunks' sum (broadcast)."""
+    out = ml[0] + mr[0]
+    for x, y in zip(ml[1:], mr[1:]):
+        out = np.maximum(out, x + y)
     return out
 
 
@@ -71,13 +109,14 @@ def _level(best: np.ndarray, left, right, cap: float | None, room: int, weight: 
             continue
         ap = idx[a + 1:]
         for vl, (tl, ml) in enumerate(left):
-            ol, cl = _weighted(weight, tl[a, ap], ml[a, ap]), ml[a, ap]
             for vr, (tr, mr) in enumerate(right):
-                obj = ol[:, None, None] + _weighted(weight, tr[:, cs], mr[:, cs])[None]
+                pm = (_pair([x[a, ap][:, None, None] for x in ml], [y[:, cs][None] for y in mr])
+                      if cap is not None or weight[1] else None)
+                obj = _weighted(weight, tl[a, ap][:, None, None] + tr[:, cs][None], pm)
                 val = np.maximum(obj, best[a, cs][None, None, :])
                 ok = (idx[None, :, None] >= ap[:, None, None] + room) & np.isfinite(val)
                 if cap is not None:
-                    ok &= cl[:, None, None] + mr[:, cs][None] <= cap + mem_tol(cap)
+                    ok &= pm <= cap + mem_tol(cap)
                 val = np.where(ok, val, np.inf)
                 k = np.argmin(val, axis=2)
                 v = np.take_along_axis(val, k[..., None], axis=2)[..., 0]
@@ -98,10 +137,11 @@ def _turn(best: np.ndarray, left, right, cap: float | None, weight: tuple[float,
         mids = np.arange(a + 1, c)
         for vl, (tl, ml) in enumerate(left):
             for vr, (tr, mr) in enumerate(right):
-                obj = _weighted(weight, tl[a, mids] + tr[mids, c], ml[a, mids] + mr[mids, c])
+                pm = _pair([x[a, mids] for x in ml], [y[mids, c] for y in mr]) if cap is not None or weight[1] else None
+                obj = _weighted(weight, tl[a, mids] + tr[mids, c], pm)
                 ok = np.isfinite(obj)
                 if cap is not None:
-                    ok &= ml[a, mids] + mr[mids, c] <= cap + mem_tol(cap)
+                    ok &= pm <= cap + mem_tol(cap)
                 if not ok.any():
                     continue
                 i = int(np.argmin(np.where(ok, obj, np.inf)))
@@ -112,7 +152,7 @@ def _turn(best: np.ndarray, left, right, cap: float | None, weight: tuple[float,
 
 
 def _solve(P: Problem, p: int, caps: np.ndarray | None, weight: tuple[float, float],
-           scale: np.ndarray | None = None):
+           scale: np.ndarray | None = None, states: States | None = None):
     """Min over V splits of the max over ranks of the weighted pair objective (divided by
     ``scale[r]`` when given). Returns (value, bounds, variants) or raises Infeasible."""
     n, N = P.n, P.n + 1
@@ -120,14 +160,14 @@ def _solve(P: Problem, p: int, caps: np.ndarray | None, weight: tuple[float, flo
     best[0, n] = 0.0
     args = []
     for r in range(p - 1):
-        left = _chunk_tables(P, r)
-        right = _chunk_tables(P, 2 * p - 1 - r)
+        left = _chunk_tables(P, r, counts=_counts(states, p, r))
+        right = _chunk_tables(P, 2 * p - 1 - r, counts=_counts(states, p, 2 * p - 1 - r))
         w = weight if scale is None else (weight[0] / scale[r], weight[1] / scale[r])
         best, arg = _level(best, left, right, None if caps is None else float(caps[r]),
                            2 * (p - 1 - r), w)
         args.append(arg)
-    left = _chunk_tables(P, p - 1, local_end=True)
-    right = _chunk_tables(P, p)
+    left = _chunk_tables(P, p - 1, local_end=True, counts=_counts(states, p, p - 1))
+    right = _chunk_tables(P, p, counts=_counts(states, p, p))
     w = weight if scale is None else (weight[0] / scale[p - 1], weight[1] / scale[p - 1])
     top, where = _turn(best, left, right, None if caps is None else float(caps[p - 1]), w)
     if where is None:
@@ -145,10 +185,12 @@ def _solve(P: Problem, p: int, caps: np.ndarray | None, weight: tuple[float, flo
     return top, bounds, var_l[::-1] + var_r
 
 
-def _problem(time, p, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared):
+def _problem(time, p, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared,
+             pend=None, pending=None):
     if p < 1:
         raise ValueError(f"number of ranks must be >= 1, got {p}")
-    return Problem(time, 2 * p, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared)
+    return Problem(time, 2 * p, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared,
+                   pend, pending)
 
 
 def _rank_caps(caps, p: int) -> np.ndarray | None:
@@ -164,41 +206,65 @@ def _rank_caps(caps, p: int) -> np.ndarray | None:
 
 def optimal_v_split(time, p: int, *, static=None, act=None, out=None, inflight=None, caps=None,
                     cut_time=None, recompute_time=None, checkpointing: str = "off",
-                    return_variants: bool = False, shared=None):
+                    return_variants: bool = False, shared=None, pend=None, pending=None,
+                    states: States | None = None):
     """Exact V split of ``len(time)`` layers into ``2p`` chunks on ``p`` ranks (rank r: chunks
     r and 2p-1-r) minimising the largest rank time under per-rank memory ``caps`` (one number
     or one per rank). ``inflight``: per chunk (2p). Returns ``(bounds, bottleneck)`` (plus, with
     ``return_variants=True``, per chunk 1 where it recomputes its activations); raises
-    :class:`Infeasible` when no split fits."""
-    P = _problem(time, p, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared)
-    _, bounds, var = _solve(P, p, _rank_caps(caps, p), (1.0, 0.0))
+    :class:`Infeasible` when no split fits. ``pend`` / ``pending``: per layer, the gradients a
+    microbatch keeps from I to W, and per chunk the microbatches pending (split backward).
+    ``states`` (per rank, its ``((held_left, held_right), (pending_left, pending_right))``
+    candidates, ``partitioner.memory.schedule_states``): a rank's memory is then the largest
+    over its states, exact where no state dominates for every split."""
+    P = _problem(time, p, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared,
+                 pend, pending)
+    _, bounds, var = _solve(P, p, _rank_caps(caps, p), (1.0, 0.0), states=states)
     t, _ = v_split_costs(P, bounds, var)
     if return_variants:
         return bounds, float(np.max(t)), [int(P.variants[v][0] == "recompute") for v in var]
     return bounds, float(np.max(t))
 
 
-def v_split_costs(P: Problem, bounds: Sequence[tuple[int, int]], variant: Sequence[int] | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """(rank times, rank memories) of a V split (the turn's hand-off is free)."""
+def v_split_costs(P: Problem, bounds: Sequence[tuple[int, int]], variant: Sequence[int] | None = None,
+                  states: States | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(rank times, rank memories) of a V split (the turn's hand-off is free; with ``states``
+    a rank's memory is the largest over them)."""
     k = len(bounds)
     p = k // 2
     t, m = P.costs(bounds, variant)
     t = t.copy()
     t[p - 1] -= P.cut_time[bounds[p - 1][1]]
-    return t[:p] + t[::-1][:p], m[:p] + m[::-1][:p]
+    mem = m[:p] + m[::-1][:p]
+    if states is not None:
+        vi = [0] * k if variant is None else list(variant)
+        for r in range(p):
+            sums = []
+            for count_l, count_r in zip(_counts(states, p, r), _counts(states, p, 2 * p - 1 - r)):
+                sums.append(sum(_chunk_memory(P, j, bounds[j], vi[j], c)
+                                for j, c in ((r, count_l), (2 * p - 1 - r, count_r))))
+            mem[r] = max(sums)
+    return t[:p] + t[::-1][:p], mem
+
+
+def _chunk_memory(P: Problem, j: int, bound: tuple[int, int], v: int, count: tuple[int, int]) -> float:
+    name, _, _, al, be, ga = P.variants[v]
+    a, b, g, d = _coefs(P, name, al, be, ga, j, count)
+    s, e = bound
+    return float(P.PS[e] - P.PS[s] + a * (P.PA[e] - P.PA[s]) + d * (P.PG[e] - P.PG[s]) + b * P.inbuf[s]
+                 + g * P.shared[s] + P.outbuf[e])
 
 
 def min_v_memory_scale(n: int, p: int, *, static=None, act=None, out=None, inflight=None, caps=None,
-                       recompute_time=None, checkpointing: str = "off", shared=None
-                       ) -> tuple[float, list[tuple[int, int]]]:
+                       recompute_time=None, checkpointing: str = "off", shared=None, pend=None,
+                       pending=None, states: States | None = None) -> tuple[float, list[tuple[int, int]]]:
     """Smallest factor ``a`` such that some V split fits ``a * caps`` per rank (``caps=None``:
     1 byte per rank, so ``a`` is the smallest uniform limit in bytes), with that split."""
     P = _problem(np.zeros(n), p, static, act, out, inflight, None,
-                 np.zeros(n) if checkpointing != "off" else None, checkpointing, shared)
+                 np.zeros(n) if checkpointing != "off" else None, checkpointing, shared, pend, pending)
     base = np.ones(p) if caps is None else _rank_caps(caps, p)
     if np.any(base <= 0):
         raise ValueError("memory caps must be > 0")
-    _, bounds, var = _solve(P, p, None, (0.0, 1.0), scale=base)
-    _, mem = v_split_costs(P, bounds, var)
+    _, bounds, var = _solve(P, p, None, (0.0, 1.0), scale=base, states=states)
+    _, mem = v_split_costs(P, bounds, var, states)
     return float(np.max(mem / base)), bounds

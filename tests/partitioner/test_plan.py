@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 
 from partitioner import LayerCost, PartitionError, Plan, Profile, inflight_per_chunk, partition
-from partitioner.memory import MemorySettings, inflight_from_schedule, static_factor
+from engine.schedules import build_schedule
+from partitioner.memory import MemorySettings, inflight_from_schedule, schedule_states, static_factor
 
 
 def uneven_profile(n=24, seed=0):
@@ -207,7 +208,14 @@ def test_zbv_plan_is_a_v_exact_on_ranks():
         both = plan.stage_memory_bytes[r] + plan.stage_memory_bytes[2 * p - 1 - r]
         assert plan.rank_memory_bytes[r] == pytest.approx(both, abs=2) and both <= limit
     assert plan.fits and not any("warning" in n for n in plan.notes)
-    assert plan.stage_inflight == inflight_per_chunk("zbv", p, m, 2) == [5, 4, 3, 3, 2, 1]
+    assert inflight_per_chunk("zbv", p, m, 2) == [5, 4, 3, 3, 2, 1]   # the count peak
+    # the plan's held and pending microbatches: each rank's peak of held activations + kept
+    # gradients (issue 11), one state of the engine's schedule
+    sched = build_schedule("zbv", p, m, 2)
+    for r, states in enumerate(schedule_states(sched)):
+        mine = sched.stages_of(r)
+        assert (tuple(plan.stage_inflight[c] for c in mine), tuple(plan.stage_pending[c] for c in mine)) in states
+    pend = np.array([c.pending_bytes for c in prof.layers], float)   # kept from I to W, per layer
     rank_time = [plan.stage_time_s[r] + plan.stage_time_s[2 * p - 1 - r] for r in range(p)]
     f = np.array([c.forward_s + c.backward_s for c in prof.layers])
     # the search's view (partitioner.memory): per-parameter state at the larger of the two
@@ -219,7 +227,8 @@ def test_zbv_plan_is_a_v_exact_on_ranks():
     _, best = optimal_v_split(
         f, p, static=np.array([c.param_bytes for c in prof.layers], float) * sf,
         act=np.array([c.activation_bytes for c in prof.layers], float),
-        out=np.array([c.output_bytes for c in prof.layers], float), inflight=plan.stage_inflight,
+        out=np.array([c.output_bytes for c in prof.layers], float), inflight=plan.stage_inflight, pend=pend,
+        states=schedule_states(sched),
         shared=np.array([c.shared_input_bytes for c in prof.layers], float), caps=limit - reserve)
     assert max(rank_time) == pytest.approx(best)
     for method in ("uniform", "greedy"):   # the baselines never beat it on the ranks' time
