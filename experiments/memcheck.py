@@ -51,6 +51,9 @@ def _grid() -> list[Layout]:
                               ("pipeline.data_parallel=2", f"optimizer.zero_stage={z}", f"precision={prec}")))
     out.append(Layout("1f1b bf16-autocast adamw zero1 dp2",
                       ("pipeline.data_parallel=2", "optimizer.zero_stage=1", "precision=bf16-autocast")))
+    # DeepSpeed cannot take autograd edges as backward roots: zb-h1 splits I/W per layer there
+    out.append(Layout("zb-h1 fp32 adamw zero1 dp2",
+                      ("pipeline.schedule=zb-h1", "pipeline.data_parallel=2", "optimizer.zero_stage=1")))
     return out
 
 

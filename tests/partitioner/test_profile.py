@@ -230,3 +230,48 @@ def test_attention_backend_is_validated():
     with pytest.raises(ValueError, match="DeviceSpec.attention"):
         get_device_spec("h100", attention="cudnn")
     assert get_device_spec("a100", attention="math").attention == "math"
+
+
+def _kept_by_the_engine(layers, x, grads) -> int:
+    """Bytes of the distinct storages a Chunk of ``layers`` keeps between I and W, read from
+    its microbatch state directly (the recorded boundary gradients and the deferred outputs)."""
+    from engine.stage import Chunk
+
+    class Plain:
+        scale_loss = staticmethod(lambda loss: loss)
+        backward = staticmethod(lambda outs, gs, inputs=None: torch.autograd.backward(outs, gs, inputs=inputs))
+
+    chunk = Chunk(0, 0, layers, measure_activations=False)
+    chunk.forward(0, x, split=True)
+    chunk.backward_input(0, grads, Plain())
+    st = chunk.state[0]
+    kept = [g for _, _, gs in st.boundaries for g in gs if g is not None] + [g for _, gs in st.pending_w for g in gs]
+    params = {p.untyped_storage().data_ptr() for p in chunk.module.parameters()}
+    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in kept}
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+def test_pending_grad_bytes_match_the_engine_and_the_analytic_closed_form():
+    """Issue 11: what a microbatch keeps between I and W. Measured per layer through the
+    engine's split path; their sum over a chunk equals the engine's own kept gradients on that
+    chunk; the analytic figure (output bytes of the weight-owning ops) equals it for blocks and
+    the head and bounds it for the embedding (whose chunk defers its whole backward to W)."""
+    torch.manual_seed(0)
+    B, T, d, H, V = 2, 16, 32, 4, 50
+    fs = gpt_factories(V, d, H, 2, T)
+    ids = torch.randint(0, V, (B, T))
+    meas = profile(fs, ids, repeats=1, warmup=0)
+    ana = profile(fs, ids, mode="analytic", device_spec="h100")
+    assert meas.meta["input_requires_grad"] is False and ana.meta["input_requires_grad"] is False
+    tokens = B * T * 4
+    # ln1, q, k, v, proj, ln2, fc1 (4d), fc2: the gradient at each weight-owning node's output
+    assert [c.pending_grad_bytes for c in meas.layers[1:3]] == [11 * d * tokens] * 2
+    assert meas.layers[3].pending_grad_bytes == (d + V) * tokens           # ln, out
+    assert meas.layers[0].pending_grad_bytes == d * tokens                  # deferred whole: its output gradient
+    assert [c.pending_grad_bytes for c in ana.layers[1:]] == [c.pending_grad_bytes for c in meas.layers[1:]]
+    assert ana.layers[0].pending_grad_bytes >= meas.layers[0].pending_grad_bytes
+    # a chunk of the two blocks and the head, input requiring grad: the engine keeps the sum
+    mods = [f() for f in fs[1:]]
+    x = torch.randn(B, T, d, requires_grad=True)
+    direct = _kept_by_the_engine(mods, x, [torch.randn(B, T, V)])
+    assert direct == sum(c.pending_grad_bytes for c in meas.layers[1:])
