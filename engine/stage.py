@@ -377,6 +377,16 @@ class Chunk:
         if roots and self.params:
             optimizer.backward(roots, rgrads, inputs=self.params)
 
+    def kept_grad_bytes(self, mb: int) -> int:
+        """Bytes of the distinct storages microbatch ``mb`` keeps between its I and its W (the
+        gradients recorded at the boundaries and the outputs deferred whole to W), parameters
+        excluded; the memory model's ``LayerCost.pending_grad_bytes`` is this, per layer."""
+        st = self.state[mb]
+        grads = [g for _, _, gs in st.boundaries or () for g in gs if g is not None]
+        grads += [g for _, gs in st.pending_w or () for g in gs]
+        seen = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
+        return sum(n for ptr, n in seen.items() if ptr not in self._param_ptrs)
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 

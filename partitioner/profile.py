@@ -18,13 +18,17 @@ with warm-up and the median of ``repeats`` (device synchronisation on CUDA); the
 time is full backward minus input-only backward. Activation bytes are the storages the layer
 saves for backward (``saved_tensors_hooks``), deduplicated by storage, without parameters and
 buffers, and without the layer's input when the previous layer already saved that same tensor
-(it is counted once, by the producer).
+(it is counted once, by the producer). The gradients a microbatch keeps between its I and its
+deferred W (``pending_grad_bytes``, zero-bubble schedules) are measured by running the engine's
+own split path on the layer (``engine.stage.Chunk``: forward with ``split=True``, then
+``backward_input``) and summing the distinct storages it keeps.
 
 "analytic": every layer is built under ``torch.device("meta")`` (nothing is allocated). Each
 aten op of the forward and of the backward is costed by the roofline of ``device_spec``
 (``max(flops / peak, bytes / bandwidth) + overhead``), FLOPs from
 ``torch.utils.flop_counter`` (its registry, cross-checked by ``FlopCounterMode``) and bytes from
-the op's tensor shapes.
+the op's tensor shapes. ``pending_grad_bytes`` is the output bytes of the ops that take a
+parameter (the gradients the split backward records at the weight-owning nodes).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any, Callable
 from .costs import LayerCost, Profile
 from .devices import ATTENTION_BACKENDS, DeviceSpec, get_device_spec
 
-__all__ = ["profile", "layer_sources", "kept_grad_bytes"]
+__all__ = ["profile", "layer_sources"]
 
 
 def layer_sources(layers: Any) -> list[Callable[[], Any]]:
@@ -330,22 +334,6 @@ class _PlainBackward:
         torch.autograd.backward(outs, grads, inputs=inputs)
 
 
-def kept_grad_bytes(chunk: Any, mb: int) -> int:
-    """Bytes of the distinct storages a chunk keeps for microbatch ``mb`` between its I and its
-    W (the gradients recorded at its weight-owning nodes and the outputs deferred whole to W),
-    parameters excluded. The engine's own bookkeeping (``engine.stage._MbState``) is read."""
-    st = chunk.state[mb]
-    grads = [g for _, _, gs in st.boundaries or () for g in gs if g is not None]
-    grads += [g for _, gs in st.pending_w or () for g in gs]
-    params = {_storage_key(p) for p in chunk.module.parameters()}
-    seen: dict[int, int] = {}
-    for g in grads:
-        k = _storage_key(g)
-        if k not in params:
-            seen[k] = g.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
 def _measure_pending(layer, x, grads) -> int:
     """What one microbatch keeps between I and W on ``layer`` alone: the engine's own split path
     (``Chunk.forward(split=True)`` then ``backward_input``), its kept gradients summed."""
@@ -354,7 +342,7 @@ def _measure_pending(layer, x, grads) -> int:
     chunk = Chunk(0, 0, [layer], measure_activations=False)
     chunk.forward(0, x, split=True)
     chunk.backward_input(0, list(grads), _PlainBackward())
-    out = kept_grad_bytes(chunk, 0)
+    out = chunk.kept_grad_bytes(0)
     chunk.state.clear()   # W is not run: the parameters' .grad stay untouched
     return out
 
