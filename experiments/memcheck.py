@@ -22,7 +22,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["Layout", "GRID", "BASE", "measure_layouts", "format_rows", "main"]
+__all__ = ["Layout", "GRID", "BASE", "measure_layouts", "format_rows", "main", "smallest_limit"]
 
 # The model every layout of the grid trains (small enough for the CPU, large enough that the
 # per-parameter terms and activations, not the runtime's constants, make the peak).
@@ -34,17 +34,25 @@ BASE: tuple[str, ...] = ("model.dim=128", "model.layers=4", "model.seq_len=64",
 
 @dataclass(frozen=True)
 class Layout:
-    """One row of the grid: a name and the overrides on top of the base config."""
+    """One row of the grid: a name and the overrides on top of the base config.
+    ``limit_fraction``: run under a memory limit of this fraction of the smallest limit the
+    planner fits without recomputation (with ``activation_checkpointing=auto``, so that some
+    chunks must recompute)."""
 
     name: str
     overrides: tuple[str, ...]
+    limit_fraction: float | None = None
 
 
 def _grid() -> list[Layout]:
     out = [Layout(f"{s} fp32 adamw", (f"pipeline.schedule={s}", f"pipeline.virtual_stages={v}"))
-           for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))]
+           for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1),
+                        ("zbv", 2))]
     out.append(Layout("1f1b fp32 sgd(momentum)", ("optimizer=sgd",)))
     out.append(Layout("1f1b fp32 adamw recompute", ("pipeline.activation_checkpointing=true",)))
+    for s in ("1f1b", "zb-h1"):
+        out.append(Layout(f"{s} fp32 adamw recompute auto",
+                          (f"pipeline.schedule={s}", "pipeline.activation_checkpointing=auto"), 0.97))
     for z in (0, 1, 2):
         for prec in ("fp32", "bf16"):
             out.append(Layout(f"1f1b {prec} adamw zero{z} dp2",
@@ -60,15 +68,39 @@ def _grid() -> list[Layout]:
 GRID: list[Layout] = _grid()
 
 
+def smallest_limit(prof: Any, kwargs: dict[str, Any], checkpointing: str) -> int:
+    """The smallest per-rank limit (bytes) the planner fits ``prof`` in with ``kwargs``
+    (``experiments.wiring.partition_kwargs``) and ``checkpointing``, by bisection."""
+    import partitioner
+
+    def fits(limit: int) -> bool:
+        try:
+            partitioner.partition(prof, **{**kwargs, "memory_limit_bytes": limit,
+                                           "activation_checkpointing": checkpointing})
+            return True
+        except partitioner.PartitionError:
+            return False
+
+    lo, hi = 1, 1 << 34
+    while hi - lo > max(1, lo // 2000):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
 def _prepare(layout: Layout, base: Sequence[str]) -> dict[str, Any]:
     """The resolved config and plan of a layout (profiled here, as `experiments.train` does)."""
     from experiments.config import compose_config, to_plain_dict
     from experiments.models import build_model
-    from experiments.wiring import make_plan, profile_model, world_size
+    from experiments.wiring import make_plan, partition_kwargs, profile_model, world_size
 
     cfg = compose_config(*base, *layout.overrides)
     spec = build_model(cfg.model)
-    plan = make_plan(cfg, spec, profile_model(cfg, spec))
+    prof = profile_model(cfg, spec)
+    if layout.limit_fraction is not None:
+        limit = int(smallest_limit(prof, partition_kwargs(cfg), "off") * layout.limit_fraction)
+        cfg = compose_config(*base, *layout.overrides, f"partitioner.memory_limit={limit}B")
+    plan = make_plan(cfg, spec, prof)
     return {"name": layout.name, "config": to_plain_dict(cfg), "plan": plan, "world": world_size(cfg)}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.memcheck import BASE, GRID, Layout, _prepare, measure_layouts
+from experiments.memcheck import BASE, GRID, Layout, _prepare, measure_layouts, smallest_limit
 
 pytestmark = pytest.mark.slow
 
@@ -30,25 +30,6 @@ def test_plan_matches_memtracker_on_several_layouts():
             assert got == pytest.approx(6 * r["numel"], rel=0.01)
 
 
-def _smallest_limit(prof, kwargs: dict, checkpointing: str) -> int:
-    """The smallest per-rank limit the planner fits (bisection over partitioner.partition)."""
-    import partitioner
-
-    def fits(limit: int) -> bool:
-        try:
-            partitioner.partition(prof, **{**kwargs, "memory_limit_bytes": limit,
-                                           "activation_checkpointing": checkpointing})
-            return True
-        except partitioner.PartitionError:
-            return False
-
-    lo, hi = 1, 1 << 34
-    while hi - lo > max(1, lo // 2000):
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
-
-
 def test_auto_checkpointing_under_a_limit_trains_the_same_within_the_limit():
     """A memory limit just under the smallest that fits without recomputation: with
     activation_checkpointing=auto the plan recomputes on some stages but not all, the run's
@@ -60,7 +41,7 @@ def test_auto_checkpointing_under_a_limit_trains_the_same_within_the_limit():
     cfg = compose_config(*BASE, "pipeline.activation_checkpointing=auto")
     spec = build_model(cfg.model)
     prof, kwargs = profile_model(cfg, spec), partition_kwargs(cfg)
-    limit = int(_smallest_limit(prof, kwargs, "off") * 0.97)
+    limit = int(smallest_limit(prof, kwargs, "off") * 0.97)
     free = Layout("free", ())
     auto = Layout("auto", ("pipeline.activation_checkpointing=auto", f"partitioner.memory_limit={limit}B"))
     rows = measure_layouts([free, auto], steps=3)
