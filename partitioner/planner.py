@@ -561,9 +561,13 @@ def _more_stages(prob: _Problem) -> str:
     lower the per-stage memory), or nothing."""
     n, p, v, cap, c = prob.n, prob.p, prob.v, prob.rank_caps[0], prob.common  # type: ignore[index]
     for p2 in range(p + 1, min(n // v, 4 * p) + 1):
-        inf2 = inflight_per_chunk(prob.schedule, p2, prob.m, v)
+        inf2, pend2 = inflight_per_chunk(prob.schedule, p2, prob.m, v), None
+        if prob.states:   # split backward: the gradients kept from I to W too
+            inf2, pend2 = held_and_pending(build_schedule(prob.schedule, p2, prob.m, v),
+                                           [float(prob.act.mean())] * p2 * v, [float(prob.pend.mean())] * p2 * v)
         if fits_any(p2 * v, n, static=c["static"], act=c["act"], out=c["out"], inflight=inf2,
-                    shared=c["shared"], caps=cap / v, recompute_time=prob.f, checkpointing=prob.ckpt):
+                    shared=c["shared"], caps=cap / v, recompute_time=prob.f, checkpointing=prob.ckpt,
+                    pend=c["pend"], pending=pend2):
             return f", or use {p2} stages"
     return ""
 

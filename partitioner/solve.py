@@ -57,7 +57,10 @@ def optimal_split(time, k: int, *, static=None, act=None, out=None, inflight=Non
     Returns ``(bounds, bottleneck)`` (plus the per-stage variant list, 1 = recompute, with
     ``return_variants=True``); raises :class:`Infeasible` when no split fits ``caps``.
     ``checkpointing``: "off", "on" (every stage recomputes) or "auto" (a stage recomputes only
-    when that is what lets the split fit, decided exactly inside the search).
+    when that is what lets the split fit, decided exactly inside the search). ``pend`` (per
+    layer) and ``pending`` (per stage): the gradients a microbatch keeps between its I and its
+    W under a split-backward schedule, and the microbatches a stage has pending at its peak
+    (:mod:`partitioner.feasible`).
     """
     P = Problem(time, k, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared,
                 pend, pending)
