@@ -263,7 +263,7 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
     inflight, pending, states = _counts(profile, schedule, p, m, v, max_inflight, memory, simulate, act, pend)
     source = "engine schedule" if simulate or states else "closed form"
     notes.append(f"in-flight microbatches per stage {inflight} (from the {source})")
-    if states:
+    if SCHEDULE_INFO[schedule].splits_backward:
         notes.append(f"microbatches with weight gradients pending (I done, W not) per stage {pending}, "
                      f"at the peak of activations + kept gradients")
     return _Problem(
@@ -282,17 +282,19 @@ def _counts(profile: Profile, schedule: str, p: int, m: int, v: int, max_infligh
             memory: MemorySettings, simulate: bool, act: np.ndarray, pend: np.ndarray
             ) -> tuple[list[int], list[int], list | None]:
     """Per chunk, the microbatches held and pending for the search, and (split-backward
-    schedules) each rank's states; fills ``pend`` (bytes kept from I to W per layer). The
-    search's state of a rank is its peak with every chunk costing the profile's mean layer."""
-    k = p * v
-    if not SCHEDULE_INFO[schedule].splits_backward:
-        if simulate:  # what the engine will run
-            return inflight_from_schedule(build_schedule(schedule, p, m, v, max_inflight=max_inflight)), [0] * k, None
+    schedules, several chunks per rank) each rank's states; fills ``pend`` (bytes kept from I to
+    W per layer). The search's state of a rank is its peak with every chunk costing the
+    profile's mean layer."""
+    k, split = p * v, SCHEDULE_INFO[schedule].splits_backward
+    if split:
+        pend[:] = [memory.pending_grad_bytes(c) for c in profile.layers]
+    if not (simulate or split or v > 1):
         return inflight_per_chunk(schedule, p, m, v, max_inflight=max_inflight), [0] * k, None
-    pend[:] = [memory.pending_grad_bytes(c) for c in profile.layers]
-    sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)
+    sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)   # what the engine will run
     inflight, pending = held_and_pending(sched, [float(act.mean())] * k, [float(pend.mean())] * k)
-    return inflight, pending, schedule_states(sched)
+    # several chunks per rank or a split backward: which state is a rank's peak depends on the
+    # split's bytes, so the plan re-reads it for the split found (``_chunk_counts``)
+    return inflight, pending, schedule_states(sched) if split or v > 1 else None
 
 
 def _search(method: str, prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], list[bool]]:
@@ -562,7 +564,7 @@ def _more_stages(prob: _Problem) -> str:
     n, p, v, cap, c = prob.n, prob.p, prob.v, prob.rank_caps[0], prob.common  # type: ignore[index]
     for p2 in range(p + 1, min(n // v, 4 * p) + 1):
         inf2, pend2 = inflight_per_chunk(prob.schedule, p2, prob.m, v), None
-        if prob.states:   # split backward: the gradients kept from I to W too
+        if SCHEDULE_INFO[prob.schedule].splits_backward:   # the gradients kept from I to W too
             inf2, pend2 = held_and_pending(build_schedule(prob.schedule, p2, prob.m, v),
                                            [float(prob.act.mean())] * p2 * v, [float(prob.pend.mean())] * p2 * v)
         if fits_any(p2 * v, n, static=c["static"], act=c["act"], out=c["out"], inflight=inf2,

@@ -152,13 +152,23 @@ def test_the_split_solver_counts_pending_like_activations():
         partition(big, 2, schedule="zb-h1", microbatches=4, zero_stage=0, memory_limit_bytes=limit)
 
 
-def test_zbv_plan_takes_the_peak_of_the_combined_quantity():
-    """zbv's ranks have several non-dominated (held, pending) states: the plan's memory is the
-    largest over them for its split, and it fits the limit it was given."""
-    layers = [_layer(g, act=a) for g, a in zip([100_000, 0, 0, 0, 0, 0, 0, 100_000], [1_000] * 8)]
+@pytest.mark.parametrize("schedule,pend,act", [
+    ("zbv", [100_000, 0, 0, 0, 0, 0, 0, 100_000], [1_000] * 8),
+    # interleaved: rank 1 may hold 2 of chunk 1 and 1 of chunk 3, or 3 of chunk 1; heavy
+    # activations in chunk 1 make the second the peak though both hold 3 microbatches
+    ("interleaved-1f1b", [0] * 8, [1_000, 1_000, 90_000, 90_000, 1_000, 1_000, 1_000, 1_000]),
+])
+def test_multi_chunk_ranks_take_the_peak_of_the_combined_quantity(schedule, pend, act):
+    """zbv's and interleaved's ranks have several non-dominated (held, pending) states: the
+    plan's memory is the largest over them for its split, and it fits the limit it was given."""
+    layers = [_layer(g, act=a) for g, a in zip(pend, act)]
     prof = Profile(layers, meta={"input_requires_grad": True})
-    plan = partition(prof, 2, schedule="zbv", virtual_stages=2, microbatches=4, zero_stage=0)
-    sched = build_schedule("zbv", 2, 4, 2)
+    plan = partition(prof, 2, schedule=schedule, virtual_stages=2, microbatches=4, zero_stage=0)
+    sched = build_schedule(schedule, 2, 4, 2)
+    if schedule == "interleaved-1f1b":
+        assert plan.stage_ranges == [(0, 2), (2, 4), (4, 6), (6, 8)]
+        assert inflight_from_schedule(sched)[1::2] == [2, 1]     # the count peak
+        assert [plan.stage_inflight[c] for c in (1, 3)] == [3, 0]   # the bytes peak
     for r, states in enumerate(schedule_states(sched)):
         mine = sched.stages_of(r)
         best = 0.0
@@ -168,11 +178,11 @@ def test_zbv_plan_takes_the_peak_of_the_combined_quantity():
                                  for j, h, q in zip(mine, held, pend)))
         d = plan.rank_memory_breakdown[r]
         base = partition(Profile([dataclasses.replace(c, pending_grad_bytes=0, activation_bytes=0)
-                                  for c in prof.layers], meta=prof.meta), 2, schedule="zbv", virtual_stages=2,
+                                  for c in prof.layers], meta=prof.meta), 2, schedule=schedule, virtual_stages=2,
                          microbatches=4, zero_stage=0)
         assert base.stage_ranges == plan.stage_ranges
         extra = sum(d.values()) - sum(base.rank_memory_breakdown[r].values())
         assert extra == pytest.approx(best, abs=2)
-    limited = partition(prof, 2, schedule="zbv", virtual_stages=2, microbatches=4, zero_stage=0,
+    limited = partition(prof, 2, schedule=schedule, virtual_stages=2, microbatches=4, zero_stage=0,
                         memory_limit_bytes=max(plan.rank_memory_bytes))
-    assert limited.fits
+    assert limited.fits and max(limited.rank_memory_bytes) <= max(plan.rank_memory_bytes)
