@@ -359,6 +359,7 @@ class BenchConfig:
     auto: bool = True  # also run the planner's choice (partitioner.search: schedule, chunks, microbatches, max_inflight, recompute, split)
     sweep: bool = False  # also run every layout the search solved, to compare the choice with the fastest measured
     sweep_max: Optional[int] = None  # sweep only the best-predicted N layouts; null = all
+    sweep_confirm: int = 3  # after the sweep, run auto's choice and the N fastest sweep layouts again head to head (`rounds` fresh rounds) and compare those medians; 0 = off
     overhead: bool = False  # true: the overhead benchmark instead (near-free layers, m=32, p=2 and 4: cost per action)
     trace: bool = False  # true: every rank writes a torch.profiler trace of its timed steps (outputs/traces/) and a time-per-category table
 

@@ -87,6 +87,9 @@ def run(cfg: Any, run_dir: str) -> dict:
 
         print(format_sweep(rows))
         print(comparison_line(result["auto"]))
+        if result["auto"].get("confirmation"):
+            from experiments.bench.auto import confirmation_line
+            print(confirmation_line(result["auto"]["confirmation"]))
     print("ratios:", json.dumps(result["ratios"], indent=1))
     if trace:
         from experiments.bench.trace import format_trace

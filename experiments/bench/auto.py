@@ -8,12 +8,18 @@ turns its choice into one pipeshard run (`section="auto"`) and, with `bench.swee
 layout it solved into runs too (`section="sweep"`; `bench.sweep_max` keeps the best-predicted
 N), so the choice can be set beside the fastest layout actually measured: `sweep_comparison`.
 
+The fastest of many noisy measurements is biased low (the luckiest run wins), so a choice set
+beside it looks worse than it is. `confirm_layouts` (`bench.sweep_confirm=N`) therefore runs
+the choice and the sweep's N fastest layouts again, head to head in fresh alternating rounds,
+and compares those medians only: the sweep selects, the confirmation measures.
+
 Example::
 
     res = search_layouts(cfg, profile, link=None, timeout_s=600, sweep=True)
     runs, entries = layout_runs(res, spec, sweep=True)      # for experiments.bench.jobs.job_table
     ...                                                     # run, then rows
     print(format_sweep(rows)); sweep_comparison(rows)["auto_over_best_sweep"]
+    confirm_layouts(entries, combined, jobs, spec, top=3, rounds=2)["auto_over_best"]
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ import dataclasses
 import io
 from typing import Any, Callable
 
-from experiments.bench.jobs import pipeshard_key
+from experiments.bench.jobs import Job, pipeshard_key, run_jobs
 from experiments.bench.spec import BenchSpec
 
-__all__ = ["search_layouts", "layout_runs", "sweep_comparison", "comparison_line", "format_sweep", "rank_correlation"]
+__all__ = ["search_layouts", "layout_runs", "sweep_comparison", "comparison_line", "format_sweep", "rank_correlation",
+           "confirm_layouts", "confirmation_line"]
 
 
 def _profile_at(c: dict, fixed: Any, timeout_s: float) -> Callable[[int], Any]:
@@ -185,3 +192,44 @@ def format_sweep(rows: list[dict[str, Any]], title: str = "auto and sweep: predi
     out = io.StringIO()
     Console(file=out, width=220, force_terminal=False, color_system=None).print(table)
     return out.getvalue()
+
+
+def confirm_layouts(entries: list[tuple], combined: dict[tuple, dict[str, Any]], jobs: dict[tuple, Job],
+                    spec: BenchSpec, *, top: int = 3, rounds: int = 2,
+                    log: Callable[[str], None] | None = print) -> dict[str, Any]:
+    """Run auto's choice and the sweep's ``top`` fastest layouts (by their first measurement)
+    again for ``rounds`` fresh alternating rounds; ``auto_over_best`` compares only these new
+    medians (the acceptance figure: <= 1.05)."""
+    labels = {key: extra["layout"] for extra, key, _ in entries if extra.get("section") in ("auto", "sweep")}
+    auto_key = next((key for extra, key, _ in entries if extra.get("section") == "auto"), None)
+    swept = sorted({key for extra, key, _ in entries
+                    if extra.get("section") == "sweep" and combined[key].get("step_s")},
+                   key=lambda k: combined[k]["step_s"])
+    keys = list(dict.fromkeys(([auto_key] if auto_key is not None else []) + swept[:top]))
+    if log:
+        log(f"[bench] confirming {len(keys)} layouts head to head ({rounds} fresh rounds): "
+            + ", ".join(labels[k] for k in keys))
+    again = run_jobs({k: jobs[k] for k in keys}, spec, rounds=rounds, log=log)
+    layouts = [{"layout": labels[k], "auto": k == auto_key, "step_s": again[k].get("step_s"),
+                "step_s_rounds": again[k].get("step_s_rounds", []), "first_step_s": combined[k].get("step_s"),
+                "error": again[k].get("error")} for k in keys]
+    ok = [x for x in layouts if x["step_s"]]
+    best = min(ok, key=lambda x: x["step_s"]) if ok else None
+    auto = next((x for x in layouts if x["auto"]), None)
+    a = auto["step_s"] if auto else None
+    return {"rounds": rounds, "layouts": layouts, "auto_layout": auto["layout"] if auto else None,
+            "auto_step_s": a, "best_layout": best["layout"] if best else None,
+            "best_step_s": best["step_s"] if best else None,
+            "auto_over_best": a / best["step_s"] if a and best else None}
+
+
+def confirmation_line(conf: dict[str, Any]) -> str:
+    """One sentence on the head-to-head confirmation (:func:`confirm_layouts`)."""
+    if not conf.get("auto_step_s"):
+        return "confirmation: auto's choice did not run again (see its error)"
+    others = "; ".join(f"{x['layout']} {x['step_s'] * 1e3:.1f}" for x in conf["layouts"]
+                       if not x["auto"] and x["step_s"])
+    n = conf["rounds"]
+    return (f"confirmation ({n} fresh round{'s' if n != 1 else ''}, head to head): auto ({conf['auto_layout']}) "
+            f"{conf['auto_step_s'] * 1e3:.1f} ms; {others or 'no other layout'}; fastest "
+            f"{conf['best_layout']}: auto / fastest = {conf['auto_over_best']:.3f}")

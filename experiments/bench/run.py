@@ -80,6 +80,7 @@ def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None]
                      torch_schedules=_torch_names(schedules) if "torch-pipelining" in systems else (),
                      deepspeed="deepspeed" in systems, timeout_s=timeout)
     combined = run_jobs(jobs, spec, rounds=rounds, log=log)
+    confirmation = _confirm(bc, entries, combined, jobs, spec, rounds, log) if searched is not None else None
     plans = _calibrated_plans(prof, raw_plans, combined, meta, link)
     rows = _rows(entries, combined, plans, raw_plans)
     meta["load_avg_end"] = list(os.getloadavg())
@@ -91,7 +92,21 @@ def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None]
 
         out["search"] = searched.record(searched.count("ok"))
         out["auto"] = sweep_comparison(rows)
+        if confirmation is not None:
+            out["auto"]["confirmation"] = confirmation
     return out
+
+
+def _confirm(bc: dict, entries: list, combined: dict, jobs: dict, spec: BenchSpec, rounds: int,
+             log: Callable[[str], None] | None) -> dict[str, Any] | None:
+    """With `bench.sweep` and `bench.sweep_confirm` > 0: auto's choice and the sweep's fastest
+    layouts measured again head to head (`experiments.bench.auto.confirm_layouts`)."""
+    top = int(bc.get("sweep_confirm") or 0)
+    if not (bc.get("sweep") and top > 0):
+        return None
+    from experiments.bench.auto import confirm_layouts
+
+    return confirm_layouts(entries, combined, jobs, spec, top=top, rounds=rounds, log=log)
 
 
 def _search(c: dict, prof: Any, link: Any, timeout: float, spec: BenchSpec, pipeshard: list, entries: list,

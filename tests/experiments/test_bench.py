@@ -283,6 +283,38 @@ def test_sweep_comparison_and_its_line() -> None:
     assert "did not run" in comparison_line(sweep_comparison([row("auto", "zbv m=8", 1.0, None, error="x")]))
 
 
+def test_confirmation_reruns_the_choice_and_the_fastest_sweep_layouts_head_to_head() -> None:
+    """The sweep selects, fresh rounds measure: only the new medians enter the ratio."""
+    from experiments.bench.auto import confirm_layouts, confirmation_line
+    from experiments.bench.jobs import Job
+
+    second = {"a": [1.10, 1.08], "b": [1.00, 1.02], "c": [1.30, 1.31], "d": [9.0, 9.0]}
+    calls: list[str] = []
+
+    def job(name: str) -> Job:
+        def run() -> dict:
+            k = sum(1 for c in calls if c == name)
+            calls.append(name)
+            t = second[name][k]
+            return dict(system="pipeshard", schedule="1f1b", step_s=t, step_s_all=[t], samples_per_s=1 / t,
+                        peak_rss_bytes=[1, 1])
+        return Job(("pipeshard", name), "pipeshard", "1f1b", 2, 1, run)
+
+    jobs = {("pipeshard", n): job(n) for n in second}
+    entries = [({"section": "auto", "layout": "A"}, ("pipeshard", "a"), None)] + [
+        ({"section": "sweep", "layout": n.upper()}, ("pipeshard", n), None) for n in "abcd"]
+    first = {("pipeshard", "a"): {"step_s": 1.2}, ("pipeshard", "b"): {"step_s": 0.90},  # b was lucky
+             ("pipeshard", "c"): {"step_s": 1.25}, ("pipeshard", "d"): {"step_s": None, "error": "x"}}
+    conf = confirm_layouts(entries, first, jobs, _spec(), top=2, rounds=2, log=None)
+    assert sorted(calls) == ["a", "a", "b", "b"]  # the choice and the 2 fastest (b, then a itself)
+    assert [x["layout"] for x in conf["layouts"]] == ["A", "B"]
+    assert conf["auto_step_s"] == pytest.approx(1.09) and conf["best_layout"] == "B"
+    assert conf["auto_over_best"] == pytest.approx(1.09 / 1.01)
+    assert conf["layouts"][1]["first_step_s"] == 0.90 and conf["layouts"][1]["step_s_rounds"] == [1.00, 1.02]
+    line = confirmation_line(conf)
+    assert "auto (A) 1090.0 ms" in line and "B 1010.0" in line and "auto / fastest = 1.079" in line
+
+
 @pytest.mark.slow
 def test_overhead_bench_gives_a_cost_per_action_for_each_engine() -> None:
     from experiments.bench.overhead import format_overhead, overhead_spec, run_overhead

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.layers=2", "model.dim=16", "model.heads=2", "model.vocab=32", "model.seq_len=8",
         "train.batch_size=8", "pipeline.microbatches=4", "bench.steps=1", "bench.warmup_steps=0",
         "partitioner.repeats=1", "partitioner.warmup=0", "bench.schedules=[1f1b,zbv]",
-        "bench.sweep=true", "bench.sweep_max=2", "partitioner.search.schedules=[1f1b,zb-h2,zbv]",
+        "bench.sweep=true", "bench.sweep_max=2", "bench.sweep_confirm=1", "partitioner.search.schedules=[1f1b,zb-h2,zbv]",
         "partitioner.search.max_microbatches=4",
         "bench.methods=[optimal,uniform]", "bench.timeout_s=120",
         "partitioner.link_bytes_per_s=1e9"]  # given, to save a measuring job
@@ -115,5 +115,11 @@ def test_auto_and_sweep_rows(bench: dict) -> None:
     fastest = min(sweep, key=lambda r: r["step_s"])
     assert cmp["best_sweep_layout"] == fastest["layout"]
     assert cmp["auto_over_best_sweep"] == auto["step_s"] / fastest["step_s"]
+    conf = cmp["confirmation"]  # the choice and the sweep's fastest, run again head to head
+    assert conf["rounds"] == 1 and conf["auto_layout"] == chosen["label"]
+    assert {x["layout"] for x in conf["layouts"]} == {chosen["label"], fastest["layout"]}
+    assert all(x["step_s"] > 0 and x["first_step_s"] > 0 for x in conf["layouts"])
+    assert conf["auto_over_best"] == conf["auto_step_s"] / min(x["step_s"] for x in conf["layouts"])
     out = bench["_stdout"]
+    assert "confirmation (1 fresh round, head to head): auto (" in out
     assert "auto and sweep: predicted vs measured" in out and "auto's choice (" in out and "search:" in out
