@@ -3,7 +3,9 @@
 The layers are cut into ``2p`` contiguous chunks ``[b_0, b_1), ..., [b_{2p-1}, b_{2p})``;
 rank r runs chunk r (left arm) and chunk 2p-1-r (right arm), so its time is the sum of the
 two chunks' times and its memory the sum of their memories (each chunk costed as in
-:mod:`partitioner.feasible`, with its own in-flight count). The last rank's two chunks are
+:mod:`partitioner.feasible`, with its own in-flight count; given the rank's schedule states,
+``(held, pending)`` per chunk, the largest such sum over them: which state is the peak depends
+on the split). The last rank's two chunks are
 adjacent (the turn of the V): the hand-off between them stays on the rank, so its transfer
 time is not charged. :func:`optimal_v_split` minimises the largest rank time subject to each
 rank's memory cap, exactly, by dynamic programming over the two open ends of the V: after
