@@ -89,6 +89,11 @@ class Footprint:
     backward_temporary: float   # one backward's transient, beyond the activations
     step_gradients: float       # gradients held at the step's peak
     step_temporary: float       # the step's transient
+    # The part of ``backward_temporary`` alive only while a full reduce bucket is reduced, and
+    # the share of a backward's gradients made by then (so of its activations freed): ZeRO-2
+    # with 16-bit buckets casts the bucket to the fp32 communication dtype.
+    reduce_temporary: float = 0.0
+    reduce_after: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -131,7 +136,8 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
         # reduce at every backward: bucket (weight dtype), its flattened copy, the cast to the
         # communication (= accumulation) dtype; the partition accumulates in `a`
         cast = a * bucket if a != w else 0.0
-        return Footprint(w * n, a * part, state, 2 * w * bucket + cast, 0.0, after)
+        return Footprint(w * n, a * part, state, 2 * w * bucket + cast, 0.0, after,
+                         reduce_temporary=cast, reduce_after=min(1.0, bucket / max(n, 1.0)))
     # ZeRO-1 (and 16-bit ZeRO-0): full gradients until the step's reduce
     separate = a != w                         # 16-bit gradients moved into fp32 grad_accum
     bw = (w * n + 4 * big) if separate else w * big

@@ -136,15 +136,23 @@ class MemorySettings:
 
 
 def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, activations: float,
-                   communication: float, workspace: float, pending: float = 0.0) -> dict[str, float]:
+                   communication: float, workspace: float, pending: float = 0.0,
+                   microbatch_activations: float = 0.0) -> dict[str, float]:
     """The rank's memory at its peak, by :data:`BREAKDOWN_KEYS` (bytes; they sum to the peak):
     the larger of the forward/backward phase and the step phase. ``pending``: the gradients
     kept between I and W at the peak (split-backward schedules), booked as ``temporary``:
-    gradients of intermediate tensors made by a backward, as MemTracker books them."""
+    gradients of intermediate tensors made by a backward, as MemTracker books them.
+    ``microbatch_activations``: one microbatch's activations on the rank (its largest chunk);
+    a transient that exists only during a bucket reduce (``Footprint.reduce_temporary``) meets
+    the activations less the share that microbatch's backward has freed by then."""
     f = settings.footprint(numel, largest)
     backward = {"parameters": f.parameters, "gradients": f.gradients,
                 "optimizer_state": f.optimizer_state, "activations": activations,
                 "communication": communication, "temporary": f.backward_temporary + workspace + pending}
+    if f.reduce_temporary > 0 and microbatch_activations > 0:
+        at_reduce = dict(backward, activations=max(0.0, activations - f.reduce_after * microbatch_activations))
+        before = dict(backward, temporary=backward["temporary"] - f.reduce_temporary)
+        backward = max(at_reduce, before, key=lambda d: sum(d.values()))
     step = {"parameters": f.parameters, "gradients": f.step_gradients,
             "optimizer_state": f.optimizer_state, "activations": 0.0, "communication": 0.0,
             "temporary": f.step_temporary}

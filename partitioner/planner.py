@@ -348,12 +348,14 @@ def _rank_memory(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[
         layers = [i for c in mine for i in range(*bounds[c])]
         acts = sum(_held_activation_bytes(prob, *bounds[c], held[c], recompute[c]) for c in mine)
         kept = sum(pending[c] * _pending_bytes(prob, *bounds[c], recompute[c]) for c in mine)
+        per_mb = max((_held_activation_bytes(prob, *bounds[c], 1, recompute[c]) for c in mine if held[c]),
+                     default=0.0)
         comm = sum((prob.out[a - 1] if a > 0 else 0.0) + (prob.out[e - 1] if e < prob.n else 0.0)
                    for a, e in (bounds[c] for c in mine))
         out.append(rank_breakdown(prob.memory, numel=float(prob.numel[layers].sum()),
                                   largest=float(prob.largest[layers].max()), activations=float(acts),
                                   communication=float(comm), workspace=float(prob.workspace[layers].max()),
-                                  pending=kept))
+                                  pending=kept, microbatch_activations=float(per_mb)))
     return out
 
 

@@ -186,3 +186,32 @@ def test_multi_chunk_ranks_take_the_peak_of_the_combined_quantity(schedule, pend
     limited = partition(prof, 2, schedule=schedule, virtual_stages=2, microbatches=4, zero_stage=0,
                         memory_limit_bytes=max(plan.rank_memory_bytes))
     assert limited.fits and max(limited.rank_memory_bytes) <= max(plan.rank_memory_bytes)
+
+
+def test_zero2_reduce_cast_meets_the_activations_a_backward_has_freed() -> None:
+    """ZeRO-2 with 16-bit buckets: the fp32 cast exists only while a full bucket (1/d of the
+    rank's gradients) is reduced, when that microbatch's backward has freed 1/d of its
+    activations; the peak is the larger of that moment and the one before the reduce."""
+    from partitioner.memory import MemorySettings, rank_breakdown
+
+    n, d, act, mb = 1_000_000, 2, 3e6, 2e6       # 3 MB held in all, 2 MB of one microbatch
+    mem = MemorySettings(precision="bf16", optimizer="adamw", zero_stage=2, data_parallel=d)
+    f = mem.footprint(n, n // 10)
+    bucket = n // d
+    assert f.reduce_temporary == 4 * bucket and f.reduce_after == pytest.approx(1 / d)
+    assert f.backward_temporary == 2 * 2 * bucket + 4 * bucket
+    kw = dict(numel=n, largest=n // 10, communication=0.0, workspace=0.0)
+    plain = rank_breakdown(mem, activations=act, **kw)
+    at = rank_breakdown(mem, activations=act, microbatch_activations=mb, **kw)
+    assert at["activations"] == pytest.approx(act - mb / d) and at["temporary"] == plain["temporary"]
+    assert sum(at.values()) == pytest.approx(sum(plain.values()) - mb / d)
+    # a small microbatch: the moment before the reduce (all activations, no cast) is the peak
+    small = rank_breakdown(mem, activations=act, microbatch_activations=1e3, **kw)
+    before = sum(plain.values()) - f.reduce_temporary
+    assert sum(small.values()) == pytest.approx(max(before, sum(plain.values()) - 1e3 / d))
+    # fp32 ZeRO-2 (no cast) and bf16 ZeRO-1 are unchanged
+    for other in (MemorySettings(precision="fp32", optimizer="adamw", zero_stage=2, data_parallel=d),
+                  MemorySettings(precision="bf16", optimizer="adamw", zero_stage=1, data_parallel=d)):
+        assert other.footprint(n, n // 10).reduce_temporary == 0.0
+        assert rank_breakdown(other, activations=act, microbatch_activations=mb, **kw) == \
+            rank_breakdown(other, activations=act, **kw)
