@@ -10,7 +10,9 @@ two phases at its peak:
 * forward/backward: weights, the gradients held through backward, the optimizer state, the
   activations of the microbatches in flight and the transient of one backward
   (``backward_temporary``: the 16-bit gradient of the parameter being accumulated and its
-  fp32 copy; ZeRO-2's reduce bucket and its flattened copy);
+  fp32 copy; ZeRO-2's reduce bucket and its flattened copy; the 16-bit bucket's fp32 cast
+  exists only while a full bucket is reduced, ``reduce_temporary``, by when the microbatch
+  being back-propagated has freed the share ``reduce_after`` of its activations);
 * the step: weights, the gradients held at the step (``step_gradients``), the optimizer state
   and the step's temporaries (``step_temporary``: the flattened reduce bucket, or with the
   torch backend's overlapped reduction (``engine.overlap``) every bucket's flat copy, held
