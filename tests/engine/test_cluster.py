@@ -20,18 +20,19 @@ def env(monkeypatch):
     return monkeypatch
 
 
+def _setenv(env, **values: str) -> None:
+    for key, value in values.items():
+        env.setenv(key, value)
+
+
 def test_nothing_set_means_pipeshard_starts_its_own_workers(env):
     assert detect() is None
     assert restart_count() == 0
 
 
 def test_torchrun(env):
-    env.setenv("RANK", "3")
-    env.setenv("WORLD_SIZE", "8")
-    env.setenv("LOCAL_RANK", "1")
-    env.setenv("MASTER_ADDR", "node7")
-    env.setenv("MASTER_PORT", "1234")
-    env.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    _setenv(env, RANK="3", WORLD_SIZE="8", LOCAL_RANK="1", MASTER_ADDR="node7", MASTER_PORT="1234",
+                 TORCHELASTIC_RESTART_COUNT="2")
     assert detect() == ClusterEnv(3, 8, 1, "node7", 1234, "torchrun")
     assert restart_count() == 2
     env.setenv("PIPESHARD_RESTART_COUNT", "1")   # pipeshard's own launcher wins
@@ -39,11 +40,8 @@ def test_torchrun(env):
 
 
 def test_slurm_step(env):
-    env.setenv("SLURM_PROCID", "5")
-    env.setenv("SLURM_NTASKS", "8")
-    env.setenv("SLURM_LOCALID", "1")
-    env.setenv("SLURM_JOB_ID", "123456")
-    env.setenv("SLURM_JOB_NODELIST", "gpu[012-013,020],cpu1")
+    _setenv(env, SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1", SLURM_JOB_ID="123456",
+                 SLURM_JOB_NODELIST="gpu[012-013,020],cpu1")
     assert detect() is None           # a batch script outside srun is not a step
     env.setenv("SLURM_STEP_ID", "0")
     got = detect()
@@ -56,19 +54,12 @@ def test_slurm_step(env):
 
 
 def test_single_task_slurm_step_starts_its_own_workers(env):
-    env.setenv("SLURM_PROCID", "0")
-    env.setenv("SLURM_NTASKS", "1")
-    env.setenv("SLURM_STEP_ID", "0")
+    _setenv(env, SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_STEP_ID="0")
     assert detect() is None
 
 
 def test_submitit_tasks(env):
-    env.setenv("SUBMITIT_EXECUTOR", "slurm")
-    env.setenv("SLURM_JOB_ID", "77")
-    env.setenv("SLURM_NTASKS", "4")
-    env.setenv("SLURM_PROCID", "2")
-    env.setenv("SLURM_LOCALID", "0")
-    env.setenv("SLURM_JOB_NUM_NODES", "2")
-    env.setenv("SLURM_NODEID", "1")
-    env.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    _setenv(env, SUBMITIT_EXECUTOR="slurm", SLURM_JOB_ID="77", SLURM_NTASKS="4", SLURM_PROCID="2",
+                 SLURM_LOCALID="0", SLURM_JOB_NUM_NODES="2", SLURM_NODEID="1",
+                 SLURM_JOB_NODELIST="n[1-2]")
     assert detect() == ClusterEnv(2, 4, 0, "n1", 20077, "submitit")
