@@ -7,8 +7,10 @@ batch, microbatches and stage boundaries:
 1. the configured model is profiled (`partitioner.profile(mode="measure")`, one worker, one
    thread, the microbatch size, the loss folded into the last layer) and the gloo loopback link
    speed is measured at the boundary's message size;
-2. `single` (microbatched: the reference for `ideal_step_s`; and full-batch);
-3. the profile is calibrated from the single-process step and partitioned (`method=optimal`);
+2. `single` (microbatched: the reference for `ideal_step_s`; full-batch; and loaded: the
+   microbatched step on p processes at once, the compute as busy as under a pipeline);
+3. the profile is calibrated from the loaded single-process step and partitioned
+   (`method=optimal`);
    pipeshard runs every schedule of `bench.schedules` (default: all of
    `engine.schedules.SCHEDULES`) on the plans' splits, and every pipeshard row carries the
    plan's `predicted_step_s` (`Plan.simulate`) and predicted vs

@@ -212,13 +212,18 @@ def _entries(systems: list[str], schedules: list[str], methods: list[str], spec:
 
 
 def _calibrated_plans(prof: Any, raw_plans: dict, combined: dict, meta: dict, link: Any) -> dict:
-    """Each split re-predicted from the profile calibrated on the single-process step."""
+    """Each split re-predicted from the profile calibrated on the single-process step under load
+    (``"loaded"``: p copies at once, the compute as a pipeline's ranks see it), else alone."""
     from experiments.bench.predict import calibrate, plan_for
 
     p, m = meta["stages"], meta["microbatches"]
-    single = combined.get(("single", "microbatched"), {}).get("step_s")
+    alone = combined.get(("single", "microbatched"), {}).get("step_s")
+    loaded = combined.get(("single", "loaded"), {}).get("step_s")
+    single = loaded or alone
     cal, factor = calibrate(prof, single, m) if single else (prof, None)
     meta["calibration_factor"] = factor
+    meta["calibrated_on"] = None if not single else "single loaded" if loaded else "single microbatched"
+    meta["load_slowdown"] = loaded / alone if loaded and alone else None
     plans = {}
     for name, raw in raw_plans.items():
         sched, _, method = name.partition("/")

@@ -9,6 +9,11 @@ Two modes, each a row with ``system="single"``:
   p stages would take.
 - ``"full-batch"``: one forward + backward of the whole batch (``microbatches=1``): what a
   user without a pipeline would run; usually faster per sample (bigger matmuls).
+- ``"loaded"``: the microbatched step run by ``min(p, cpus)`` processes at once, in step (a
+  barrier per step), the row's step being the slowest copy's: the same compute with the machine
+  as busy as under a pipeline of p ranks (memory bandwidth, caches and the OS shared). Its ratio
+  to ``"microbatched"`` is the slowdown the pipeline's compute sees from the other ranks; the
+  bench calibrates its predictions on it (``experiments.bench.predict.calibrate``).
 
 Example::
 
@@ -20,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -28,15 +34,15 @@ from experiments.bench.trace import traced
 from experiments.bench.measure import launch_fresh, make_row, named_params, timed_loop
 from experiments.bench.spec import BenchSpec, build_chunk
 
-__all__ = ["run_single", "SINGLE_MODES"]
+__all__ = ["run_single", "loaded_copies", "SINGLE_MODES"]
 
-SINGLE_MODES = ("microbatched", "full-batch")
+SINGLE_MODES = ("microbatched", "full-batch", "loaded")
 
 
 def _single_worker(spec: BenchSpec, mode: str, return_params: bool) -> dict[str, Any]:
     model = build_chunk(spec, 0, spec.num_layers)
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
-    m = spec.microbatches if mode == "microbatched" else 1
+    m = 1 if mode == "full-batch" else spec.microbatches
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
         opt.zero_grad(set_to_none=True)
@@ -60,6 +66,14 @@ def run_single(spec: BenchSpec, *, mode: str = "microbatched", return_params: bo
     if mode not in SINGLE_MODES:
         raise ValueError(f"mode must be one of {SINGLE_MODES}, got {mode!r}")
     spec = traced(spec, f"single_{mode}")
-    results = launch_fresh(_single_worker, 1, spec, mode, return_params, timeout_s=timeout_s)
-    m = spec.microbatches if mode == "microbatched" else 1
-    return make_row("single", mode, spec, results, stages=1, microbatches=m)
+    copies = loaded_copies(spec) if mode == "loaded" else 1
+    results = launch_fresh(_single_worker, copies, spec, mode, return_params, timeout_s=timeout_s)
+    m = 1 if mode == "full-batch" else spec.microbatches
+    row = make_row("single", mode, spec, results, stages=1, microbatches=m)
+    row["copies"] = copies
+    return row
+
+
+def loaded_copies(spec: BenchSpec) -> int:
+    """How many copies the ``"loaded"`` mode runs: one per pipeline rank, at most one per CPU."""
+    return max(1, min(spec.num_stages, os.cpu_count() or 1))

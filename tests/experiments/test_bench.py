@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 
 import pytest
@@ -126,6 +127,10 @@ def test_single_modes_agree(spec: BenchSpec, single_ref: dict) -> None:
     _check_row(full, "single", 1)
     assert full["microbatches"] == 1
     _assert_same_math(full, single_ref)  # microbatched accumulation = full-batch mean gradient
+    loaded = run_single(spec, mode="loaded", return_params=True)   # p = 2 copies at once
+    assert loaded["copies"] == min(2, os.cpu_count() or 1) and len(loaded["peak_rss_bytes"]) == loaded["copies"]
+    assert loaded["microbatches"] == 4 and loaded["step_s"] > 0
+    _assert_same_math(loaded, single_ref)
 
 
 @pytest.mark.slow

@@ -56,10 +56,11 @@ def test_every_expected_row_with_its_fields(bench: dict) -> None:
         assert r["step_s"] > 0 and r["samples_per_s"] > 0
         assert (r["ideal_step_s"] or 0) > 0 or r["schedule"] == "full-batch" or (  # no m-microbatch reference
             r["section"] in ("auto", "sweep") and r["microbatches"] != 4)
-        assert len(r["peak_rss_bytes"]) == r["stages"]
+        assert len(r["peak_rss_bytes"]) == r.get("copies", r["stages"])
     got = {(r["section"], r["system"], r["schedule"], r.get("method")) for r in rows
            if r["section"] not in ("auto", "sweep")}
     want = {("systems", "single", "microbatched", None), ("systems", "single", "full-batch", None),
+            ("systems", "single", "loaded", None),
             ("systems", "pipeshard", "1f1b", "optimal"), ("systems", "torch-pipelining", "1f1b", None),
             ("systems", "deepspeed", "1f1b", None), ("systems", "pipeshard", "zbv", "optimal"),
             ("systems", "torch-pipelining", "zbv", None),
@@ -87,6 +88,9 @@ def test_predictions_and_ratios(bench: dict) -> None:
     assert bench["ratios"]["pipeshard_zbv_over_torch_zbv"] > 0
     assert bench["ratios"]["pipeshard_1f1b_over_torch_1f1b"] > 0
     assert bench["meta"]["calibration_factor"] > 0 and bench["meta"]["link_bytes_per_s"] > 0
+    step = {r["schedule"]: r["step_s"] for r in bench["rows"] if r["system"] == "single"}
+    assert bench["meta"]["calibrated_on"] == "single loaded"  # the compute as busy as in the pipeline
+    assert bench["meta"]["load_slowdown"] == pytest.approx(step["loaded"] / step["microbatched"])
     assert bench["plans"]["1f1b"]["stage_ranges"] == next(
         r["stage_ranges"] for r in bench["rows"] if r["system"] == "pipeshard")
     assert "predicted vs measured" in bench["_stdout"] and "ratios" in bench["_stdout"]
