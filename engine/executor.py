@@ -18,7 +18,7 @@ Example (what ``engine.Pipeline.train_step`` does on each rank)::
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -51,16 +51,10 @@ class Executor:
         self.last = schedule.num_chunks - 1
 
     def run(self, program: Sequence[Any], x_mbs: list | None, y_mbs: list | None,
-            optimizer: Any, *, train: bool, diagnose: bool,
-            after_forwards: Callable[[list[Tensor], dict[int, Tensor]], Any] | None = None) -> dict:
+            optimizer: Any, *, train: bool, diagnose: bool) -> dict:
         """Run ``program``; returns the step's figures (see ``Pipeline.train_step``) and, under
-        private keys, the losses (``_losses``) and per-chunk non-finite flags (``_flags``).
-        ``after_forwards(losses, flags)`` is called once this rank's last forward has run (its
-        losses and flags are final then), so that their reduction overlaps the remaining
-        backwards; what it returns is under ``_after_forwards``."""
+        private keys, the losses (``_losses``) and per-chunk non-finite flags (``_flags``)."""
         step = _Step(self, program, x_mbs, y_mbs, optimizer, train, diagnose)
-        last_f = max((k for k, it in enumerate(program) if it.kind == "F"), default=-1)
-        early = None
         self.p2p.new_step()
         wait0, sent0 = self.p2p.wait_s, self.p2p.bytes_sent
         if diagnose:
@@ -68,10 +62,6 @@ class Executor:
                 c.reset_peak()
         for pos, it in enumerate(program):
             step.do(pos, it)
-            if pos == last_f and after_forwards is not None:
-                early = after_forwards(step.losses, step.flags)
-        if last_f < 0 and after_forwards is not None:
-            early = after_forwards(step.losses, step.flags)
         self.p2p.wait_sends()
         leftover = [c.index for c in self.chunks.values() if c.state]
         if train and leftover:
@@ -80,8 +70,7 @@ class Executor:
         out = {"forward_s": step.fwd_s, "backward_s": step.bwd_s,
                "comm_wait_s": self.p2p.wait_s - wait0, "bytes_sent": self.p2p.bytes_sent - sent0,
                "pipeline_rank": self.rank, "replica": self.p2p.mesh.replica,
-               "stages": sorted(self.chunks), "_losses": step.losses, "_flags": step.flags,
-               "_after_forwards": early}
+               "stages": sorted(self.chunks), "_losses": step.losses, "_flags": step.flags}
         if diagnose and train:
             out["peak_activation_bytes"] = step.peak
         return out

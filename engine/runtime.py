@@ -427,11 +427,12 @@ class Pipeline:
         self.optimizer.zero_grad()
         stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose)
         t1 = time.perf_counter()
-        reduction = self._loss_reduction(stats)
         self.optimizer.sync_gradients()   # replicas first: it waits for the overlapped buckets
         for group, prm in self._tie_groups:
             dist.all_reduce(self.optimizer.accumulated_grad(prm), group=group)
-        loss, bad_chunks = self._finish_loss(reduction)
+        # One all-reduce carries the loss and, per chunk, whether its forward output was
+        # non-finite: every rank then knows the same first stage where a NaN/inf appeared.
+        loss, bad_chunks = self._reduce_loss(stats.pop("_losses"), stats.pop("_flags"))
         if bad_chunks:
             stats["nonfinite_stage"] = bad_chunks[0]
             if self.nonfinite == "raise" and not loss_scaled(self.precision):
@@ -461,7 +462,7 @@ class Pipeline:
         with torch.no_grad():
             stats = self._run(self._forward_program(), inputs, targets, train=False,
                               diagnose=False)
-        return self._finish_loss(self._loss_reduction(stats))[0]
+        return self._reduce_loss(stats["_losses"])[0]
 
     # ---- execution ---------------------------------------------------------------------------
     def _forward_program(self) -> list[_Item]:
@@ -505,38 +506,20 @@ class Pipeline:
             raise ValueError(f"rank {self.mesh.rank} runs the first stage and needs the inputs")
         if last in self.chunks and y_mbs is None:
             raise ValueError(f"rank {self.mesh.rank} runs the last stage and needs the targets")
-        # On gloo the loss reduction starts after this rank's last forward and overlaps the last
-        # backwards; NCCL (cheap either way) starts it after the step, so that no collective on
-        # the pipeline group runs beside the point-to-point communicators.
-        early = self._start_loss if self.mesh.backend != "nccl" else None
         return self.executor.run(program, x_mbs, y_mbs, self.optimizer, train=train,
-                                 diagnose=diagnose, after_forwards=early)
+                                 diagnose=diagnose)
 
-    def _loss_reduction(self, stats: dict) -> tuple[Tensor, Any]:
-        """The step's loss reduction (:meth:`_start_loss`), started now if the run did not."""
-        losses, flags, started = (stats.pop(k) for k in ("_losses", "_flags", "_after_forwards"))
-        return started if started is not None else self._start_loss(losses, flags)
-
-    def _start_loss(self, losses: list[Tensor], flags: dict[int, Tensor]) -> tuple[Tensor, Any]:
-        """Start the step's one all-reduce: the loss (mean over microbatches on the last stage,
-        averaged over replicas) and, per chunk, whether its forward output was non-finite, so
-        every rank learns the same first stage where a NaN/inf appeared. The executor calls it
-        after this rank's last forward (gloo) or after the step (NCCL)."""
+    def _reduce_loss(self, losses: list[Tensor], flags: dict[int, Tensor] | None = None
+                     ) -> tuple[float, list[int]]:
+        """Mean over microbatches on the last stage, averaged over replicas, on every rank; and
+        the chunks (on any rank) whose forward produced a non-finite value, in order."""
         k = self.schedule.num_chunks
         buf = torch.zeros(1 + k, dtype=torch.float64, device=self.device)
         if losses:
             buf[0] = torch.stack(losses).mean().double() / self.data_parallel
-        for s, flag in flags.items():
+        for s, flag in (flags or {}).items():
             buf[1 + s] = (~torch.isfinite(flag)).double()
-        work = None
         if self.mesh.distributed and self.mesh.world_size > 1:
-            work = dist.all_reduce(buf, async_op=True)
-        return buf, work
-
-    def _finish_loss(self, started: tuple[Tensor, Any]) -> tuple[float, list[int]]:
-        """``(loss, non-finite chunks in order)`` once the all-reduce of :meth:`_start_loss` is done."""
-        buf, work = started
-        if work is not None:
-            work.wait()
+            dist.all_reduce(buf)
         buf = buf.cpu()
-        return float(buf[0]), [s for s in range(self.schedule.num_chunks) if buf[1 + s] != 0]
+        return float(buf[0]), [s for s in range(k) if buf[1 + s] != 0]
