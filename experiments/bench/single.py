@@ -1,6 +1,6 @@
-"""The single-process reference: the whole model in one fresh process, SGD.
+"""The single-process reference: the whole model in one fresh process (or p at once), SGD.
 
-Two modes, each a row with ``system="single"``:
+Three modes, each a row with ``system="single"``:
 
 - ``"microbatched"`` (the reference for ``ideal_step_s``): the global batch split into the
   same ``m`` microbatches as the pipelines, forward + backward of ``loss_i / m`` each, gradients

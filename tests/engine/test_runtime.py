@@ -232,4 +232,3 @@ def test_bad_arguments_are_refused_with_a_remedy(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pipe = Pipeline(_factories(), **args)
         pipe.train_step(torch.randn(batch, 6), torch.randn(batch, 3))
-
