@@ -11,9 +11,11 @@ chunk input is reachable; a node of that region with an edge to a parameter-only
 Linear's ``AddmmBackward`` and its weight/bias edges) is a boundary. ``I`` runs one
 ``torch.autograd.grad`` w.r.t. the chunk inputs (autograd skips every weight-gradient output)
 while pre-hooks on the boundaries record the gradient arriving at each of them. ``W`` then runs
-each boundary's backward once more, restricted to its parameter edges (only the weight-gradient
-kernels, e.g. ``x^T dy``), and one backward from those edges into the parameters. No
-input-gradient work is repeated, and a parameter used several times accumulates every use.
+each boundary's backward once more, restricted to the parameters under its parameter edges
+(only the weight-gradient kernels, e.g. ``x^T dy``), straight into their ``.grad``. No
+input-gradient work is repeated. A parameter under several boundaries (tied) is summed first:
+each boundary's backward stops at its parameter edges and one backward takes the sums into the
+parameters, so every parameter is accumulated once per microbatch.
 Outputs that do not depend on a chunk input (the first chunk of a language model) go to ``W``
 whole. With an optimizer backend that cannot take ``GradientEdge`` roots (DeepSpeed's), the
 split falls back to a per-layer graph cut: each layer's input a detached leaf, ``I`` walks the
@@ -315,6 +317,9 @@ class Chunk:
         if gs is None:
             gs = [torch.ones_like(o) for o in outs]
         roots = [(o, g) for o, g in zip(outs, gs) if o.requires_grad]
+        if not st.inputs:   # nothing to differentiate at I (token ids in): W is the whole backward
+            st.boundaries, st.pending_w = [], [([o for o, _ in roots], [g for _, g in roots])]
+            return []
         in_nodes = {get_gradient_edge(t).node for t in st.inputs}
         prm_nodes = {get_gradient_edge(p).node for p in self.params}
         root_edges = [get_gradient_edge(o) for o, _ in roots]
@@ -356,9 +361,21 @@ class Chunk:
         return [g if g is not None else torch.zeros_like(t) for g, t in zip(got, st.inputs)]
 
     def _node_weight(self, st: _MbState, optimizer: Any) -> None:
+        bounds, st.boundaries = st.boundaries or [], None
+        direct = [(os_, gs_) for os_, gs_ in st.pending_w or () if os_]
+        owned = None if direct else self._boundary_params(bounds)
+        if owned is not None:
+            # Each boundary owns its parameters: one backward per boundary from its recorded
+            # gradients straight into them (only its weight-gradient kernels run, and each
+            # gradient is accumulated while it is hot, not held until every boundary is done).
+            for (node, _, grads_out), prms in zip(bounds, owned):
+                outs = [(GradientEdge(node, k), g) for k, g in enumerate(grads_out) if g is not None]
+                if outs and prms:
+                    optimizer.backward([e for e, _ in outs], [g for _, g in outs], inputs=prms)
+            return
         roots: list[Any] = []
         rgrads: list[Tensor] = []
-        for node, po, grads_out in st.boundaries or ():
+        for node, po, grads_out in bounds:
             outs = [(GradientEdge(node, k), g) for k, g in enumerate(grads_out) if g is not None]
             if not outs:
                 continue
@@ -370,12 +387,36 @@ class Chunk:
                 if g is not None:
                     roots.append(GradientEdge(c, nr))
                     rgrads.append(g)
-        for os_, gs_ in st.pending_w or ():
+        for os_, gs_ in direct:
             roots += os_
             rgrads += gs_
-        st.boundaries = None
         if roots and self.params:
-            optimizer.backward(roots, rgrads, inputs=self.params)
+            # with no chunk input and no boundary, every leaf reached is a parameter
+            optimizer.backward(roots, rgrads, inputs=self.params if bounds or st.inputs else None)
+
+    def _boundary_params(self, bounds: Sequence[tuple[Any, list, tuple]]) -> list[list[Tensor]] | None:
+        """Per boundary, the parameters under its parameter-only edges; None when a parameter
+        sits under two boundaries (a tied weight: its gradients must be summed before the one
+        accumulation that the data-parallel reducer counts)."""
+        mine = {id(p): p for p in self.params}
+        seen: set[int] = set()
+        out = []
+        for _, po, _ in bounds:
+            prms, stack, visited = [], [c for c, _ in po], set()
+            while stack:
+                node = stack.pop()
+                if node in visited:
+                    continue
+                visited.add(node)
+                var = getattr(node, "variable", None)
+                if var is not None and id(var) in mine:
+                    if id(var) in seen:
+                        return None
+                    seen.add(id(var))
+                    prms.append(var)
+                stack.extend(c for c, _ in node.next_functions if c is not None)
+            out.append(prms)
+        return out
 
     def kept_grad_bytes(self, mb: int) -> int:
         """Bytes of the distinct storages microbatch ``mb`` keeps between its I and its W (the

@@ -29,8 +29,14 @@ class LayerCost:
     - ``param_bytes``: bytes of the layer's parameters in the profiled dtype.
     - ``activation_bytes``: bytes saved for backward per microbatch (parameters excluded).
     - ``output_bytes``: bytes of the output, i.e. what crosses a cut placed after this layer.
-    - ``weight_grad_s``: the part of ``backward_s`` that computes parameter gradients
+    - ``weight_grad_s``: the time of the weight-gradient half (W) of a split backward
       (zero-bubble schedules defer it); None when unknown (treated as half of ``backward_s``).
+      Without ``input_grad_s`` it is a part of ``backward_s`` (the input half is the rest).
+    - ``input_grad_s``: the time of the input-gradient half (I) of a split backward, as the
+      engine runs it. A split backward costs more than the whole one (a second pass over the
+      graph, one autograd call per weight-owning node): ``input_grad_s + weight_grad_s`` may
+      exceed ``backward_s``, and split-backward schedules are charged that sum. None: the split
+      costs what the whole backward costs (``backward_s - weight_grad_s``).
     - ``name``: a label for tables (e.g. the module class).
     - ``forward_flops`` / ``backward_flops``: FLOPs when known (analytic profiles).
     - ``shared_input_bytes``: bytes of the layer's input that it saves for backward but that the
@@ -62,6 +68,7 @@ class LayerCost:
     largest_param_bytes: int | None = None
     workspace_bytes: int | None = None
     pending_grad_bytes: int | None = None
+    input_grad_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("forward_s", "backward_s", "param_bytes", "activation_bytes", "output_bytes"):
@@ -70,9 +77,14 @@ class LayerCost:
                 raise ValueError(f"LayerCost.{f} must be >= 0, got {v!r}")
         if self.pending_grad_bytes is not None and self.pending_grad_bytes < 0:
             raise ValueError(f"LayerCost.pending_grad_bytes must be >= 0 or None, got {self.pending_grad_bytes!r}")
-        if self.weight_grad_s is not None and not (0 <= self.weight_grad_s <= self.backward_s * (1 + 1e-9) + 1e-12):
+        if self.input_grad_s is not None:
+            if self.input_grad_s < 0 or self.weight_grad_s is None or self.weight_grad_s < 0:
+                raise ValueError(f"LayerCost.input_grad_s={self.input_grad_s!r} needs weight_grad_s "
+                                 f"(got {self.weight_grad_s!r}); both must be >= 0")
+        elif self.weight_grad_s is not None and not (0 <= self.weight_grad_s <= self.backward_s * (1 + 1e-9) + 1e-12):
             raise ValueError(
-                f"LayerCost.weight_grad_s={self.weight_grad_s!r} must lie in [0, backward_s={self.backward_s!r}]"
+                f"LayerCost.weight_grad_s={self.weight_grad_s!r} must lie in [0, backward_s={self.backward_s!r}] "
+                "(or give input_grad_s, the split's measured input half)"
             )
 
     @property
@@ -86,6 +98,22 @@ class LayerCost:
     def weight_s(self) -> float:
         """Weight-gradient time, defaulting to half of the backward when unknown."""
         return self.backward_s / 2 if self.weight_grad_s is None else self.weight_grad_s
+
+    @property
+    def input_s(self) -> float:
+        """Input-gradient time of a split backward (default: the backward less :attr:`weight_s`)."""
+        if self.input_grad_s is not None:
+            return self.input_grad_s
+        return max(self.backward_s - self.weight_s, 0.0)
+
+    @property
+    def split_backward_s(self) -> float:
+        """The backward's time when split into I and W (zero-bubble schedules).
+
+        >>> LayerCost(1.0, 2.0, 0, 0, 0, weight_grad_s=1.1, input_grad_s=1.2).split_backward_s
+        2.3
+        """
+        return self.input_s + self.weight_s
 
     @property
     def compute_s(self) -> float:

@@ -103,8 +103,9 @@ class _Problem:
     ckpt: str                                 # "off" | "on" | "auto"
     link: float | None
     f: np.ndarray                             # forward seconds per layer
-    b: np.ndarray                             # backward seconds per layer
+    b: np.ndarray                             # backward seconds per layer (split: I + W)
     w: np.ndarray                             # weight-gradient seconds per layer
+    b_whole: np.ndarray                       # the unsplit backward (recomputing chunks, chunk 0 w/o input grad)
     static: np.ndarray                        # per layer: its parameters' state (the search's view)
     act: np.ndarray
     out: np.ndarray
@@ -263,12 +264,19 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
     inflight, pending, states = _counts(profile, schedule, p, m, v, max_inflight, memory, simulate, act, pend)
     source = "engine schedule" if simulate or states else "closed form"
     notes.append(f"in-flight microbatches per stage {inflight} (from the {source})")
+    whole = np.array([c.backward_s for c in L])
     if SCHEDULE_INFO[schedule].splits_backward:
         notes.append(f"microbatches with weight gradients pending (I done, W not) per stage {pending}, "
                      f"at the peak of activations + kept gradients")
+        b = np.array([c.split_backward_s for c in L])
+        if b.sum() > whole.sum() * 1.001:
+            notes.append(f"split backward (I + W) costs {b.sum() / whole.sum():.3f}x the whole backward "
+                         "(measured on the engine's split)")
+    else:
+        b = whole
     return _Problem(
         p=p, m=m, v=v, schedule=schedule, max_inflight=max_inflight, ckpt=ckpt, link=link,
-        f=np.array([c.forward_s for c in L]), b=np.array([c.backward_s for c in L]),
+        f=np.array([c.forward_s for c in L]), b=b, b_whole=whole,
         w=np.array([c.weight_s for c in L]),
         static=numel * per_param, act=act, out=out, pend=pend, pending=pending, states=states,
         input_grad=bool(profile.meta.get("input_requires_grad", True)),
@@ -422,8 +430,7 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
     t_stage, _ = split_costs(bounds, time=prob.f + prob.b, cut_time=prob.cut_time,
                              recompute_time=prob.f, recompute=recompute, **prob.common)
     sum_of = lambda arr: [float(arr[a:e].sum()) for a, e in bounds]  # noqa: E731
-    f_c, b_c, w_c = sum_of(prob.f), sum_of(prob.b), sum_of(prob.w)
-    b_c = [bb + (ff if r else 0.0) for bb, ff, r in zip(b_c, f_c, recompute)]
+    f_c, b_c, w_c = _chunk_times(prob, bounds, recompute)
     held, pending = _chunk_counts(prob, bounds, recompute)
     act_c = [_held_activation_bytes(prob, a, e, held[c], recompute[c]) for c, (a, e) in enumerate(bounds)]
     comm_b = [float(prob.comm_layer[e - 1]) for _, e in bounds[:-1]]
@@ -454,6 +461,27 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
         rank_memory_breakdown=[{k: int(math.ceil(d[k])) for k in BREAKDOWN_KEYS} for d in breakdown],
         precision=prob.memory.precision, layer_names=prob.names, notes=notes,
         **_fixed_fields(prob, bounds, settings), **settings)
+
+
+def _chunk_times(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]
+                 ) -> tuple[list[float], list[float], list[float]]:
+    """Per chunk: forward, backward (with recomputation) and its W part, as the engine runs
+    the chunk. A recomputing chunk does not split (its I is the whole backward, W is empty); a
+    first chunk without a float input has no input gradient, so its whole, unsplit backward
+    is W."""
+    f_c, b_c, w_c = [], [], []
+    for c, (a, e) in enumerate(bounds):
+        f = float(prob.f[a:e].sum())
+        if recompute[c]:
+            b, w = float(prob.b_whole[a:e].sum()) + f, 0.0
+        elif a == 0 and not prob.input_grad and SCHEDULE_INFO[prob.schedule].splits_backward:
+            b = w = float(prob.b_whole[a:e].sum())
+        else:
+            b, w = float(prob.b[a:e].sum()), float(prob.w[a:e].sum())
+        f_c.append(f)
+        b_c.append(b)
+        w_c.append(min(w, b))
+    return f_c, b_c, w_c
 
 
 def _chunk_shares(prob: _Problem, bounds: list[tuple[int, int]], act_c: list[float],

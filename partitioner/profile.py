@@ -13,15 +13,18 @@ Example::
     prof = profile(layers, torch.randn(32, 256), mode="measure", repeats=3)
     big = profile(layers, torch.randn(32, 256), mode="analytic", device_spec="h100")
 
-"measure": forward, backward and (with ``weight_grad=True``) input-only backward are timed
-with warm-up and the median of ``repeats`` (device synchronisation on CUDA); the weight-gradient
-time is full backward minus input-only backward. Activation bytes are the storages the layer
+"measure": forward, backward and (with ``weight_grad=True``) the split backward of zero-bubble
+schedules are timed with warm-up and the median of ``repeats`` (device synchronisation on CUDA).
+The backward runs as the engine's does (gradients accumulate into ``.grad``); the split is the
+engine's own (``engine.stage.Chunk``: forward with ``split=True``, ``backward_input`` timed as
+``input_grad_s``, ``backward_weight`` as ``weight_grad_s``), so a schedule that splits is charged
+what splitting costs (a second pass over the graph; I + W exceeds the whole backward by about
+10% on a transformer block on CPU). Activation bytes are the storages the layer
 saves for backward (``saved_tensors_hooks``), deduplicated by storage, without parameters and
 buffers, and without the layer's input when the previous layer already saved that same tensor
 (it is counted once, by the producer). The gradients a microbatch keeps between its I and its
-deferred W (``pending_grad_bytes``, zero-bubble schedules) are measured by running the engine's
-own split path on the layer (``engine.stage.Chunk``: forward with ``split=True``, then
-``backward_input``) and summing the distinct storages it keeps.
+deferred W (``pending_grad_bytes``, zero-bubble schedules) are the distinct storages the same
+split path keeps after ``backward_input``.
 
 "analytic": every layer is built under ``torch.device("meta")`` (nothing is allocated). Each
 aten op of the forward and of the backward is costed by the roofline of ``device_spec``
@@ -273,44 +276,21 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
         params = [p for p in layer.parameters() if p.requires_grad]
         xs = [t for t in _tensors(x) if t.requires_grad]
         del out, out_tensors
-        fw, bw, bi = [], [], []
-        for r in range(warmup + repeats):
-            _sync(dev)
-            t0 = time.perf_counter()
-            o = layer(x)
-            _sync(dev)
-            t1 = time.perf_counter()
-            _backward([t for t in _tensors(o) if t.requires_grad], params + xs, grads)
-            _sync(dev)
-            t2 = time.perf_counter()
-            del o
-            ti = 0.0
-            if weight_grad and params and xs:
-                o = layer(x)
-                oo = [t for t in _tensors(o) if t.requires_grad]
-                _sync(dev)
-                t3 = time.perf_counter()
-                _backward(oo, xs, grads)
-                _sync(dev)
-                ti = time.perf_counter() - t3
-                del o, oo
-            if r >= warmup:
-                fw.append(t1 - t0)
-                bw.append(t2 - t1)
-                bi.append(ti)
-        f_s, b_s = statistics.median(fw), statistics.median(bw)
+        f_s, b_s, split, pending = _time_layer(layer, x, grads, params, xs, dev, repeats, warmup,
+                                               weight_grad)
         if not params:
             w_s: float | None = 0.0
+            i_s: float | None = None
         elif not xs:
-            w_s = b_s  # no input gradient: the whole backward is weight gradients
-        elif weight_grad:
-            w_s = min(max(b_s - statistics.median(bi), 0.0), b_s)
+            w_s, i_s = b_s, None  # no input gradient: the whole backward is weight gradients
+        elif split is not None:
+            i_s, w_s = split
         else:
-            w_s = None
-        pending = _measure_pending(layer, x, grads) if params else 0
+            w_s = i_s = None
         costs.append(LayerCost(forward_s=f_s, backward_s=b_s, param_bytes=int(param_bytes),
                                activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
-                               weight_grad_s=w_s, name=name, shared_input_bytes=int(shared_bytes),
+                               weight_grad_s=w_s, input_grad_s=i_s, name=name,
+                               shared_input_bytes=int(shared_bytes),
                                largest_param_bytes=_largest_param_bytes(layer), pending_grad_bytes=pending))
         x = _map(lambda t: t.requires_grad_(True) if t.is_floating_point() else t, nxt)
         prev_name = name
@@ -318,6 +298,65 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
     return Profile(costs, dtype=_dtype_name(dtype or found_dtype, example_input),
                    meta={"mode": "measure", "device": str(dev), "repeats": repeats, "warmup": warmup,
                          "threads": torch.get_num_threads()})
+
+
+def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad):
+    """Medians of one layer's forward, whole backward and (``weight_grad``, a layer with
+    parameters and an input gradient) the engine's split backward ``(I, W)``, plus the bytes the
+    split keeps from I to W. Backwards run as the engine runs them: gradients accumulate into
+    the parameters' ``.grad``."""
+    import torch
+
+    fw, bw, bi, bwt = [], [], [], []
+    chunk = _split_chunk(layer) if weight_grad and params and xs else None
+    pending = 0
+    for r in range(warmup + repeats):
+        for t in xs:
+            t.grad = None
+        _sync(dev)
+        t0 = time.perf_counter()
+        o = layer(x)
+        _sync(dev)
+        t1 = time.perf_counter()
+        oo = [t for t in _tensors(o) if t.requires_grad]
+        if oo and params + xs:
+            torch.autograd.backward(oo, grads, inputs=params + xs)
+        _sync(dev)
+        t2 = time.perf_counter()
+        del o, oo
+        if r >= warmup:
+            fw.append(t1 - t0)
+            bw.append(t2 - t1)
+        if chunk is not None:
+            ti, tw, pending = _time_split(chunk, x, grads, dev)
+            if r >= warmup:
+                bi.append(ti)
+                bwt.append(tw)
+    if params and not (weight_grad and xs):
+        pending = _measure_pending(layer, x, grads)
+    split = (statistics.median(bi), statistics.median(bwt)) if bi else None
+    return statistics.median(fw), statistics.median(bw), split, pending
+
+
+def _split_chunk(layer):
+    from engine.stage import Chunk
+
+    return Chunk(0, 0, [layer], measure_activations=False)
+
+
+def _time_split(chunk, x, grads, dev) -> tuple[float, float, int]:
+    """One run of the engine's split backward on ``chunk``: (I seconds, W seconds, kept bytes)."""
+    chunk.forward(0, x, split=True)
+    _sync(dev)
+    t0 = time.perf_counter()
+    chunk.backward_input(0, list(grads), _PlainBackward())
+    _sync(dev)
+    t1 = time.perf_counter()
+    kept = chunk.kept_grad_bytes(0)
+    t2 = time.perf_counter()
+    chunk.backward_weight(0, _PlainBackward())
+    _sync(dev)
+    return t1 - t0, time.perf_counter() - t2, kept
 
 
 class _PlainBackward:

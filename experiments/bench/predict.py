@@ -38,7 +38,9 @@ def calibrate(profile: Any, single_step_s: float, microbatches: int,
     k = (single_step_s - update) / total
     layers = [dataclasses.replace(
         c, forward_s=c.forward_s * k, backward_s=c.backward_s * k,
-        weight_grad_s=None if c.weight_grad_s is None else min(c.weight_grad_s * k, c.backward_s * k))
+        weight_grad_s=None if c.weight_grad_s is None else (
+            c.weight_grad_s * k if c.input_grad_s is not None else min(c.weight_grad_s * k, c.backward_s * k)),
+        input_grad_s=None if c.input_grad_s is None else c.input_grad_s * k)
         for c in profile.layers]
     meta = dict(profile.meta, calibrated=True, calibration_factor=k,
                 calibration="layer times x k so that m x sum(f + b) = the measured single-process step")

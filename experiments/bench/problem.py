@@ -108,7 +108,8 @@ def _profile_worker(cfg: dict, repeats: int, warmup: int) -> Any:
         forward_s=last.forward_s + loss.forward_s, backward_s=last.backward_s + loss.backward_s,
         param_bytes=last.param_bytes, activation_bytes=last.activation_bytes + loss.activation_bytes,
         output_bytes=last.output_bytes, weight_grad_s=last.weight_grad_s, name=last.name,
-        shared_input_bytes=last.shared_input_bytes)
+        input_grad_s=None if last.input_grad_s is None else last.input_grad_s + loss.input_s,
+        shared_input_bytes=last.shared_input_bytes, pending_grad_bytes=last.pending_grad_bytes)
     meta = dict(prof.meta, loss_folded_into_last_layer=True, microbatch=mb)
     return Profile(list(body) + [merged], dtype=prof.dtype, meta=meta)
 

@@ -118,3 +118,36 @@ def test_activation_accounting_and_checkpointing():
 def test_stage_range_errors(ranges, match):
     with pytest.raises(ValueError, match=match):
         check_stage_ranges(ranges, 5, 2 if match == "2 model chunks" else len(ranges))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_w_accumulates_each_parameter_once_per_microbatch(tied):
+    # The data-parallel reducer (engine.overlap) counts accumulations: W must add each
+    # parameter's gradient once per microbatch, whether it runs per boundary or, for a weight
+    # tied across boundaries, as one summed backward.
+    torch.manual_seed(0)
+    layers = build_layers(_factories(), 0, 7, seed=1)
+    if tied:
+        layers[5].weight = layers[4].weight
+    chunk = Chunk(0, 0, layers, loss_fn=nn.functional.mse_loss)
+    ref = Chunk(0, 0, build_layers(_factories(), 0, 7, seed=1), loss_fn=nn.functional.mse_loss)
+    if tied:
+        ref.module[5].weight = ref.module[4].weight
+        ref.refresh_params()
+    counts: dict[int, int] = {}
+    for p in chunk.params:
+        p.register_post_accumulate_grad_hook(lambda t: counts.__setitem__(id(t), counts.get(id(t), 0) + 1))
+    used = []
+    real = chunk._boundary_params
+    chunk._boundary_params = lambda b: used.append(real(b)) or used[-1]
+    x, y = torch.randn(3, 4, requires_grad=True), torch.randn(3, 2)
+    for mb in range(2):
+        chunk.forward(mb, x, y, split=True)
+        chunk.backward_input(mb, None, _Opt())
+        chunk.backward_weight(mb, _Opt())
+        ref.forward(mb, x, y)
+        ref.backward(mb, None, _Opt())
+    assert sorted(counts.values()) == [2] * len(chunk.params)
+    assert (used[0] is None) == tied      # per-boundary W only when no weight is shared
+    for a, b in zip(chunk.params, ref.params):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
