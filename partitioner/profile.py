@@ -176,12 +176,14 @@ def _backward(outs, inputs, grads):
 
 
 def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: Any = None, dtype: Any = None,
-            repeats: int = 5, warmup: int = 2, weight_grad: bool = True,
+            repeats: int = 5, warmup: int = 2, weight_grad: bool = True, min_time_s: float = 0.2,
             device_spec: "str | DeviceSpec | None" = None, cache: bool = True,
             attention: str | None = None) -> Profile:
     """Profile every layer; see the module docstring. Returns a :class:`Profile`.
 
-    ``device``: where "measure" runs (default: CPU). ``dtype``: cast floating parameters and
+    ``device``: where "measure" runs (default: CPU). ``repeats`` is the least number of timed
+    runs per layer: a fast layer runs until its timed runs add up to ``min_time_s`` (at most
+    40 runs), since the median of five runs of a millisecond is noise on a shared machine. ``dtype``: cast floating parameters and
     inputs (default: keep). ``device_spec``: for "analytic" (a preset name or a
     :class:`DeviceSpec`; default ``"cpu"``, measured once). ``cache`` (analytic only): cost
     identical layers once (same class, parameter shapes, plain attributes of every submodule
@@ -212,7 +214,8 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "meta":
         raise ValueError("mode='measure' needs a real device; use mode='analytic' for the meta device")
-    prof = _profile_measure(sources, example_input, dev, tdtype, repeats, warmup, weight_grad)
+    prof = _profile_measure(sources, example_input, dev, tdtype, repeats, warmup, weight_grad,
+                            min_time_s)
     prof.meta["input_requires_grad"] = grad_in
     return prof
 
@@ -249,7 +252,8 @@ def _dtype_name(layer_dtype, x) -> str:
     return str(torch.get_default_dtype()).replace("torch.", "")
 
 
-def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight_grad) -> Profile:
+def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight_grad,
+                     min_time_s) -> Profile:
     import torch
 
     costs: list[LayerCost] = []
@@ -277,7 +281,7 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
         xs = [t for t in _tensors(x) if t.requires_grad]
         del out, out_tensors
         f_s, b_s, split, pending = _time_layer(layer, x, grads, params, xs, dev, repeats, warmup,
-                                               weight_grad)
+                                               weight_grad, min_time_s)
         if not params:
             w_s: float | None = 0.0
             i_s: float | None = None
@@ -297,10 +301,14 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
         del layer, nxt
     return Profile(costs, dtype=_dtype_name(dtype or found_dtype, example_input),
                    meta={"mode": "measure", "device": str(dev), "repeats": repeats, "warmup": warmup,
+                         "min_time_s": min_time_s,
                          "threads": torch.get_num_threads()})
 
 
-def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad):
+_MAX_REPEATS = 40   # a fast layer repeats until ``min_time_s`` is timed, at most this often
+
+
+def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, min_time_s):
     """Medians of one layer's forward, whole backward and (``weight_grad``, a layer with
     parameters and an input gradient) the engine's split backward ``(I, W)``, plus the bytes the
     split keeps from I to W. Backwards run as the engine runs them: gradients accumulate into
@@ -310,7 +318,12 @@ def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad):
     fw, bw, bi, bwt = [], [], [], []
     chunk = _split_chunk(layer) if weight_grad and params and xs else None
     pending = 0
-    for r in range(warmup + repeats):
+    r = -1
+    while True:
+        r += 1
+        measured = sum(fw) + sum(bw) + sum(bi) + sum(bwt)
+        if r >= warmup + repeats and (measured >= min_time_s or r >= warmup + _MAX_REPEATS):
+            break
         for t in xs:
             t.grad = None
         _sync(dev)

@@ -50,12 +50,16 @@ def test_the_profile_times_the_engines_split(monkeypatch):
 
     monkeypatch.setattr(profile_mod, "_time_split", fake)
     layers = [lambda: nn.Linear(16, 16), lambda: nn.ReLU(), lambda: nn.Linear(16, 8)]
-    prof = profile(layers, torch.randn(4, 16), repeats=2, warmup=1)
+    prof = profile(layers, torch.randn(4, 16), repeats=2, warmup=1, min_time_s=0.0)
     first, relu, last = prof.layers
     assert (first.input_grad_s, first.weight_grad_s) == (None, first.backward_s)  # no input grad
     assert relu.input_grad_s is None and relu.weight_grad_s == 0.0               # no weights
     assert (last.input_grad_s, last.weight_grad_s, last.pending_grad_bytes) == (7e-3, 5e-3, 123)
     assert len(calls) == 3    # one per repeat and warm-up, of the one layer with both gradients
+    # a fast layer runs until min_time_s is timed: here 12 ms of split per run -> at most 9 runs
+    calls.clear()
+    profile(layers, torch.randn(4, 16), repeats=2, warmup=1, min_time_s=0.1)
+    assert 1 + 5 <= len(calls) <= 1 + 9
 
 
 def test_a_measured_split_is_timed_and_keeps_what_the_engine_keeps():
