@@ -229,6 +229,7 @@ class PartitionerConfig:
     memory_limit: Optional[str] = None  # per-stage cap like 24GiB, or comma list per stage; null = none
     repeats: int = 5  # measure: timed repeats per layer (median is used)
     warmup: int = 2  # measure: untimed repeats before timing
+    sweeps: int = 3  # measure: profile the model this many times, median per layer (a slow spell of the machine hits one sweep)
     device_spec: Optional[str] = None  # analytic: device preset (partitioner.DEVICE_PRESETS, e.g. h100); null = this CPU
     attention: Optional[AttentionBackend] = None  # analytic: SDPA kernel attention is costed through: flash | efficient | math; null = the device spec's (flash)
     link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs; null = free transfers

@@ -28,7 +28,7 @@ __all__ = ["Layout", "GRID", "BASE", "measure_layouts", "format_rows", "main", "
 # per-parameter terms and activations, not the runtime's constants, make the peak).
 BASE: tuple[str, ...] = ("model.dim=128", "model.layers=4", "model.seq_len=64",
                          "model.heads=4", "train.batch_size=16", "pipeline.microbatches=4",
-                         "partitioner.repeats=1", "partitioner.warmup=0", "partitioner.fixed_costs=false",
+                         "partitioner.repeats=1", "partitioner.sweeps=1", "partitioner.warmup=0", "partitioner.fixed_costs=false",
                          "data=synthetic", "logger.mode=disabled")
 
 

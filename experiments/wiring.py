@@ -113,7 +113,7 @@ def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"mode": mode, "dtype": torch_dtype(cfg)}
     if mode == "measure":
         out.update(device=device or resolve_device(cfg), repeats=int(_get(part, "repeats")),
-                   warmup=int(_get(part, "warmup")))
+                   warmup=int(_get(part, "warmup")), sweeps=int(_get(part, "sweeps", 1)))
     else:
         out["device_spec"] = _get(part, "device_spec")
         attention = _get(part, "attention", None)

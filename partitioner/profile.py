@@ -177,13 +177,17 @@ def _backward(outs, inputs, grads):
 
 def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: Any = None, dtype: Any = None,
             repeats: int = 5, warmup: int = 2, weight_grad: bool = True, min_time_s: float = 0.2,
-            device_spec: "str | DeviceSpec | None" = None, cache: bool = True,
+            sweeps: int = 1, device_spec: "str | DeviceSpec | None" = None, cache: bool = True,
             attention: str | None = None) -> Profile:
     """Profile every layer; see the module docstring. Returns a :class:`Profile`.
 
     ``device``: where "measure" runs (default: CPU). ``repeats`` is the least number of timed
     runs per layer: a fast layer runs until its timed runs add up to ``min_time_s`` (at most
-    40 runs), since the median of five runs of a millisecond is noise on a shared machine. ``dtype``: cast floating parameters and
+    40 runs), since the median of five runs of a millisecond is noise on a shared machine.
+    ``sweeps`` > 1 profiles the whole model that many times, one layer after the other each
+    time, and keeps each time figure's median over the sweeps: a slow spell of the machine
+    then hits one sweep of a layer, not the layer's figure (identical blocks measured 1.6-3.0 ms
+    apart within one sweep on this 2-core machine). ``dtype``: cast floating parameters and
     inputs (default: keep). ``device_spec``: for "analytic" (a preset name or a
     :class:`DeviceSpec`; default ``"cpu"``, measured once). ``cache`` (analytic only): cost
     identical layers once (same class, parameter shapes, plain attributes of every submodule
@@ -197,8 +201,8 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
 
     if mode not in ("measure", "analytic"):
         raise ValueError(f"mode must be 'measure' or 'analytic', got {mode!r}")
-    if repeats < 1 or warmup < 0:
-        raise ValueError("repeats must be >= 1 and warmup >= 0")
+    if repeats < 1 or warmup < 0 or sweeps < 1:
+        raise ValueError("repeats and sweeps must be >= 1 and warmup >= 0")
     sources = layer_sources(layers)
     tdtype = dtype if (dtype is None or isinstance(dtype, torch.dtype)) else getattr(torch, str(dtype))
     # without a float input the first chunk's I has nothing to do: it keeps its output gradient
@@ -214,8 +218,9 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "meta":
         raise ValueError("mode='measure' needs a real device; use mode='analytic' for the meta device")
-    prof = _profile_measure(sources, example_input, dev, tdtype, repeats, warmup, weight_grad,
-                            min_time_s)
+    runs = [_profile_measure(sources, example_input, dev, tdtype, repeats, warmup, weight_grad,
+                             min_time_s) for _ in range(sweeps)]
+    prof = _median_profile(runs)
     prof.meta["input_requires_grad"] = grad_in
     return prof
 
@@ -306,6 +311,23 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
 
 
 _MAX_REPEATS = 40   # a fast layer repeats until ``min_time_s`` is timed, at most this often
+
+
+_TIMES = ("forward_s", "backward_s", "weight_grad_s", "input_grad_s")
+
+
+def _median_profile(runs: list[Profile]) -> Profile:
+    """Per layer, the median of each time figure over several sweeps (bytes: the first's)."""
+    import dataclasses
+
+    if len(runs) == 1:
+        return runs[0]
+    layers = []
+    for costs in zip(*(r.layers for r in runs)):
+        times = {f: [getattr(c, f) for c in costs] for f in _TIMES}
+        layers.append(dataclasses.replace(costs[0], **{
+            f: None if any(v is None for v in vs) else statistics.median(vs) for f, vs in times.items()}))
+    return Profile(layers, dtype=runs[0].dtype, meta=dict(runs[0].meta, sweeps=len(runs)))
 
 
 def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, min_time_s):

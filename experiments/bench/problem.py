@@ -93,7 +93,7 @@ class LossLayer(nn.Module):
         return self.loss_fn(x, self.target)
 
 
-def _profile_worker(cfg: dict, repeats: int, warmup: int) -> Any:
+def _profile_worker(cfg: dict, repeats: int, warmup: int, sweeps: int = 1) -> Any:
     import partitioner
     from experiments.models import build_model
     from partitioner import LayerCost, Profile
@@ -102,12 +102,13 @@ def _profile_worker(cfg: dict, repeats: int, warmup: int) -> Any:
     mb = int(cfg["train"]["batch_size"]) // int(cfg["pipeline"]["microbatches"])
     x, y = DatasetBatches(cfg, mb)(0)
     layers = list(model.layers) + [functools.partial(LossLayer, model.loss_fn, y)]
-    prof = partitioner.profile(layers, x, mode="measure", repeats=repeats, warmup=warmup)
+    prof = partitioner.profile(layers, x, mode="measure", repeats=repeats, warmup=warmup, sweeps=sweeps)
     *body, last, loss = prof.layers
     merged = LayerCost(
         forward_s=last.forward_s + loss.forward_s, backward_s=last.backward_s + loss.backward_s,
         param_bytes=last.param_bytes, activation_bytes=last.activation_bytes + loss.activation_bytes,
         output_bytes=last.output_bytes, weight_grad_s=last.weight_grad_s, name=last.name,
+        largest_param_bytes=last.largest_param_bytes,
         input_grad_s=None if last.input_grad_s is None else last.input_grad_s + loss.input_s,
         shared_input_bytes=last.shared_input_bytes, pending_grad_bytes=last.pending_grad_bytes)
     meta = dict(prof.meta, loss_folded_into_last_layer=True, microbatch=mb)
@@ -122,6 +123,7 @@ def profile_model(cfg: Any, *, repeats: int | None = None, warmup: int | None = 
     part = c.get("partitioner", {})
     return launch_fresh(_profile_worker, 1, c, int(repeats or part.get("repeats", 5)),
                         int(warmup if warmup is not None else part.get("warmup", 2)),
+                        int(part.get("sweeps", 1)),
                         timeout_s=timeout_s)[0]
 
 

@@ -21,7 +21,7 @@ from experiments.bench.__main__ import _default_experiment
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.layers=2", "model.dim=16", "model.heads=2", "model.vocab=32", "model.seq_len=8",
         "train.batch_size=8", "pipeline.microbatches=4", "bench.steps=1", "bench.warmup_steps=0",
-        "partitioner.repeats=1", "partitioner.warmup=0", "bench.schedules=[1f1b,zbv]",
+        "partitioner.repeats=1", "partitioner.sweeps=1", "partitioner.warmup=0", "bench.schedules=[1f1b,zbv]",
         "bench.sweep=true", "bench.sweep_max=2", "bench.sweep_confirm=1", "partitioner.search.schedules=[1f1b,zb-h2,zbv]",
         "partitioner.search.max_microbatches=4",
         "bench.methods=[optimal,uniform]", "bench.timeout_s=120",

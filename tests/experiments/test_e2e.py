@@ -50,7 +50,7 @@ def _ok(proc: subprocess.CompletedProcess) -> str:
 def test_default_like_job_writes_metrics_plan_and_offline_wandb(tmp_path):
     run_dir = tmp_path / "run"
     out = _ok(run_module("experiments.train", tmp_path, "train.steps=8", "train.log_every=4",
-                         "optimizer.warmup_steps=0", "partitioner.repeats=1", "partitioner.warmup=1",
+                         "optimizer.warmup_steps=0", "partitioner.repeats=1", "partitioner.sweeps=1", "partitioner.warmup=1",
                          "data.max_bytes=1000000", "logger.mode=offline", "logger.progress=false",
                          f"hydra.run.dir={run_dir}"))
     plan = json.loads((run_dir / "plan.json").read_text())

@@ -42,7 +42,8 @@ def test_cli_prints_all_four_methods_and_saves_plan_and_comparison(tmp_path):
 def test_infeasible_limit_names_the_fix_and_still_compares_the_baselines(compose_cfg, tmp_path):
     import partitioner
 
-    cfg = compose_cfg("experiment=smoke", "partitioner.memory_limit=4KiB", "partitioner.repeats=1")
+    cfg = compose_cfg("experiment=smoke", "partitioner.memory_limit=4KiB", "partitioner.repeats=1",
+                      "partitioner.sweeps=1")
     with pytest.raises(partitioner.PartitionError, match="smallest memory_limit_bytes"):
         run(cfg, tmp_path)
     comparison = json.loads((tmp_path / COMPARISON_FILE).read_text())

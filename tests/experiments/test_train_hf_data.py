@@ -44,7 +44,7 @@ def setup(tmp_path_factory) -> dict:
                  f"data.files={json.dumps(files)}", "data.text_field=body", "data.eval_fraction=0.1",
                  f"data.cache_dir={root / 'cache'}", "pipeline.stages=2", "pipeline.data_parallel=2",
                  "pipeline.microbatches=2", "train.batch_size=8", "train.eval_every=0", "train.eval_batches=1",
-                 "train.log_every=1", "partitioner.repeats=1", "partitioner.warmup=1", "optimizer.decay_steps=null"]
+                 "train.log_every=1", "partitioner.repeats=1", "partitioner.sweeps=1", "partitioner.warmup=1", "optimizer.decay_steps=null"]
     return {"root": root, "overrides": overrides}
 
 

@@ -101,3 +101,29 @@ def test_a_recomputing_chunk_and_a_first_chunk_without_input_gradient_do_not_spl
     # token ids in: chunk 0 defers its whole, unsplit backward to W; chunk 1 splits
     assert lm.stage_backward_s == pytest.approx([6e-3, 9e-3])
     assert lm.stage_weight_s == pytest.approx([6e-3, 4.5e-3])
+
+
+def test_sweeps_keep_the_median_of_each_time(monkeypatch):
+    # three sweeps of a two-layer model: the middle value of each time survives, bytes are kept
+    real = profile_mod._time_layer
+    seq = iter([1.0, 9.0, 2.0])
+
+    def scaled(*args, **kw):
+        f, b, split, pending = real(*args, **kw)
+        k = next(seq) if args[0].__class__ is nn.Linear and args[0].out_features == 8 else 1.0
+        return f * k, b * k, None if split is None else (split[0] * k, split[1] * k), pending
+
+    monkeypatch.setattr(profile_mod, "_time_layer", scaled)
+    layers = [lambda: nn.Linear(16, 16), lambda: nn.Linear(16, 8)]
+    runs = []
+    real_median = profile_mod._median_profile
+    monkeypatch.setattr(profile_mod, "_median_profile", lambda rs: runs.extend(rs) or real_median(rs))
+    prof = profile(layers, torch.randn(4, 16), repeats=1, warmup=0, min_time_s=0.0, sweeps=3)
+    lasts = [r.layers[1] for r in runs]
+    order = sorted(range(3), key=lambda i: lasts[i].backward_s)
+    assert prof.layers[1].backward_s == lasts[order[1]].backward_s   # the median sweep's
+    assert prof.layers[1].input_grad_s == sorted(c.input_grad_s for c in lasts)[1]
+    assert prof.layers[1].activation_bytes == lasts[0].activation_bytes
+    assert prof.meta["sweeps"] == 3
+    with pytest.raises(ValueError, match="sweeps"):
+        profile(layers, torch.randn(4, 16), sweeps=0)
