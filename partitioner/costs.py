@@ -13,7 +13,7 @@ A :class:`Profile` is the only input the solver needs. It can come from
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,19 @@ class LayerCost:
         2.3
         """
         return self.input_s + self.weight_s
+
+    def times_scaled(self, k: float) -> "LayerCost":
+        """This layer with every time (forward, backward, W, I) multiplied by ``k``.
+
+        >>> LayerCost(1.0, 2.0, 0, 0, 0, weight_grad_s=1.0).times_scaled(0.5).weight_s
+        0.5
+        """
+        k = float(k)
+        w = None if self.weight_grad_s is None else self.weight_grad_s * k
+        if w is not None and self.input_grad_s is None:
+            w = min(w, self.backward_s * k)   # stays a part of the backward under rounding
+        return replace(self, forward_s=self.forward_s * k, backward_s=self.backward_s * k, weight_grad_s=w,
+                       input_grad_s=None if self.input_grad_s is None else self.input_grad_s * k)
 
     @property
     def compute_s(self) -> float:

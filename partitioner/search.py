@@ -225,9 +225,7 @@ def scale_profile(profile: Profile, factor: float) -> Profile:
 
     def scaled(c: Any) -> Any:
         return dataclasses.replace(
-            c, forward_s=c.forward_s * k, backward_s=c.backward_s * k,
-            weight_grad_s=None if c.weight_grad_s is None else c.weight_grad_s * k,
-            input_grad_s=None if c.input_grad_s is None else c.input_grad_s * k,
+            c.times_scaled(k),
             activation_bytes=int(round(c.activation_bytes * k)), output_bytes=int(round(c.output_bytes * k)),
             shared_input_bytes=int(round(c.shared_input_bytes * k)),
             pending_grad_bytes=None if c.pending_grad_bytes is None else int(round(c.pending_grad_bytes * k)),

@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 __all__ = ["calibrate", "plan_for", "prediction_fields", "relative_error"]
@@ -36,12 +35,7 @@ def calibrate(profile: Any, single_step_s: float, microbatches: int,
     if total <= 0 or single_step_s <= update:
         return profile, 1.0
     k = (single_step_s - update) / total
-    layers = [dataclasses.replace(
-        c, forward_s=c.forward_s * k, backward_s=c.backward_s * k,
-        weight_grad_s=None if c.weight_grad_s is None else (
-            c.weight_grad_s * k if c.input_grad_s is not None else min(c.weight_grad_s * k, c.backward_s * k)),
-        input_grad_s=None if c.input_grad_s is None else c.input_grad_s * k)
-        for c in profile.layers]
+    layers = [c.times_scaled(k) for c in profile.layers]
     meta = dict(profile.meta, calibrated=True, calibration_factor=k,
                 calibration="layer times x k so that m x sum(f + b) = the measured single-process step")
     return Profile(layers, dtype=profile.dtype, meta=meta, fixed=profile.fixed), k
