@@ -311,8 +311,6 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
 
 
 _MAX_REPEATS = 40   # a fast layer repeats until ``min_time_s`` is timed, at most this often
-
-
 _TIMES = ("forward_s", "backward_s", "weight_grad_s", "input_grad_s")
 
 
@@ -340,10 +338,9 @@ def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, 
     fw, bw, bi, bwt = [], [], [], []
     chunk = _split_chunk(layer) if weight_grad and params and xs else None
     pending = 0
-    r = -1
+    r, measured = -1, 0.0
     while True:
         r += 1
-        measured = sum(fw) + sum(bw) + sum(bi) + sum(bwt)
         if r >= warmup + repeats and (measured >= min_time_s or r >= warmup + _MAX_REPEATS):
             break
         for t in xs:
@@ -362,11 +359,13 @@ def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, 
         if r >= warmup:
             fw.append(t1 - t0)
             bw.append(t2 - t1)
+            measured += t2 - t0
         if chunk is not None:
             ti, tw, pending = _time_split(chunk, x, grads, dev)
             if r >= warmup:
                 bi.append(ti)
                 bwt.append(tw)
+                measured += ti + tw
     if params and not (weight_grad and xs):
         pending = _measure_pending(layer, x, grads)
     split = (statistics.median(bi), statistics.median(bwt)) if bi else None
@@ -374,6 +373,7 @@ def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, 
 
 
 def _split_chunk(layer):
+    """``layer`` alone as the engine's model chunk, to run its split backward."""
     from engine.stage import Chunk
 
     return Chunk(0, 0, [layer], measure_activations=False)
@@ -411,9 +411,7 @@ class _PlainBackward:
 def _measure_pending(layer, x, grads) -> int:
     """What one microbatch keeps between I and W on ``layer`` alone: the engine's own split path
     (``Chunk.forward(split=True)`` then ``backward_input``), its kept gradients summed."""
-    from engine.stage import Chunk
-
-    chunk = Chunk(0, 0, [layer], measure_activations=False)
+    chunk = _split_chunk(layer)
     chunk.forward(0, x, split=True)
     chunk.backward_input(0, list(grads), _PlainBackward())
     out = chunk.kept_grad_bytes(0)
