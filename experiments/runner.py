@@ -36,7 +36,7 @@ from typing import Any
 
 from experiments.job import Job
 
-__all__ = ["Trainer", "run_worker", "checkpoint_meta", "StopFlag", "STOP_SIGNALS", "RANK_FIGURES"]
+__all__ = ["Trainer", "memory_warning", "run_worker", "checkpoint_meta", "StopFlag", "STOP_SIGNALS", "RANK_FIGURES"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # StepResult.stats figures written per pipeline rank (metrics.jsonl `rank_<name>`); data_time_s
@@ -105,6 +105,34 @@ def _rank_figures(gathered: list[dict], p: int) -> list[dict]:
         row["idle_fraction"] = (s.get("idle_s", 0.0) / dt) if dt > 0 else None
         out.append(row)
     return out
+
+
+def memory_warning(step: int, rank: int, measured: dict[str, Any], predicted: float | None
+                   ) -> str | None:
+    """The warning for a measured peak (``engine.memtrack.MemoryReport.to_dict()``) over the
+    plan's ``predicted`` bytes, or None. The plan models what the pipeline holds; tensors alive
+    before the step that are neither parameters, gradients nor optimizer state ("other": the
+    data the process keeps, e.g. the default experiment's byte corpus) are outside it, so the
+    peak less those is compared, and they are named in the message.
+
+    >>> mem = {"peak_bytes": 30 << 20, "breakdown": {"activations": 20 << 20, "other": 8 << 20}}
+    >>> memory_warning(1, 0, mem, 24 << 20) is None         # 22 MiB modelled: within 10%
+    True
+    >>> memory_warning(1, 0, mem, 19 << 20)[:59]
+    'warning: step 1, pipeline rank 0: measured peak memory 30.0'
+    """
+    if not predicted:
+        return None
+    peak = int(measured["peak_bytes"])
+    other = int(measured.get("breakdown", {}).get("other", 0))
+    modelled = peak - other
+    if modelled <= 1.1 * predicted:
+        return None
+    kinds = {k: round(v / 2**20, 1) for k, v in measured.get("breakdown", {}).items()}
+    return (f"warning: step {step}, pipeline rank {rank}: measured peak memory {peak / 2**20:.1f} MiB, "
+            f"{modelled / 2**20:.1f} MiB without the {other / 2**20:.1f} MiB of other tensors alive "
+            f"before the step (data), is {modelled / predicted - 1:.0%} above the plan's prediction "
+            f"{predicted / 2**20:.1f} MiB (measured by kind: {kinds} MiB)")
 
 
 class Trainer:
@@ -281,8 +309,8 @@ class Trainer:
         return ranks, extra
 
     def _memory_figures(self, ranks: list[dict], gathered: list[dict], done: int) -> None:
-        """Measured beside predicted peak memory per pipeline rank (replica 0); a warning when a
-        rank measures more than 10% above the plan's prediction."""
+        """Measured beside predicted peak memory per pipeline rank (replica 0); a warning
+        (:func:`memory_warning`) when a rank's modelled memory exceeds the plan's by 10%."""
         pred = list(self.plan.rank_memory_bytes or [None] * self.p)
         for j, (row, g) in enumerate(zip(ranks, gathered[:self.p])):
             mem = g["memory_measured"]
@@ -290,11 +318,9 @@ class Trainer:
                        memory_measured=mem["breakdown"])
             if mem.get("device_peak_bytes") is not None:
                 row["device_peak_bytes_measured"] = mem["device_peak_bytes"]
-            if self.owner and pred[j] and mem["peak_bytes"] > 1.1 * pred[j]:
-                print(f"warning: step {done}, pipeline rank {j}: measured peak memory "
-                      f"{mem['peak_bytes'] / 2**20:.1f} MiB is {mem['peak_bytes'] / pred[j] - 1:.0%} above the "
-                      f"plan's prediction {pred[j] / 2**20:.1f} MiB (measured by kind: "
-                      f"{ {k: round(v / 2**20, 1) for k, v in mem['breakdown'].items()} } MiB)", flush=True)
+            warning = memory_warning(done, j, mem, pred[j]) if self.owner else None
+            if warning:
+                print(warning, flush=True)
 
     def record(self, done: int, res: Any) -> None:
         """Gather (every `log_every` steps), evaluate, write metrics, show progress."""

@@ -15,7 +15,7 @@ import time
 import engine
 from experiments import train
 from experiments.job import Job
-from experiments.runner import StopFlag, checkpoint_meta
+from experiments.runner import StopFlag, checkpoint_meta, memory_warning
 
 
 def _wait_for(flag: StopFlag) -> None:
@@ -88,3 +88,18 @@ def test_checkpoint_meta_records_the_layout():
     assert meta["step"] == meta["data_position"] == 6
     assert meta["stage_ranges"] == [[0, 2], [2, 4]] and meta["seed"] == 3
     assert "nonfinite" not in meta["pipeline"]
+
+
+def test_memory_warning_compares_what_the_plan_models():
+    """The plan models the pipeline's memory; tensors alive before the step that are not model
+    state ("other": the data a rank keeps) are left out of the comparison and named."""
+    mib = 2**20
+    mem = {"peak_bytes": 30 * mib, "breakdown": {"parameters": 2 * mib, "activations": 20 * mib,
+                                                  "other": 8 * mib}}
+    assert memory_warning(1, 0, mem, 21 * mib) is None                 # 22 MiB modelled: +4.8%
+    text = memory_warning(2, 1, mem, 19 * mib)                         # +15.8%
+    assert text.startswith("warning: step 2, pipeline rank 1:") and "16% above" in text
+    assert "22.0 MiB without the 8.0 MiB" in text
+    no_other = {"peak_bytes": 30 * mib, "breakdown": {"activations": 30 * mib}}
+    assert "above" in memory_warning(1, 0, no_other, 21 * mib)          # nothing to leave out
+    assert memory_warning(1, 0, mem, None) is None                     # no prediction
