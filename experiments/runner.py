@@ -131,7 +131,7 @@ def memory_warning(step: int, rank: int, measured: dict[str, Any], predicted: fl
     kinds = {k: round(v / 2**20, 1) for k, v in measured.get("breakdown", {}).items()}
     return (f"warning: step {step}, pipeline rank {rank}: measured peak memory {peak / 2**20:.1f} MiB, "
             f"{modelled / 2**20:.1f} MiB without the {other / 2**20:.1f} MiB of other tensors alive "
-            f"before the step (data), is {modelled / predicted - 1:.0%} above the plan's prediction "
+            f"before the step (data, buffers the plan does not know), is {modelled / predicted - 1:.0%} above the plan's prediction "
             f"{predicted / 2**20:.1f} MiB (measured by kind: {kinds} MiB)")
 
 
