@@ -123,16 +123,17 @@ def memory_warning(step: int, rank: int, measured: dict[str, Any], predicted: fl
     """
     if not predicted:
         return None
-    peak = int(measured["peak_bytes"])
-    other = int(measured.get("breakdown", {}).get("other", 0))
+    breakdown = measured.get("breakdown", {})
+    peak, other = int(measured["peak_bytes"]), int(breakdown.get("other", 0))
     modelled = peak - other
     if modelled <= 1.1 * predicted:
         return None
-    kinds = {k: round(v / 2**20, 1) for k, v in measured.get("breakdown", {}).items()}
-    return (f"warning: step {step}, pipeline rank {rank}: measured peak memory {peak / 2**20:.1f} MiB, "
-            f"{modelled / 2**20:.1f} MiB without the {other / 2**20:.1f} MiB of other tensors alive "
-            f"before the step (data, buffers the plan does not know), is {modelled / predicted - 1:.0%} above the plan's prediction "
-            f"{predicted / 2**20:.1f} MiB (measured by kind: {kinds} MiB)")
+    kinds = {k: round(v / 2**20, 1) for k, v in breakdown.items()}
+    return (f"warning: step {step}, pipeline rank {rank}: measured peak memory {peak / 2**20:.1f} "
+            f"MiB, {modelled / 2**20:.1f} MiB without the {other / 2**20:.1f} MiB of other tensors "
+            f"alive before the step (data, buffers the plan does not know), is "
+            f"{modelled / predicted - 1:.0%} above the plan's prediction {predicted / 2**20:.1f} MiB "
+            f"(measured by kind: {kinds} MiB)")
 
 
 class Trainer:
