@@ -6,7 +6,8 @@ actions arrives while this rank computes (and, on NCCL, adjacent transfers form 
 Hand-offs between two chunks of the same rank stay in memory.
 
 What runs on every step is only what a step needs: the compute, the transfers, and one fused
-reduction per forward output that flags a NaN/inf (``nonfinite`` guard, named by chunk). The
+reduction per forward output that flags a NaN/inf (``nonfinite`` guard, named by chunk; the last
+chunk's output is the loss, which the step's loss reduction checks itself). The
 costly diagnostics (bytes saved for backward, counted by a Python hook per saved tensor, and the
 peak of live activations) run only when asked (``diagnose=True``).
 
@@ -157,7 +158,7 @@ class _Step:
                                    split=(s, i) in ex.split, keep=self.train,
                                    node_split=ex.node_split, measure=self.diagnose)
         self.fwd_s += time.perf_counter() - t
-        if self.train:
+        if self.train and not last:  # the last chunk's flag is its loss (Pipeline._reduce_loss)
             flag = nonfinite_flag(out)
             if flag is not None:
                 self.flags[s] = flag if s not in self.flags else self.flags[s] + flag

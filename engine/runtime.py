@@ -517,6 +517,8 @@ class Pipeline:
         buf = torch.zeros(1 + k, dtype=torch.float64, device=self.device)
         if losses:
             buf[0] = torch.stack(losses).mean().double() / self.data_parallel
+            if flags is not None:  # training: the last chunk's output is its loss
+                buf[k] = (~torch.isfinite(buf[0])).double()
         for s, flag in (flags or {}).items():
             buf[1 + s] = (~torch.isfinite(flag)).double()
         if self.mesh.distributed and self.mesh.world_size > 1:

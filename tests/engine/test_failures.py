@@ -23,7 +23,7 @@ FAIL_STEP = 1           # 0-based training step
 LIMIT_S = 60.0
 
 
-def _make(i: int, fail: str | None, fail_step: int):
+def _make(i: int, fail: str | None, fail_step: int, fail_layer: int = FAIL_LAYER):
     import torch
     from torch import nn
 
@@ -35,7 +35,7 @@ def _make(i: int, fail: str | None, fail_step: int):
 
         def forward(self, x):
             y = torch.tanh(self.lin(x))
-            if fail is not None and i == FAIL_LAYER and self.training:
+            if fail is not None and i == fail_layer and self.training:
                 step, mb = divmod(self.calls, MICRO)
                 self.calls += 1
                 if step == fail_step and mb == 1:   # mid-step: microbatch 1 of the step
@@ -70,8 +70,8 @@ def _train(pid_dir: str, fail: str | None, steps: int, kw: dict):
     import torch.distributed as dist
     from engine import OptimizerConfig, Pipeline
     open(os.path.join(pid_dir, str(dist.get_rank())), "w").write(str(os.getpid()))
-    layers = [functools.partial(_make, i, fail, kw.pop("fail_step", FAIL_STEP))
-              for i in range(LAYERS)]
+    step, layer = kw.pop("fail_step", FAIL_STEP), kw.pop("fail_layer", FAIL_LAYER)
+    layers = [functools.partial(_make, i, fail, step, layer) for i in range(LAYERS)]
     pipe = Pipeline(layers, RANGES, loss_fn=torch.nn.functional.mse_loss, microbatches=MICRO,
                     optimizer=OptimizerConfig(name="sgd", lr=0.05), **kw)
     g = torch.Generator().manual_seed(0)
@@ -224,3 +224,13 @@ def test_nan_on_middle_stage_skips_step_on_every_rank(kw):
 def _tmp_pids() -> str:
     import tempfile
     return tempfile.mkdtemp(prefix="pipeshard-pids-")
+
+
+def test_nan_on_last_stage_is_named_from_the_loss():
+    # The last chunk's output is the loss: its flag comes from the step's loss, not a reduction.
+    out = run_workers(_train, STAGES, _tmp_pids(), "nan", 3, {"nonfinite": "skip", "fail_layer": 5},
+                      timeout_s=120)
+    for rank, hist in enumerate(out):
+        skipped, loss, same, stage = hist[FAIL_STEP]
+        assert skipped and same and stage == 2 and loss != loss, f"rank {rank}: {hist}"
+        assert all(h[3] is None and not h[0] for k, h in enumerate(hist) if k != FAIL_STEP), hist
