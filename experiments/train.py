@@ -49,6 +49,8 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any] | None:
     except KeyboardInterrupt:
         _print_stopped(cfg, run_dir)
         return None
+    if under_torchrun():
+        _close_process_group()
     owner = int(_get(cfg, "pipeline.stages")) - 1  # the last stage of replica 0 owns the loss
     summary = results[owner] if len(results) > owner else None
     if under_torchrun() and any(r.get("stopped_at") for r in results if r is not None):
@@ -58,6 +60,17 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any] | None:
     if summary is not None or not under_torchrun():
         _print_end(summary, run_dir)
     return summary
+
+
+def _close_process_group() -> None:
+    """torch's shutdown rule: destroy the process group before the interpreter exits. Left to
+    the interpreter's teardown, gloo's threads could outlive it and abort the process
+    ("terminate called without an active exception"). Only after a clean run: a rank that
+    failed skips it, since destroying a group that peers still use can block."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _print_end(summary: dict[str, Any] | None, run_dir: Path) -> None:
