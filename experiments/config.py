@@ -362,6 +362,7 @@ class BenchConfig:
     sweep_max: Optional[int] = None  # sweep only the best-predicted N layouts; null = all
     sweep_confirm: int = 3  # after the sweep, run auto's choice and the N fastest sweep layouts again head to head (`rounds` fresh rounds) and compare those medians; 0 = off
     overhead: bool = False  # true: the overhead benchmark instead (near-free layers, m=32, p=2 and 4: cost per action)
+    overhead_blocks: int = 20  # with overhead: also run pipeshard and torch 1F1B in the same processes, this many alternating blocks of `steps` steps (median per-block ratio); 0 = off
     trace: bool = False  # true: every rank writes a torch.profiler trace of its timed steps (outputs/traces/) and a time-per-category table
 
 

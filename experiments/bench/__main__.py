@@ -104,13 +104,17 @@ def run(cfg: Any, run_dir: str) -> dict:
 
 def _run_overhead(cfg: Any, run_dir: str) -> dict:
     """`bench.overhead=true`: each engine's fixed cost per action (experiments/bench/overhead.py)."""
-    from experiments.bench.overhead import format_overhead, run_overhead
+    from experiments.bench.overhead import format_overhead, run_overhead, run_paired_overhead
     from experiments.bench.report import json_rows
 
     b = cfg.bench
     systems = [s for s in b.systems if s != "single"]
     rows = run_overhead(rounds=int(b.rounds), steps=int(b.steps), warmup=int(b.warmup_steps),
                         systems=systems, timeout_s=float(b.timeout_s))
+    blocks = int(b.get("overhead_blocks", 0) or 0)
+    if blocks > 0 and {"pipeshard", "torch-pipelining"} <= set(systems):
+        rows += run_paired_overhead(blocks=blocks, block_steps=int(b.steps), warmup=int(b.warmup_steps),
+                                    timeout_s=float(b.timeout_s))
     result = {"rows": json_rows(rows), "meta": {"mode": "overhead",
                                                "command": " ".join(["python -m experiments.bench", *sys.argv[1:]])}}
     out = Path(run_dir)

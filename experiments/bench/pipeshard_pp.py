@@ -25,7 +25,7 @@ from experiments.bench.measure import launch_fresh, make_row, timed_loop
 from experiments.bench.spec import BenchSpec
 from experiments.wiring import schedule_chunks
 
-__all__ = ["run_pipeshard", "median_stats", "STAT_KEYS"]
+__all__ = ["run_pipeshard", "build_pipeline", "median_stats", "STAT_KEYS"]
 
 
 # StepResult.stats figures kept per rank (median over the timed steps).
@@ -43,16 +43,21 @@ def median_stats(stats: Sequence[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def build_pipeline(spec: BenchSpec, schedule: str, **options: Any) -> Any:
+    """This rank's ``engine.Pipeline`` for ``spec`` (plain SGD, the spec's split and seed);
+    ``options`` go to ``Pipeline`` (``virtual_stages``: default the schedule's)."""
+    from engine import OptimizerConfig, Pipeline
+
+    v = options.pop("virtual_stages", None) or schedule_chunks(schedule)
+    return Pipeline(spec.layers, spec.ranges_for(v), loss_fn=spec.loss_fn, schedule=schedule,
+                    microbatches=spec.microbatches, virtual_stages=v,
+                    optimizer=OptimizerConfig(name="sgd", lr=spec.lr), seed=spec.seed, **options)
+
+
 def _worker(spec: BenchSpec, schedule: str, return_params: bool, options: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from engine import OptimizerConfig, Pipeline
-
-    options = dict(options)
-    v = options.pop("virtual_stages", None) or schedule_chunks(schedule)
-    pipe = Pipeline(spec.layers, spec.ranges_for(v), loss_fn=spec.loss_fn, schedule=schedule,
-                    microbatches=spec.microbatches, virtual_stages=v,
-                    optimizer=OptimizerConfig(name="sgd", lr=spec.lr), seed=spec.seed, **options)
+    pipe = build_pipeline(spec, schedule, **options)
     is_last = dist.get_rank() == dist.get_world_size() - 1
     stats: list[dict[str, Any]] = []
 

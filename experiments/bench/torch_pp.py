@@ -27,7 +27,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -35,7 +35,7 @@ from experiments.bench.trace import traced
 from experiments.bench.measure import launch_fresh, make_row, named_params, timed_loop
 from experiments.bench.spec import BenchSpec, build_chunk
 
-__all__ = ["TORCH_SCHEDULES", "run_torch_pipelining", "chunk_to_rank"]
+__all__ = ["TORCH_SCHEDULES", "run_torch_pipelining", "chunk_to_rank", "torch_step_fn"]
 
 # name -> (torch class name, chunks per rank, placement style)
 TORCH_SCHEDULES: dict[str, tuple[str, int, str]] = {
@@ -57,7 +57,9 @@ def chunk_to_rank(num_ranks: int, num_chunks: int, style: str) -> list[int]:
     return [chunk_rank(style, num_ranks, c) for c in range(num_chunks)]
 
 
-def _torch_worker(spec: BenchSpec, schedule: str, return_params: bool) -> dict[str, Any]:
+def torch_step_fn(spec: BenchSpec, schedule: str) -> tuple[Callable[[Any, Any], float | None], list[Any]]:
+    """This rank's chunks of ``spec`` under torch's ``schedule``: ``(step(inputs, targets) ->
+    loss or None, modules)``; one step is the schedule's step and ``torch.optim.SGD.step()``."""
     import torch.distributed as dist
     from torch.distributed import pipelining
 
@@ -84,6 +86,11 @@ def _torch_worker(spec: BenchSpec, schedule: str, return_params: bool) -> dict[s
         opt.step()
         return float(torch.stack(losses).detach().mean()) if losses else None
 
+    return step, modules
+
+
+def _torch_worker(spec: BenchSpec, schedule: str, return_params: bool) -> dict[str, Any]:
+    step, modules = torch_step_fn(spec, schedule)
     result = timed_loop(spec, step)
     if return_params:
         result["params"] = named_params(modules)

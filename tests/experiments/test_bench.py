@@ -336,3 +336,26 @@ def test_overhead_bench_gives_a_cost_per_action_for_each_engine() -> None:
     assert by["pipeshard"]["fitted_action_us"] > 0 and "fitted_action_us" not in by["torch-pipelining"]
     table = format_overhead(rows)
     assert "| 2 | pipeshard |" in table and "| 2 | torch-pipelining |" in table and "1.00 |" in table
+
+
+@pytest.mark.slow
+def test_paired_overhead_times_both_engines_in_the_same_processes() -> None:
+    from experiments.bench.overhead import format_overhead, run_paired_overhead
+
+    (row,) = run_paired_overhead(stages=(2,), microbatches=4, blocks=3, block_steps=2, warmup=1, timeout_s=300)
+    per = row["per_block_s"]
+    assert set(per) == {"pipeshard", "torch-pipelining"} and all(len(v) == 3 for v in per.values())
+    ratios = sorted(a / b for a, b in zip(per["pipeshard"], per["torch-pipelining"]))
+    assert row["paired_ratio"] == pytest.approx(ratios[1]) and ratios[0] <= row["paired_ratio_p25"] <= ratios[1]
+    assert row["step_s"] == pytest.approx(sorted(per["pipeshard"])[1]) and row["section"] == "overhead-paired"
+    assert row["per_action_us"] == pytest.approx(row["step_s"] / 8 * 1e6)
+    assert "| 2 | " in format_overhead([row]) and f"{row['paired_ratio']:.3f}" in format_overhead([row])
+
+
+def test_paired_summary_is_the_median_of_per_block_ratios() -> None:
+    from experiments.bench.overhead import paired_summary
+
+    # a slow spell that hits both engines in block 3 does not move the paired figure
+    s = paired_summary([1.1, 1.2, 3.3, 1.0], [1.0, 1.0, 3.0, 1.0])
+    assert s["paired_ratio"] == pytest.approx(1.1) and s["step_s"] == pytest.approx(1.15)
+    assert s["paired_ratio_p25"] <= s["paired_ratio"] <= s["paired_ratio_p75"] == pytest.approx(1.125)
