@@ -98,8 +98,8 @@ def run_paired_overhead(*, stages: Sequence[int] = OVERHEAD_STAGES, microbatches
 
 
 def paired_summary(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, float]:
-    """Median and quartiles of the per-block ratio ``ours / theirs`` and each side's median
-    (seconds per step, and per action at ``2 m`` actions per step is the caller's).
+    """Median and quartiles of the per-block ratio ``ours / theirs``, and each side's median
+    seconds per step (``step_s``, ``torch_step_s``).
 
     >>> paired_summary([2.0, 3.0, 4.0, 10.0], [2.0, 2.0, 2.0, 5.0])["paired_ratio"]
     1.75
