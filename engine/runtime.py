@@ -29,7 +29,7 @@ from engine.optim import (NonFiniteError, OptimizerConfig, StageOptimizer,
                           check_optimizer_config, compute_dtype, weight_dtype)
 from engine.stage import Chunk, build_layers
 
-__all__ = ["Pipeline", "StepResult", "check_stage_ranges"]
+__all__ = ["Pipeline", "StepResult", "check_stage_ranges", "default_recv_lookahead"]
 
 
 @dataclass
@@ -80,6 +80,30 @@ def check_stage_ranges(stage_ranges: Sequence[Sequence[int]], num_layers: int,
         raise ValueError(f"stage ranges end at layer {expect} but the model has {num_layers} "
                          f"layers; the last range must stop at {num_layers}")
     return ranges
+
+
+def default_recv_lookahead(backend: str, schedule: Any) -> int:
+    """How many upcoming receives a rank posts ahead of the compute that needs them, when
+    ``recv_lookahead`` is not given. NCCL: 2 (pre-posting is what lets transfers overlap).
+    gloo: 2 for a looped schedule with several chunks per rank (interleaved-1f1b), else 0.
+
+    gloo's transfers rendezvous: the data moves only once the receiver has posted its receive.
+    With one chunk per rank the next receive is for data the peer is still computing, and an early
+    post only made every later call on the pair slower (overhead benchmark). On a looped schedule
+    with several chunks, the next receive is often for data the peer sent while this rank ran
+    another chunk; posted when needed it costs a round trip on the critical path (equal-layer MLP,
+    interleaved-1f1b: 2 ahead was faster in 6 of 6 paired runs, ~15%; docs/performance.md).
+
+    >>> from engine.schedules import build_schedule
+    >>> [default_recv_lookahead("gloo", build_schedule(n, 2, 4, v)) for n, v in
+    ...  (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2))]
+    [0, 2, 0]
+    >>> default_recv_lookahead("nccl", build_schedule("1f1b", 2, 4))
+    2
+    """
+    if backend == "nccl":
+        return 2
+    return 2 if schedule.virtual_stages > 1 and schedule.placement == "loop" else 0
 
 
 def _per_chunk(flag: bool | Sequence[bool], n_chunks: int) -> list[bool]:
@@ -149,9 +173,9 @@ class Pipeline:
     """One rank's view of a pipeline-parallel (x data-parallel) training job.
 
     See docs/contracts.md for the arguments. Extra keyword ``recv_lookahead``: how many upcoming
-    receives are posted ahead of the compute that needs them (default: 2 on NCCL; 0 on gloo,
-    where a receive posted early made every later send and receive call on the pair slower:
-    docs/performance.md, overhead benchmark); ``max_inflight``:
+    receives are posted ahead of the compute that needs them (default:
+    :func:`default_recv_lookahead`, 2 on NCCL; on gloo 2 for interleaved-1f1b, else 0);
+    ``max_inflight``:
     zb-h2's bound on the microbatches a rank holds. Chunks are placed by the schedule
     (``Schedule.rank_of``: looped, or a V for zbv, whose first and last chunks share rank 0).
     ``activation_checkpointing``: one bool for every chunk, or one per chunk (global chunk
@@ -224,7 +248,7 @@ class Pipeline:
         node_split = None if self.optimizer.accepts_gradient_edges else False
         split = {(a.stage, a.microbatch) for a in self.program if a.kind == "I"}
         if recv_lookahead is None:
-            recv_lookahead = 2 if self.mesh.backend == "nccl" else 0
+            recv_lookahead = default_recv_lookahead(self.mesh.backend, sched)
         self.executor = Executor(self.chunks, self.p2p, sched, lookahead=int(recv_lookahead),
                                  split=split, node_split=node_split)
         self.nonfinite = nonfinite

@@ -163,6 +163,8 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     # per-chunk recomputation (a plan's stage_recompute): chunk 0 only; zbv: rank 0's chunks
     cases += [dict(schedule="1f1b", p=2, m=4, ckpt=[True, False]),
               dict(schedule="zbv", p=2, v=2, m=4, ckpt=[True, False, False, True])]
+    # interleaved posts receives 2 ahead on gloo by default: also run it posting when needed
+    cases += [dict(schedule="interleaved-1f1b", p=2, v=2, m=4, lookahead=0)]
     results = _run_and_check(2, cases)
     stats = results[0][0]["stats"][0]  # rank 0, gpipe, step 0
     for key in ("forward_s", "backward_s", "comm_wait_s", "idle_s", "peak_activation_bytes",
@@ -205,6 +207,19 @@ def test_parity_three_stages():
              dict(schedule="zbv", p=3, v=2, m=6), dict(schedule="zb-h2", p=3, m=6),
              dict(schedule="zb-h2", p=3, m=4, cap=4, tie=True)]
     _run_and_check(3, cases)
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1),
+                                    ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zbv", 2)])
+def test_default_recv_lookahead_posts_ahead_on_gloo_only_for_looped_chunks(name, v):
+    from engine.runtime import default_recv_lookahead
+    from engine.schedules import build_schedule
+
+    sched = build_schedule(name, 2, 6, v)
+    looped = sched.virtual_stages > 1 and sched.placement == "loop"
+    assert default_recv_lookahead("gloo", sched) == (2 if looped else 0)
+    assert looped == (name == "interleaved-1f1b")
+    assert default_recv_lookahead("nccl", sched) == 2
 
 
 def test_single_process_pipeline_matches_reference():
