@@ -209,16 +209,15 @@ def test_parity_three_stages():
     _run_and_check(3, cases)
 
 
-@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1),
-                                    ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zbv", 2)])
-def test_default_recv_lookahead_posts_ahead_on_gloo_only_for_looped_chunks(name, v):
+@pytest.mark.parametrize("name,v,gloo", [("gpipe", 1, 0), ("1f1b", 1, 0), ("zb-h1", 1, 0),
+                                         ("zb-h2", 1, 0), ("interleaved-1f1b", 2, 2),
+                                         ("interleaved-1f1b", 3, 2), ("zbv", 2, 0)])
+def test_default_recv_lookahead_posts_ahead_on_gloo_only_for_interleaved(name, v, gloo):
     from engine.runtime import default_recv_lookahead
     from engine.schedules import build_schedule
 
     sched = build_schedule(name, 2, 6, v)
-    looped = sched.virtual_stages > 1 and sched.placement == "loop"
-    assert default_recv_lookahead("gloo", sched) == (2 if looped else 0)
-    assert looped == (name == "interleaved-1f1b")
+    assert default_recv_lookahead("gloo", sched) == gloo
     assert default_recv_lookahead("nccl", sched) == 2
 
 
