@@ -125,6 +125,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _collect(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    """Every process's output, each waited for up to ``timeout_s`` in turn. On a timeout all are
+    killed and the test fails with every process's output, so a hang shows where each one was."""
+    outs: list[str] = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout_s)[0])
+        return outs
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        rest = [p.communicate()[0] for p in procs[len(outs):]]  # retrying loses no output
+        tails = [f"--- process {k} (exit {p.wait()}) ---\n{out[-3000:]}"
+                 for k, (p, out) in enumerate(zip(procs, outs + rest))]
+        pytest.fail(f"a process was not done after {timeout_s:g} s:\n" + "\n".join(tails))
+
+
 @pytest.mark.slow
 def test_two_node_torchrun_on_loopback_matches_local_launcher(tmp_path):
     local = tmp_path / "local"
@@ -137,14 +154,7 @@ def test_two_node_torchrun_on_loopback_matches_local_launcher(tmp_path):
                                 f"hydra.run.dir={shared}"], cwd=ROOT, env=_env(tmp_path),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for n in (0, 1)]
-    outs = []
-    try:
-        for a in agents:
-            outs.append(a.communicate(timeout=150)[0])
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
+    outs = _collect(agents, timeout_s=150)
     for a, out in zip(agents, outs):
         assert a.returncode == 0, out[-4000:]
     assert "uniform split" in outs[0]  # rank 0 partitioned and printed the plan
