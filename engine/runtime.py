@@ -92,8 +92,8 @@ def default_recv_lookahead(backend: str, schedule: Any) -> int:
     post only made every later call on the pair slower (overhead benchmark). On a looped schedule
     with several chunks, the next receive is often for data the peer sent while this rank ran
     another chunk; posted when needed it costs a round trip on the critical path (interleaved-1f1b,
-    2 ahead against 0 in paired runs: faster in 6 of 6 on the equal-layer MLP, ~15%, and in 4 of 5
-    on the issue's GPT; docs/performance.md).
+    2 ahead against 0 in paired runs: faster in 10 of 10 on the equal-layer MLP, ~15%, and in 4
+    of 5 on the issue's GPT; docs/performance.md).
 
     >>> from engine.schedules import build_schedule
     >>> [default_recv_lookahead("gloo", build_schedule(n, 2, 4, v)) for n, v in
