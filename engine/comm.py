@@ -9,7 +9,10 @@ one per float tensor that required grad.
 
 Sends are non-blocking and waited at the end of the step (:meth:`P2P.wait_sends`). Receives
 are posted ahead (:meth:`P2P.post`) and waited when the data is needed (:meth:`Recv.wait`), so
-compute overlaps the transfer. Every wait is bounded by ``timeout_s`` and fails with
+compute overlaps the transfer. Two clocks are kept: ``wait_s``, the time blocked in waits, and
+``issue_s``, the time spent inside the backend's calls that start a send or post a receive
+(``isend`` / ``irecv`` on gloo, ``batch_isend_irecv`` on NCCL). On gloo on a busy CPU the
+latter is not small: each call takes the peer connection's lock and writes to its socket. Every wait is bounded by ``timeout_s`` and fails with
 :class:`CommError` naming the peer and the awaited message. On gloo, every message carries a tag
 unique to (direction, chunk, microbatch, tensor), so matching is exact; on NCCL, which matches in
 order, activations and gradients use separate communicators and the schedule's validation
@@ -158,6 +161,7 @@ class P2P:
         self._sends: list[tuple[Any, Any, str]] = []
         self._pending_ops: list[Any] = []
         self.wait_s = 0.0
+        self.issue_s = 0.0
         self.bytes_sent = 0
         self.new_step()
 
@@ -179,7 +183,9 @@ class P2P:
         if self.nccl:
             self._pending_ops.append((dist.P2POp(op, tensor, dst, group, tag), h))
         else:
+            t0 = time.perf_counter()
             h.work = op(tensor, dst, group=group, tag=tag)
+            self.issue_s += time.perf_counter() - t0
         return h
 
     def flush(self) -> None:
@@ -191,7 +197,9 @@ class P2P:
             for group in (self.mesh.p2p_forward_group, self.mesh.p2p_backward_group):
                 part = [(op, h) for op, h in pending if op.group is group]
                 if part:
+                    t0 = time.perf_counter()
                     works = dist.batch_isend_irecv([op for op, _ in part])
+                    self.issue_s += time.perf_counter() - t0
                     for (_, h), w in zip(part, works):
                         h.work = w
 

@@ -57,7 +57,7 @@ class Executor:
         private keys, the losses (``_losses``) and per-chunk non-finite flags (``_flags``)."""
         step = _Step(self, program, x_mbs, y_mbs, optimizer, train, diagnose)
         self.p2p.new_step()
-        wait0, sent0 = self.p2p.wait_s, self.p2p.bytes_sent
+        wait0, issue0, sent0 = self.p2p.wait_s, self.p2p.issue_s, self.p2p.bytes_sent
         if diagnose:
             for c in self.chunks.values():
                 c.reset_peak()
@@ -69,7 +69,8 @@ class Executor:
             raise RuntimeError(f"internal: chunks {leftover} hold microbatches with no backward; "
                                "the schedule is incomplete")
         out = {"forward_s": step.fwd_s, "backward_s": step.bwd_s,
-               "comm_wait_s": self.p2p.wait_s - wait0, "bytes_sent": self.p2p.bytes_sent - sent0,
+               "comm_wait_s": self.p2p.wait_s - wait0, "comm_issue_s": self.p2p.issue_s - issue0,
+               "bytes_sent": self.p2p.bytes_sent - sent0,
                "pipeline_rank": self.rank, "replica": self.p2p.mesh.replica,
                "stages": sorted(self.chunks), "_losses": step.losses, "_flags": step.flags}
         if diagnose and train:

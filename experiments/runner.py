@@ -41,7 +41,7 @@ __all__ = ["Trainer", "memory_warning", "run_worker", "checkpoint_meta", "StopFl
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # StepResult.stats figures written per pipeline rank (metrics.jsonl `rank_<name>`); data_time_s
 # (the wait for the step's batch) is added by the loop.
-RANK_FIGURES = ("forward_s", "backward_s", "optimizer_s", "comm_wait_s", "idle_s",
+RANK_FIGURES = ("forward_s", "backward_s", "optimizer_s", "comm_wait_s", "comm_issue_s", "idle_s",
                 "peak_activation_bytes", "optimizer_state_bytes", "bytes_sent", "data_time_s")
 
 

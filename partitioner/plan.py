@@ -147,7 +147,7 @@ class Plan(JsonMixin):
         it; :meth:`predicted_step_s` adds what a step costs beyond its schedule.
 
         >>> res = plan.simulate()                         # doctest: +SKIP
-        >>> res.step_s, res.bubble_fraction; res.to_png("timeline.png")
+        >>> res.step_s, res.bubble_fraction; res.to_png("timeline.png")  # doctest: +SKIP
         """
         from engine.schedules import SCHEDULE_INFO, build_schedule
         from engine.simulate import simulate

@@ -34,7 +34,7 @@ _EXPORTS = {
     "run_peers": "run", "run_bench": "run", "TORCH_FOR_PIPESHARD": "run",
     "ideal_step_s": "report", "add_ideal": "report", "json_rows": "report", "format_table": "report",
     "bar_chart": "report", "ratios": "report", "format_prediction_table": "report",
-    "format_markdown": "report",
+    "format_rank_times": "report", "format_markdown": "report",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -69,7 +69,7 @@ def write_outputs(result: dict, out_dir: Path) -> list[Path]:
 
 def run(cfg: Any, run_dir: str) -> dict:
     """The benchmark on a composed config, its tables printed and its files written to `run_dir`."""
-    from experiments.bench.report import format_prediction_table, format_table
+    from experiments.bench.report import format_prediction_table, format_rank_times, format_table
     from experiments.bench.run import run_bench
 
     validate_config(cfg)
@@ -84,6 +84,8 @@ def run(cfg: Any, run_dir: str) -> dict:
              f"{m['microbatches']} microbatches, 1 thread per rank")
     print(format_table([r for r in rows if r.get("section") == "systems"], title=title))
     print(format_prediction_table(rows))
+    print("where each pipeshard step went, per rank (ms; medians of StepResult.stats):")
+    print(format_rank_times(rows))
     if "auto" in result:
         from experiments.bench.auto import comparison_line, format_sweep
 

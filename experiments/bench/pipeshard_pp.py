@@ -5,7 +5,8 @@ microbatches=m, virtual_stages=v, optimizer=OptimizerConfig("sgd", lr), seed=spe
 (the engine builds only its own layers, seeded like every other system) and the shared loop
 times ``train_step``. Same SGD on the global-batch mean loss as the other rows. The row also has
 ``stats``: per rank, the median over timed steps of the engine's own ``StepResult.stats``
-(forward_s, backward_s, comm_wait_s, idle_s, optimizer_s, peak_activation_bytes, bytes_sent).
+(forward_s, backward_s, comm_wait_s, comm_issue_s, idle_s, optimizer_s, peak_activation_bytes,
+bytes_sent).
 
 Example::
 
@@ -29,7 +30,7 @@ __all__ = ["run_pipeshard", "build_pipeline", "median_stats", "STAT_KEYS"]
 
 
 # StepResult.stats figures kept per rank (median over the timed steps).
-STAT_KEYS = ("forward_s", "backward_s", "comm_wait_s", "idle_s", "optimizer_s",
+STAT_KEYS = ("forward_s", "backward_s", "comm_wait_s", "comm_issue_s", "idle_s", "optimizer_s",
              "peak_activation_bytes", "bytes_sent")
 
 

@@ -22,7 +22,7 @@ import io
 from typing import Any, Iterable, Sequence
 
 __all__ = ["ideal_step_s", "add_ideal", "json_rows", "format_table", "bar_chart", "ratios",
-           "format_prediction_table", "format_markdown"]
+           "format_prediction_table", "format_rank_times", "format_markdown"]
 
 _NOT_JSON = ("params",)
 
@@ -167,6 +167,33 @@ def format_prediction_table(rows: Sequence[dict[str, Any]], title: str = "predic
     return out.getvalue()
 
 
+_RANK_PARTS = (("forward_s", "forward"), ("backward_s", "backward"), ("comm_wait_s", "p2p wait"),
+               ("comm_issue_s", "p2p issue"), ("optimizer_s", "after the actions"))
+
+
+def format_rank_times(rows: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table: per pipeshard schedule and rank, where its step went (ms, medians over the
+    timed steps of the engine's ``StepResult.stats``): compute, waiting on transfers, inside the
+    calls that issue them, everything after the last action (gradient sync, loss all-reduce,
+    update), and the rest (the engine's dispatch, and where the parts' medians do not add up).
+
+    >>> row = dict(system="pipeshard", section="systems", schedule="1f1b", step_s=0.1, stats=[dict(
+    ...     forward_s=0.02, backward_s=0.04, comm_wait_s=0.01, comm_issue_s=0.005, optimizer_s=0.01)])
+    >>> format_rank_times([row]).splitlines()[-1]
+    '| 1f1b | 0 | 100.0 | 20.0 | 40.0 | 10.0 | 5.0 | 10.0 | 15.0 |'
+    """
+    out = ["| pipeshard schedule | rank | step | " + " | ".join(n for _, n in _RANK_PARTS) + " | rest |",
+           "|---" * (len(_RANK_PARTS) + 4) + "|"]
+    for r in rows:
+        if r.get("system") != "pipeshard" or r.get("section") != "systems" or not r.get("step_s"):
+            continue
+        for rank, st in enumerate(r.get("stats") or []):
+            parts = [float(st.get(k) or 0.0) for k, _ in _RANK_PARTS]
+            cells = [r["step_s"]] + parts + [r["step_s"] - sum(parts)]
+            out.append(f"| {r['schedule']} | {rank} | " + " | ".join(f"{c * 1e3:.1f}" for c in cells) + " |")
+    return "\n".join(out)
+
+
 def format_markdown(result: dict[str, Any]) -> str:
     """``bench.json``'s content as Markdown tables (systems, partition quality, predictions, ratios),
     for docs/performance.md and the README."""
@@ -207,6 +234,8 @@ def format_markdown(result: dict[str, Any]) -> str:
             aerr = ", ".join(pct(e) for e in r.get("activation_error") or []) or "-"
             out.append(f"| {r['schedule']} | {ms(r.get('step_s'))} | {ms(r.get('predicted_step_s'))} | "
                        f"{pct(r.get('step_error'))} | {pct(r.get('step_error_uncalibrated'))} | {act} | {aerr} |")
+    out.append("")
+    out.append(format_rank_times(rows))
     out.append("")
     rat = result.get("ratios", {})
     for key, val in rat.items():

@@ -11,8 +11,10 @@ transformers `DynamicCache`; each decoder layer writes its own slot (its global 
 Example:
     >>> chunk = HFCachedChunk(layers)                    # doctest: +SKIP
     >>> cache = chunk.new_cache(batch_size=2)            # doctest: +SKIP
-    >>> logits = chunk(ids, cache, mask)                 # prefill: ids [2, L], mask [2, L]
-    >>> logits = chunk(next_ids, cache, mask_plus_one)   # decode: [2, 1], mask [2, L + 1]
+    >>> logits = chunk(ids, cache, mask)                 # doctest: +SKIP
+    >>> logits = chunk(next_ids, cache, mask_plus_one)   # doctest: +SKIP
+
+(prefill: ids ``[2, L]``, mask ``[2, L]``; decode: ids ``[2, 1]``, mask ``[2, L + 1]``)
 """
 
 from __future__ import annotations

@@ -21,6 +21,41 @@ def test_header_round_trip():
     assert Spec.decode(bare.encode()) == bare and not bare.is_tuple
 
 
+class _OneRankMesh:
+    """Just what P2P reads of a mesh, for a gloo rank 0 whose peer is rank 1."""
+    backend, rank, pipeline_rank, replica = "gloo", 0, 0, 0
+    p2p_forward_group = p2p_backward_group = None
+
+    def global_rank(self, pipeline_rank: int) -> int:
+        return pipeline_rank
+
+
+def test_issue_clock_counts_the_backend_calls_and_nothing_else(monkeypatch):
+    import time
+
+    import torch.distributed as dist
+    from engine.comm import P2P
+
+    calls = []
+
+    def slow_call(tensor, dst, group=None, tag=0):
+        calls.append((dst, tag))
+        time.sleep(0.02)
+        return None
+
+    monkeypatch.setattr(dist, "isend", slow_call)
+    monkeypatch.setattr(dist, "irecv", slow_call)
+    p2p = P2P(_OneRankMesh(), timeout_s=5)
+    p2p.send("F", 0, 0, torch.ones(3, requires_grad=True), peer=1)    # header + data: 2 calls
+    r = p2p.post("B", 0, 0, peer=1)                                    # gradient: 1 call
+    assert len(calls) == 3 and len(r.works) == 1
+    assert 0.06 <= p2p.issue_s < 1.0 and p2p.wait_s == 0.0
+    issued = p2p.issue_s
+    time.sleep(0.05)                           # time outside the calls is not counted
+    p2p.flush()                                # gloo issues at once: nothing left to issue
+    assert p2p.issue_s == issued
+
+
 def test_bad_boundary_value_is_refused():
     with pytest.raises(TypeError, match="flat tuple of"):
         flatten({"a": torch.ones(1)})

@@ -167,9 +167,12 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     cases += [dict(schedule="interleaved-1f1b", p=2, v=2, m=4, lookahead=0)]
     results = _run_and_check(2, cases)
     stats = results[0][0]["stats"][0]  # rank 0, gpipe, step 0
-    for key in ("forward_s", "backward_s", "comm_wait_s", "idle_s", "peak_activation_bytes",
-                "optimizer_state_bytes"):
+    for key in ("forward_s", "backward_s", "comm_wait_s", "comm_issue_s", "idle_s",
+                "peak_activation_bytes", "optimizer_state_bytes"):
         assert key in stats
+    # rank 0 sends activations and posts gradient receives; both clocks sit inside idle_s
+    assert stats["comm_issue_s"] > 0
+    assert stats["comm_wait_s"] + stats["comm_issue_s"] <= stats["idle_s"] + 1e-6
     assert stats["peak_activation_bytes"] > 0
     # GPipe holds all m microbatches on stage 0, 1F1B at most p: fewer saved activations
     peaks = {name: results[0][k]["stats"][0]["peak_activation_bytes"]

@@ -219,7 +219,10 @@ def test_ratios_and_markdown() -> None:
     assert r["pipeshard_1f1b_over_torch_1f1b"] == pytest.approx(0.5)
     assert r["deepspeed_over_pipeshard_1f1b"] == pytest.approx(4.0)
     assert r["best_pipeshard_schedule"] == "zb-h1" and r["best_pipeshard_over_ideal"] == pytest.approx(1.5)
+    rows[0]["stats"] = [dict(forward_s=0.5, backward_s=1.0, comm_wait_s=0.2, comm_issue_s=0.1, optimizer_s=0.1)]
     md = bench.format_markdown({"rows": rows, "ratios": r})
+    # where rank 0's 2 s step went: the parts, and the rest (2.0 - 1.9 s)
+    assert "| 1f1b | 0 | 2000.0 | 500.0 | 1000.0 | 200.0 | 100.0 | 100.0 | 100.0 |" in md
     assert "| uniform |" in md and "+10.0%" in md and "`deepspeed_over_pipeshard_1f1b`: 4.000" in md
     assert bench.ratios([])["pipeshard_1f1b_over_torch_1f1b"] is None
     assert r["best_torch_schedule"] == "1f1b" and r["best_pipeshard_over_best_torch"] == pytest.approx(1.5 / 4.0)

@@ -73,8 +73,8 @@ def test_default_like_job_writes_metrics_plan_and_offline_wandb(tmp_path):
         assert all(0.5 < m / p < 1.5 for m, p in zip(r["rank_peak_bytes_measured"],
                                                      r["rank_peak_bytes_predicted"]))
     for r in gathered:
-        for key in ("forward_s", "backward_s", "idle_fraction", "peak_activation_bytes",
-                    "optimizer_state_bytes", "predicted_peak_activation_bytes"):
+        for key in ("forward_s", "backward_s", "comm_wait_s", "comm_issue_s", "idle_fraction",
+                    "peak_activation_bytes", "optimizer_state_bytes", "predicted_peak_activation_bytes"):
             assert len(r[f"rank_{key}"]) == 2, key
         assert all(b > 0 for b in r["rank_peak_activation_bytes"])
         assert len(r["optimizer_state_bytes"]) == 2  # per rank
