@@ -12,12 +12,13 @@ are posted ahead (:meth:`P2P.post`) and waited when the data is needed (:meth:`R
 compute overlaps the transfer. Two clocks are kept: ``wait_s``, the time blocked in waits, and
 ``issue_s``, the time spent inside the backend's calls that start a send or post a receive
 (``isend`` / ``irecv`` on gloo, ``batch_isend_irecv`` on NCCL). On gloo on a busy CPU the
-latter is not small: each call takes the peer connection's lock and writes to its socket. Every wait is bounded by ``timeout_s`` and fails with
-:class:`CommError` naming the peer and the awaited message. On gloo, every message carries a tag
-unique to (direction, chunk, microbatch, tensor), so matching is exact; on NCCL, which matches in
-order, activations and gradients use separate communicators and the schedule's validation
-guarantees the same order at both ends; consecutive transfers are batched with
-``batch_isend_irecv``.
+latter is not small: each call takes the peer connection's lock and writes to its socket.
+
+Every wait is bounded by ``timeout_s`` and fails with :class:`CommError` naming the peer and the
+awaited message. On gloo, every message carries a tag unique to (direction, chunk, microbatch,
+tensor), so matching is exact; on NCCL, which matches in order, activations and gradients use
+separate communicators and the schedule's validation guarantees the same order at both ends;
+consecutive transfers are batched with ``batch_isend_irecv``.
 
 Example::
 
