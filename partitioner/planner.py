@@ -13,7 +13,11 @@ more forward when it recomputes) + twice its outgoing boundary transfer (activat
 gradient back) when ``link_bytes_per_s`` is given, and a stage's memory is its static state
 plus in-flight activations for the schedule plus boundary buffers (see ``memory.py``). The
 plan's ``step_s`` and ``bubble_fraction`` then come from ``engine.simulate`` on the same
-costs (:meth:`Plan.simulate`). For ``virtual_stages > 1`` with loop placement
+costs (:meth:`Plan.simulate`). Many splits tie or nearly tie on the bottleneck while the
+schedule runs them at different speeds (a V's two chunks per rank, interleaving's fill, a
+split backward's deferred W), so the min-bottleneck split is then refined on that predicted
+step: every split when there are at most ``_REFINE_BUDGET``, else a local search from it (a
+layer moved between two chunks, or two cuts moved apart), keeping only splits that fit. For ``virtual_stages > 1`` with loop placement
 (interleaved-1f1b) the search runs over the ``p * v`` chunks: it is exact for the largest chunk
 time under the per-chunk limit ``rank limit / v``, a sufficient condition for the rank to fit (a
 split that fits only by giving one chunk of a rank more than 1/v of its memory is not found); the
@@ -25,6 +29,7 @@ chunks (:func:`partitioner.vsplit.optimal_v_split`). Which rank runs which chunk
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -198,8 +203,11 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
                     _rank_caps(memory_limit_bytes, p), simulate, notes)
     bounds, recompute = _search(method, prob, notes)
     _note_recompute(recompute, ckpt, notes)
-    plan = _plan(prob, bounds, recompute, notes, method=method, data_parallel=data_parallel,
-                 zero_stage=zero_stage, optimizer=optimizer, max_inflight=max_inflight)
+    settings = dict(method=method, data_parallel=data_parallel, zero_stage=zero_stage, optimizer=optimizer,
+                    max_inflight=max_inflight)
+    if method == "optimal" and simulate:
+        bounds = _refine(prob, bounds, recompute, settings, notes)
+    plan = _plan(prob, bounds, recompute, notes, **settings)
     if simulate:
         _predict(plan, prob)
     return plan
@@ -396,6 +404,83 @@ def _optimal(prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], l
         notes.append(f"interleaved: each chunk limited to rank limit / {prob.v} "
                      "(sufficient, not necessary, for the rank to fit)")
     return bounds, recompute
+
+
+_REFINE_BUDGET = 256
+"""At most this many splits are simulated when refining a min-bottleneck split (every split when
+there are no more than this; else a local search from the min-bottleneck one)."""
+
+
+def _refine(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], settings: dict[str, Any],
+            notes: list[str]) -> list[tuple[int, int]]:
+    """The split among those near ``bounds`` with the smallest *predicted step* that fits.
+
+    The exact search minimises the busiest stage (or rank), which ties or nearly ties for many
+    splits whose steps differ: the schedule's order (a V's chunks, the fill of interleaving, a
+    split backward's W) and the per-cut transfers decide between them. The baselines' splits are
+    candidates too, so ``optimal`` never predicts a slower step than one of them. Each candidate is priced
+    by the same :meth:`Plan.simulate` the plan reports; each chunk keeps its recomputation
+    (``auto``'s choice for the min-bottleneck split), and a candidate must fit with it."""
+    if prob.k == 1:
+        return bounds
+    n, k = prob.n, prob.k
+    step: dict[tuple[int, ...], float] = {}
+
+    def price(cuts: tuple[int, ...]) -> float:
+        if cuts not in step:
+            plan = _plan(prob, _bounds_of(cuts, n), recompute, [], **settings)
+            _predict(plan, prob)
+            step[cuts] = plan.step_s if plan.fits else math.inf
+        return step[cuts]
+
+    start = tuple(e for _, e in bounds[:-1])
+    price(start)
+    exhaustive = math.comb(n - 1, k - 1) <= _REFINE_BUDGET
+    if exhaustive:
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            price(cuts)
+    else:
+        for seed in (uniform_split(n, k), greedy_split(prob.f + prob.b, k), parameter_split(prob.static, k)):
+            price(tuple(e for _, e in seed[:-1]))   # so that no baseline predicts faster
+        best = min(step, key=step.__getitem__)
+        while len(step) < _REFINE_BUDGET:
+            for cuts in _neighbours(best, n):
+                if len(step) >= _REFINE_BUDGET:
+                    break
+                price(cuts)
+            nxt = min(step, key=step.__getitem__)
+            if step[nxt] >= step[best]:
+                break
+            best = nxt
+    best = min(step, key=step.__getitem__)
+    if not step[best] < step[start] * (1 - 1e-3):   # ties keep the min-bottleneck split
+        return bounds
+    new = _bounds_of(best, n)
+    notes.append(f"refined on the predicted step ({len(step)} splits simulated"
+                 f"{', all of them' if exhaustive else ', a local search'}): {new} predicts "
+                 f"{step[best] * 1e3:.1f} ms, the min-bottleneck split {list(bounds)} {step[start] * 1e3:.1f} ms")
+    return new
+
+
+def _bounds_of(cuts: Sequence[int], n: int) -> list[tuple[int, int]]:
+    edges = [0, *cuts, n]
+    return [(edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
+
+
+def _neighbours(cuts: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
+    """Splits a move away: a run of consecutive cuts shifted one layer together (a layer moves
+    from one chunk to another, the chunks between keep their sizes; one cut alone is the
+    shortest run), two cuts moved one layer in opposite directions, one cut moved two layers."""
+    c = len(cuts)
+    moves = [{t: d for t in range(i, j + 1)} for i in range(c) for j in range(i, c) for d in (-1, 1)]
+    moves += [{i: d, j: -d} for i, j in itertools.combinations(range(c), 2) for d in (-1, 1)]
+    moves += [{i: d} for i in range(c) for d in (-2, 2)]
+    out = []
+    for move in moves:
+        cand = tuple(x + move.get(i, 0) for i, x in enumerate(cuts))
+        if all(a < b for a, b in zip((0, *cand), (*cand, n))):
+            out.append(cand)
+    return out
 
 
 def _baseline(method: str, prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], list[bool]]:
