@@ -9,7 +9,10 @@ one per float tensor that required grad.
 
 Sends are non-blocking and waited at the end of the step (:meth:`P2P.wait_sends`). Receives
 are posted ahead (:meth:`P2P.post`) and waited when the data is needed (:meth:`Recv.wait`), so
-compute overlaps the transfer. Two clocks are kept: ``wait_s``, the time blocked in waits, and
+compute overlaps the transfer. With ``hold`` set (the executor sets it for a step; NCCL always
+holds), operations are queued and issued back to back by :meth:`P2P.flush` (or the first wait
+that needs one): a send and the receive after it then reach the peer together, as in torch's
+fused batches, and the peer's transport thread handles them in one wake-up. Two clocks are kept: ``wait_s``, the time blocked in waits, and
 ``issue_s``, the time spent inside the backend's calls that start a send or post a receive
 (``isend`` / ``irecv`` on gloo, ``batch_isend_irecv`` on NCCL). On gloo on a busy CPU the
 latter is not small: each call takes the peer connection's lock and writes to its socket.
@@ -161,6 +164,7 @@ class P2P:
         self.nccl = mesh.backend == "nccl"
         self._sends: list[tuple[Any, Any, str]] = []
         self._pending_ops: list[Any] = []
+        self.hold = False  # gloo: queue operations until flush (NCCL always queues)
         self.wait_s = 0.0
         self.issue_s = 0.0
         self.bytes_sent = 0
@@ -181,8 +185,8 @@ class P2P:
         dst = self.mesh.global_rank(peer)
         group = self._group(direction)
         h = _Handle(self)
-        if self.nccl:
-            self._pending_ops.append((dist.P2POp(op, tensor, dst, group, tag), h))
+        if self.nccl or self.hold:
+            self._pending_ops.append((op, tensor, dst, group, tag, h))
         else:
             t0 = time.perf_counter()
             h.work = op(tensor, dst, group=group, tag=tag)
@@ -190,19 +194,28 @@ class P2P:
         return h
 
     def flush(self) -> None:
-        """Issue the batched operations (NCCL); a no-op on gloo, which issues immediately."""
-        if self._pending_ops:
-            pending, self._pending_ops = self._pending_ops, []
+        """Issue the held operations, back to back, in the order they were made."""
+        if not self._pending_ops:
+            return
+        pending, self._pending_ops = self._pending_ops, []
+        t0 = time.perf_counter()
+        if self.nccl:
             # batch_isend_irecv wants one group per batch: activations and gradients use
             # separate communicators, so each gets its own batch (they cannot block each other).
             for group in (self.mesh.p2p_forward_group, self.mesh.p2p_backward_group):
-                part = [(op, h) for op, h in pending if op.group is group]
+                part = [(dist.P2POp(op, t, dst, g, tag), h)
+                        for op, t, dst, g, tag, h in pending if g is group]
                 if part:
-                    t0 = time.perf_counter()
-                    works = dist.batch_isend_irecv([op for op, _ in part])
-                    self.issue_s += time.perf_counter() - t0
-                    for (_, h), w in zip(part, works):
+                    for (_, h), w in zip(part, dist.batch_isend_irecv([o for o, _ in part])):
                         h.work = w
+        else:
+            for op, t, dst, g, tag, h in pending:
+                h.work = op(t, dst, group=g, tag=tag)
+        self.issue_s += time.perf_counter() - t0
+
+    def discard_held(self) -> None:
+        """Forget operations held and not issued (after a failed step)."""
+        self._pending_ops = []
 
     # ---- send ------------------------------------------------------------------------------
     def send(self, direction: str, stage: int, microbatch: int, value: Any, peer: int) -> None:

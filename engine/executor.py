@@ -2,7 +2,10 @@
 
 The program is a list of compute actions (F, B, I, W) and transfers (SEND_* / RECV_*).
 Receives are posted ``lookahead`` entries ahead, after compute, so that the data of the next
-actions arrives while this rank computes (and, on NCCL, adjacent transfers form one batch).
+actions arrives while this rank computes. The transfers between two computes are held and issued
+together just before the next compute (``P2P.hold``): on NCCL they form one batch; on gloo a send
+and the receive after it leave microseconds apart, so the peer's transport thread wakes once for
+both (posted one by one, with Python between them, it woke twice; docs/performance.md).
 Hand-offs between two chunks of the same rank stay in memory.
 
 What runs on every step is only what a step needs: the compute, the transfers, and one fused
@@ -61,9 +64,14 @@ class Executor:
         if diagnose:
             for c in self.chunks.values():
                 c.reset_peak()
-        for pos, it in enumerate(program):
-            step.do(pos, it)
-        self.p2p.wait_sends()
+        self.p2p.hold = True
+        try:
+            for pos, it in enumerate(program):
+                step.do(pos, it)
+            self.p2p.wait_sends()
+        finally:
+            self.p2p.hold = False
+            self.p2p.discard_held()  # empty unless the step failed: never issue them later
         leftover = [c.index for c in self.chunks.values() if c.state]
         if train and leftover:
             raise RuntimeError(f"internal: chunks {leftover} hold microbatches with no backward; "
@@ -104,9 +112,12 @@ class _Step:
         op = self._ops.get(it.kind)
         if op is None:
             raise ValueError(f"unknown program item {it!r}")
+        compute = it.kind in _COMPUTE
+        if compute:
+            self.ex.p2p.flush()  # the transfers before this compute leave now, back to back
         op(it)
-        if it.kind in ("F", "B", "I", "W"):
-            self._prefetch(pos)  # after compute only, so adjacent transfers form one NCCL batch
+        if compute:
+            self._prefetch(pos)
 
     # ---- transfers ---------------------------------------------------------------------------
     def _post(self, it: Any) -> Recv:
@@ -190,6 +201,9 @@ class _Step:
         t = time.perf_counter()
         self.ex.chunks[it.stage].backward_weight(it.microbatch, self.optimizer)
         self.bwd_s += time.perf_counter() - t
+
+
+_COMPUTE = frozenset(("F", "B", "I", "W"))
 
 
 def _value(x: Any) -> Any:

@@ -56,6 +56,24 @@ def test_issue_clock_counts_the_backend_calls_and_nothing_else(monkeypatch):
     assert p2p.issue_s == issued
 
 
+def test_hold_queues_until_flush_then_issues_back_to_back_in_order(monkeypatch):
+    import torch.distributed as dist
+    from engine.comm import P2P
+
+    calls = []
+    monkeypatch.setattr(dist, "isend", lambda t, dst, group=None, tag=0: calls.append(("s", tag)))
+    monkeypatch.setattr(dist, "irecv", lambda t, dst, group=None, tag=0: calls.append(("r", tag)))
+    p2p = P2P(_OneRankMesh(), timeout_s=5)
+    p2p.hold = True
+    p2p.send("F", 0, 0, torch.ones(3, requires_grad=True), peer=1)    # header + data
+    p2p.post("B", 0, 0, peer=1)
+    assert calls == []                          # held: nothing reached the backend yet
+    p2p.flush()
+    assert [k for k, _ in calls] == ["s", "s", "r"]
+    p2p.flush()
+    assert len(calls) == 3                      # issued once
+
+
 def test_bad_boundary_value_is_refused():
     with pytest.raises(TypeError, match="flat tuple of"):
         flatten({"a": torch.ones(1)})

@@ -249,3 +249,56 @@ def test_bad_arguments_are_refused_with_a_remedy(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pipe = Pipeline(_factories(), **args)
         pipe.train_step(torch.randn(batch, 6), torch.randn(batch, 3))
+
+
+def _issue_batches(schedule: str):
+    """Run one step; return this rank's backend calls grouped by the P2P.flush that issued them
+    (calls outside a flush land in a batch of their own, marked None)."""
+    import torch.distributed as dist
+    from engine import OptimizerConfig, Pipeline
+    from engine.comm import P2P
+
+    torch.set_num_threads(1)
+    pipe = Pipeline(_factories(), ranges(N_LAYERS, 2), loss_fn=nn.functional.mse_loss,
+                    schedule=schedule, microbatches=4, seed=SEED,
+                    optimizer=OptimizerConfig(name="sgd", lr=LR), comm_timeout_s=30)
+    batches_, state = [], {"in": False}
+    flush = P2P.flush
+
+    def recording_flush(self):
+        state["in"] = True
+        batches_.append([])
+        try:
+            flush(self)
+        finally:
+            state["in"] = False
+
+    def wrap(kind, fn):
+        def call(tensor, dst, group=None, tag=0):
+            if state["in"]:
+                batches_[-1].append(kind)
+            else:
+                batches_.append([None, kind])
+            return fn(tensor, dst, group=group, tag=tag)
+        return call
+
+    P2P.flush = recording_flush
+    isend, irecv = dist.isend, dist.irecv
+    dist.isend, dist.irecv = wrap("send", isend), wrap("recv", irecv)
+    try:
+        pipe.train_step(*_data(0))
+    finally:
+        P2P.flush, dist.isend, dist.irecv = flush, isend, irecv
+    return [b for b in batches_ if b]
+
+
+def test_a_send_and_the_receive_after_it_are_issued_together_before_the_next_compute():
+    """gloo: the transfers between two computes leave in one flush (a send, then the receive the
+    next compute needs), not one call at a time with Python in between: that cost the peer's
+    transport thread a second wake-up per microbatch (docs/performance.md, issue 10)."""
+    per_rank = run_workers(_issue_batches, 2, "1f1b", timeout_s=120)
+    for rank, batches_ in enumerate(per_rank):
+        assert all(b[0] is not None for b in batches_), (rank, batches_)
+        # steady state: rank 0 sends activations then posts the gradient receive; rank 1 sends
+        # a gradient then posts the next activation receive: both in one batch, send first
+        assert ["send", "recv"] in batches_, (rank, batches_)
