@@ -202,7 +202,8 @@ class P2P:
         if self.nccl:
             # batch_isend_irecv wants one group per batch: activations and gradients use
             # separate communicators, so each gets its own batch (they cannot block each other).
-            for group in (self.mesh.p2p_forward_group, self.mesh.p2p_backward_group):
+            for group in dict.fromkeys((self.mesh.p2p_forward_group,
+                                        self.mesh.p2p_backward_group)):
                 part = [(dist.P2POp(op, t, dst, g, tag), h)
                         for op, t, dst, g, tag, h in pending if g is group]
                 if part:

@@ -66,3 +66,12 @@ def test_soak_memory_growth_measure():
     assert soak._growth_mib(flat[:25], warm=10) is None   # too few steady samples
     dead = flat + [(80, 0, 220)]                          # the killed process reads as 0 bytes
     assert abs(soak._growth_mib(dead, warm=10)) < 1
+
+
+def test_gpu_check_runs_its_parity_cases_on_cpu(tmp_path):
+    """scripts/gpu_check.py (run on a lent GPU over NCCL) checks the same cases on gloo / CPU."""
+    out = tmp_path / "gpu_check.json"
+    _run("scripts/gpu_check.py", "--backend", "gloo", "--device", "cpu", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert "two_rank_error" not in report, report.get("two_rank_error")
+    assert len(report["results"]) == 10 and report["all_ran_agree"]

@@ -84,6 +84,8 @@ def _worker(cases):
                         activation_checkpointing=case.get("ckpt", False), comm_timeout_s=30,
                         ties=TIES if case.get("tie") else (), max_inflight=case.get("cap"),
                         recv_lookahead=case.get("lookahead"))
+        if case.get("batched"):  # NCCL's path (batch_isend_irecv per flush), run on gloo
+            pipe.p2p.nccl = True
         losses, grads, stats = [], [], []
         for step in range(len(BATCHES)):
             x, y = _data(step)
@@ -165,6 +167,9 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
               dict(schedule="zbv", p=2, v=2, m=4, ckpt=[True, False, False, True])]
     # interleaved posts receives 2 ahead on gloo by default: also run it posting when needed
     cases += [dict(schedule="interleaved-1f1b", p=2, v=2, m=4, lookahead=0)]
+    # the NCCL code path (held transfers issued as batch_isend_irecv batches), on gloo
+    cases += [dict(schedule=s, p=2, v=v, m=4, batched=True)
+              for s, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2))]
     results = _run_and_check(2, cases)
     stats = results[0][0]["stats"][0]  # rank 0, gpipe, step 0
     for key in ("forward_s", "backward_s", "comm_wait_s", "comm_issue_s", "idle_s",
