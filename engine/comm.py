@@ -12,10 +12,12 @@ are posted ahead (:meth:`P2P.post`) and waited when the data is needed (:meth:`R
 compute overlaps the transfer. With ``hold`` set (the executor sets it for a step; NCCL always
 holds), operations are queued and issued back to back by :meth:`P2P.flush` (or the first wait
 that needs one): a send and the receive after it then reach the peer together, as in torch's
-fused batches, and the peer's transport thread handles them in one wake-up. Two clocks are kept: ``wait_s``, the time blocked in waits, and
-``issue_s``, the time spent inside the backend's calls that start a send or post a receive
-(``isend`` / ``irecv`` on gloo, ``batch_isend_irecv`` on NCCL). On gloo on a busy CPU the
-latter is not small: each call takes the peer connection's lock and writes to its socket.
+fused batches, and the peer's transport thread handles them in one wake-up.
+
+Two clocks are kept: ``wait_s``, the time blocked in waits, and ``issue_s``, the time spent
+inside the backend's calls that start a send or post a receive (``isend`` / ``irecv`` on gloo,
+``batch_isend_irecv`` on NCCL). On gloo on a busy CPU the latter is not small: each call takes
+the peer connection's lock and writes to its socket.
 
 Every wait is bounded by ``timeout_s`` and fails with :class:`CommError` naming the peer and the
 awaited message. On gloo, every message carries a tag unique to (direction, chunk, microbatch,

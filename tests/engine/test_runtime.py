@@ -83,7 +83,7 @@ def _worker(cases):
                                                   grad_bucket_mb=case.get("bucket_mb", 25.0)),
                         activation_checkpointing=case.get("ckpt", False), comm_timeout_s=30,
                         ties=TIES if case.get("tie") else (), max_inflight=case.get("cap"),
-                        recv_lookahead=case.get("lookahead"))
+                        recv_lookahead=case.get("lookahead"), device=case.get("device"))
         if case.get("batched"):  # NCCL's path (batch_isend_irecv per flush), run on gloo
             pipe.p2p.nccl = True
         losses, grads, stats = [], [], []
