@@ -32,9 +32,11 @@ def test_cli_prints_all_four_methods_and_saves_plan_and_comparison(tmp_path):
     rows = {r["method"]: r for r in comparison["rows"]}
     assert sorted(rows) == sorted(METHODS)
     assert (tmp_path / "profile.json").is_file()
-    # the exact solver's bottleneck is never worse than a baseline's (same profile)
+    # optimal is refined on the predicted step (its bottleneck may exceed a baseline's): its step
+    # is never worse than a baseline's, but for the 0.1% by which a refinement must beat the
+    # min-bottleneck split to be taken (partitioner.planner._refine)
     for method in METHODS[1:]:
-        assert rows["optimal"]["bottleneck_s"] <= rows[method]["bottleneck_s"] * (1 + 1e-9)
+        assert rows["optimal"]["step_s"] <= rows[method]["step_s"] * (1 + 1e-3)
         assert rows[method]["vs_optimal"] == pytest.approx(rows[method]["step_s"] / rows["optimal"]["step_s"])
     assert plan["stage_ranges"] == rows["optimal"]["stage_ranges"]
 
