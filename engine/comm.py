@@ -7,6 +7,11 @@ same step reuse it, because all microbatches of a step have equal shapes. Gradie
 ``"B"``) never need a header: they have the shapes of the activations the receiver sent itself,
 one per float tensor that required grad.
 
+A message can carry a ``note``: a small float64 tensor sent right after its data (its own tag),
+which the receiver asks for with ``note_len`` and reads from :attr:`Recv.note`. The executor uses
+it for the step's verdict (loss and non-finite flags), which rides the last microbatch's messages
+down the pipeline and back instead of needing a collective.
+
 Sends are non-blocking and waited at the end of the step (:meth:`P2P.wait_sends`). Receives
 are posted ahead (:meth:`P2P.post`) and waited when the data is needed (:meth:`Recv.wait`), so
 compute overlaps the transfer. With ``hold`` set (the executor sets it for a step; NCCL always
@@ -45,9 +50,12 @@ from torch import Tensor
 
 from engine.mesh import Mesh
 
-__all__ = ["P2P", "Recv", "Spec", "CommError", "spec_of", "flatten", "unflatten", "HEADER_LEN"]
+__all__ = ["P2P", "Recv", "Spec", "CommError", "spec_of", "flatten", "unflatten", "HEADER_LEN",
+           "MAX_TENSORS"]
 
 HEADER_LEN = 256
+MAX_TENSORS = 62  # per boundary value: tag slots 1..62 (0: the header, 63: a note)
+_NOTE_IDX = 63
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
@@ -104,6 +112,9 @@ def unflatten(is_tuple: bool, tensors: Sequence[Tensor]) -> Any:
 
 def spec_of(value: Any) -> Spec:
     is_tuple, ts = flatten(value)
+    if len(ts) > MAX_TENSORS:
+        raise TypeError(f"{len(ts)} tensors passed between two stages; at most {MAX_TENSORS} "
+                        "can be: concatenate some of them, or move the cut")
     for t in ts:
         if t.dtype not in _CODE:
             raise TypeError(f"dtype {t.dtype} cannot be sent between stages")
@@ -113,7 +124,7 @@ def spec_of(value: Any) -> Spec:
 
 def _tag(direction: str, boundary: int, microbatch: int, idx: int) -> int:
     # ``boundary`` b is the cut between chunks b and b + 1, the same number at both ends.
-    # < 2**31: boundary < 1024, microbatch wraps at 16384, idx < 64 (0 = header).
+    # < 2**31: boundary < 1024, microbatch wraps at 16384, idx < 64 (0 = header, 63 = note).
     return ((((boundary % 1024) * 2 + (direction == "B")) << 20)
             | ((microbatch % 16384) << 6) | (idx % 64))
 
@@ -121,9 +132,12 @@ def _tag(direction: str, boundary: int, microbatch: int, idx: int) -> int:
 class Recv:
     """A posted receive; :meth:`wait` returns the value (bare tensor, tuple, or grad list)."""
 
-    def __init__(self, p2p: "P2P", direction: str, stage: int, microbatch: int, peer: int):
+    def __init__(self, p2p: "P2P", direction: str, stage: int, microbatch: int, peer: int,
+                 note_len: int = 0):
         self.p2p, self.direction, self.stage, self.microbatch, self.peer = \
             p2p, direction, stage, microbatch, peer
+        self.note_len = note_len
+        self.note: Tensor | None = None  # the message's note (float64), once posted
         self.header: tuple[Tensor, Any] | None = None
         self.spec: Spec | None = None
         self.bufs: list[Tensor] = []
@@ -221,8 +235,10 @@ class P2P:
         self._pending_ops = []
 
     # ---- send ------------------------------------------------------------------------------
-    def send(self, direction: str, stage: int, microbatch: int, value: Any, peer: int) -> None:
-        """Non-blocking send of chunk ``stage``'s output (F) or its input gradient (B)."""
+    def send(self, direction: str, stage: int, microbatch: int, value: Any, peer: int,
+             note: Tensor | None = None) -> None:
+        """Non-blocking send of chunk ``stage``'s output (F) or its input gradient (B), and of
+        ``note`` after it (the receiver posts with ``note_len=note.numel()``)."""
         if direction == "F":
             spec = spec_of(value)
             _, ts = flatten(value)
@@ -244,6 +260,11 @@ class P2P:
                                     _tag(direction, boundary, microbatch, i + 1)), t,
                         f"{'activations' if direction == 'F' else 'gradients'} of chunk {stage} "
                         f"microbatch {microbatch}")
+        if note is not None:
+            boundary = stage if direction == "F" else stage - 1
+            self._track(self._issue(dist.isend, note, peer, direction,
+                                    _tag(direction, boundary, microbatch, _NOTE_IDX)), note,
+                        f"the note after chunk {stage} microbatch {microbatch}")
 
     def _track(self, work: Any, tensor: Tensor, what: str) -> None:
         self._sends.append((work, tensor, what))
@@ -256,9 +277,11 @@ class P2P:
         return stage in self.in_specs or stage not in self._recv_header
 
     def post(self, direction: str, stage: int, microbatch: int, peer: int,
-             grad_spec: list[tuple[tuple[int, ...], torch.dtype]] | None = None) -> Recv:
-        """Post a receive of chunk ``stage``'s input (F) or its output gradient (B)."""
-        r = Recv(self, direction, stage, microbatch, peer)
+             grad_spec: list[tuple[tuple[int, ...], torch.dtype]] | None = None,
+             note_len: int = 0) -> Recv:
+        """Post a receive of chunk ``stage``'s input (F) or its output gradient (B); with
+        ``note_len``, also of the float64 note of that length sent after it."""
+        r = Recv(self, direction, stage, microbatch, peer, note_len)
         if direction == "F":
             if stage in self.in_specs:
                 self._post_data(r, self.in_specs[stage])
@@ -299,6 +322,11 @@ class P2P:
                 boundary = r.stage - 1 if r.direction == "F" else r.stage
                 r.works.append(self._issue(dist.irecv, buf, r.peer, r.direction,
                                            _tag(r.direction, boundary, r.microbatch, i + 1)))
+        if r.note_len:
+            boundary = r.stage - 1 if r.direction == "F" else r.stage
+            r.note = torch.empty(r.note_len, dtype=torch.float64, device=self.device)
+            r.works.append(self._issue(dist.irecv, r.note, r.peer, r.direction,
+                                       _tag(r.direction, boundary, r.microbatch, _NOTE_IDX)))
 
     # ---- waiting ---------------------------------------------------------------------------
     def _wait(self, work: Any, r: Recv | None, what: str | None = None) -> None:

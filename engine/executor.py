@@ -10,7 +10,12 @@ Hand-offs between two chunks of the same rank stay in memory.
 
 What runs on every step is only what a step needs: the compute, the transfers, and one fused
 reduction per forward output that flags a NaN/inf (``nonfinite`` guard, named by chunk; the last
-chunk's output is the loss, which the step's loss reduction checks itself). The
+chunk's output is the loss). The step's **verdict** (the mean loss and, per chunk, whether its
+forward output was non-finite: a float64 vector ``[loss, bad_0, ..., bad_{k-1}]``) needs no
+collective: after its last forward, each chunk adds its slot to the partial verdict received with
+that microbatch's input and sends it on with its output (a note, ``engine.comm``); the last chunk
+adds the loss, and the full verdict goes back up with the last microbatch's gradients. So every
+rank knows it by its last backward, and no rank waits for another at the end of a step. The
 costly diagnostics (bytes saved for backward, counted by a Python hook per saved tensor, and the
 peak of live activations) run only when asked (``diagnose=True``).
 
@@ -57,7 +62,9 @@ class Executor:
     def run(self, program: Sequence[Any], x_mbs: list | None, y_mbs: list | None,
             optimizer: Any, *, train: bool, diagnose: bool) -> dict:
         """Run ``program``; returns the step's figures (see ``Pipeline.train_step``) and, under
-        private keys, the losses (``_losses``) and per-chunk non-finite flags (``_flags``)."""
+        private keys, the losses (``_losses``), per-chunk non-finite flags (``_flags``) and, when
+        training, the step's verdict (``_verdict``, see the module docstring; not yet averaged
+        over replicas)."""
         step = _Step(self, program, x_mbs, y_mbs, optimizer, train, diagnose)
         self.p2p.new_step()
         wait0, issue0, sent0 = self.p2p.wait_s, self.p2p.issue_s, self.p2p.bytes_sent
@@ -76,11 +83,15 @@ class Executor:
         if train and leftover:
             raise RuntimeError(f"internal: chunks {leftover} hold microbatches with no backward; "
                                "the schedule is incomplete")
+        if train and step.verdict is None:
+            raise RuntimeError("internal: the step ended without its verdict (the last "
+                               "microbatch's messages did not carry it)")
         out = {"forward_s": step.fwd_s, "backward_s": step.bwd_s,
                "comm_wait_s": self.p2p.wait_s - wait0, "comm_issue_s": self.p2p.issue_s - issue0,
                "bytes_sent": self.p2p.bytes_sent - sent0,
                "pipeline_rank": self.rank, "replica": self.p2p.mesh.replica,
-               "stages": sorted(self.chunks), "_losses": step.losses, "_flags": step.flags}
+               "stages": sorted(self.chunks), "_losses": step.losses, "_flags": step.flags,
+               "_verdict": step.verdict}
         if diagnose and train:
             out["peak_activation_bytes"] = step.peak
         return out
@@ -104,6 +115,10 @@ class _Step:
         self.flags: dict[int, Tensor] = {}
         self.fwd_s = self.bwd_s = 0.0
         self.peak = 0
+        self.last_mb = ex.schedule.microbatches - 1  # its messages carry the verdict
+        self.verdict_in: dict[int, Tensor] = {}   # chunk -> partial verdict of the chunks before it
+        self.verdict_out: dict[int, Tensor] = {}  # chunk -> partial verdict to send with its output
+        self.verdict: Tensor | None = None
         self._ops = {"RECV_F": self._recv, "RECV_B": self._recv, "SEND_F": self._send,
                      "SEND_B": self._send, "F": self._forward, "B": self._backward,
                      "I": self._backward, "W": self._weight}
@@ -122,7 +137,8 @@ class _Step:
     # ---- transfers ---------------------------------------------------------------------------
     def _post(self, it: Any) -> Recv:
         d = it.kind[-1]
-        r = self.ex.p2p.post(d, it.stage, it.microbatch, it.peer)
+        note = self.ex.last + 2 if self.train and it.microbatch == self.last_mb else 0
+        r = self.ex.p2p.post(d, it.stage, it.microbatch, it.peer, note_len=note)
         if d == "F" and r.header is not None:
             self.header_wait[it.stage] = r
         return r
@@ -154,14 +170,22 @@ class _Step:
         (self.inbox_f if it.kind == "RECV_F" else self.inbox_b)[(it.stage, it.microbatch)] = r
 
     def _send(self, it: Any) -> None:
-        d = it.kind[-1]
-        self.ex.p2p.send(d, it.stage, it.microbatch, self.outbox.pop((d, it.stage, it.microbatch)),
-                         it.peer)
+        d, s, i = it.kind[-1], it.stage, it.microbatch
+        note = None
+        if self.train and i == self.last_mb:
+            note = self.verdict_out.pop(s) if d == "F" else self.verdict
+            if note is None:
+                raise RuntimeError(f"internal: chunk {s} sends its last gradients before the step's "
+                                   "verdict reached it")
+        self.ex.p2p.send(d, s, i, self.outbox.pop((d, s, i)), it.peer, note=note)
 
     # ---- compute -----------------------------------------------------------------------------
     def _forward(self, it: Any) -> None:
         ex, s, i = self.ex, it.stage, it.microbatch
-        x = self.x_mbs[i] if s == 0 else _value(self.inbox_f.pop((s, i)))
+        src = None if s == 0 else self.inbox_f.pop((s, i))
+        x = self.x_mbs[i] if s == 0 else _value(src)
+        if isinstance(src, Recv) and src.note is not None:
+            self.verdict_in[s] = src.note
         if s in ex.p2p.in_specs:
             self.header_wait.pop(s, None)  # do not keep its buffers alive all step
         last = s == ex.last
@@ -182,10 +206,35 @@ class _Step:
             self.outbox[("F", s, i)] = out
         if self.diagnose and self.train:
             self.peak = max(self.peak, sum(c.live_bytes for c in ex.chunks.values()))
+        if self.train and i == self.last_mb:
+            self._add_verdict(s)
+
+    def _add_verdict(self, s: int) -> None:
+        """Chunk ``s`` has run its last forward: its slot joins the partial verdict, which goes
+        on to chunk ``s + 1`` (in memory or with the output's message); the last chunk adds the
+        mean loss and holds the full verdict."""
+        ex = self.ex
+        v = self.verdict_in.pop(s, None)
+        if v is None:
+            v = torch.zeros(ex.last + 2, dtype=torch.float64, device=ex.p2p.device)
+        if s == ex.last:
+            v[0] = torch.stack(self.losses).mean().double()
+            v[1 + s] = (~torch.isfinite(v[0])).double()
+            self.verdict = v
+            return
+        if s in self.flags:
+            v[1 + s] = (~torch.isfinite(self.flags[s])).double()
+        if ex.schedule.rank_of(s + 1) == ex.rank:
+            self.verdict_in[s + 1] = v
+        else:
+            self.verdict_out[s] = v
 
     def _backward(self, it: Any) -> None:
         ex, s, i = self.ex, it.stage, it.microbatch
-        g = None if s == ex.last else _value(self.inbox_b.pop((s, i)))
+        src = None if s == ex.last else self.inbox_b.pop((s, i))
+        g = None if s == ex.last else _value(src)
+        if isinstance(src, Recv) and src.note is not None:
+            self.verdict = src.note
         t = time.perf_counter()
         c = ex.chunks[s]
         gx = c.backward(i, g, self.optimizer) if it.kind == "B" else \

@@ -10,7 +10,7 @@ almost nothing, and charged by the partitioner (``partitioner.FixedCosts``):
   dispatch, posting receives and sends, bookkeeping. Fitted so that the simulator, charging
   ``action_s`` per action and the measured latency per message, reproduces the growth of the
   measured 1F1B step between two microbatch counts;
-- ``step_s``: what a step costs beyond its actions (zero_grad, the loss all-reduce, an empty
+- ``step_s``: what a step costs beyond its actions (zero_grad, reading the step's verdict, an empty
   optimizer step), the measured step minus the simulated one;
 - ``optimizer_s_per_byte``: seconds per parameter byte of each optimizer's update
   (``sgd`` with momentum, ``adam``, ``adamw``), timed on this process's CPU or device.
@@ -37,8 +37,8 @@ _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate l
 
 # Bump when the runtime's per-action path changes, so that cached figures are measured again
 # (2: receives posted when needed on gloo, recv_lookahead 0; 3: transfers between two computes
-# held and issued back to back).
-_RUNTIME_VERSION = 3
+# held and issued back to back; 4: no loss all-reduce, the verdict rides the messages).
+_RUNTIME_VERSION = 4
 
 
 def cache_path() -> Path:

@@ -455,9 +455,11 @@ class Pipeline:
         self.optimizer.sync_gradients()   # replicas first: it waits for the overlapped buckets
         for group, prm in self._tie_groups:
             dist.all_reduce(self.optimizer.accumulated_grad(prm), group=group)
-        # One all-reduce carries the loss and, per chunk, whether its forward output was
-        # non-finite: every rank then knows the same first stage where a NaN/inf appeared.
-        loss, bad_chunks = self._reduce_loss(stats.pop("_losses"), stats.pop("_flags"))
+        # The step's verdict (loss and, per chunk, whether its forward output was non-finite)
+        # reached every rank with the last microbatch's messages: every rank knows the same first
+        # stage where a NaN/inf appeared, with no collective across the pipeline.
+        del stats["_losses"], stats["_flags"]
+        loss, bad_chunks = self._read_verdict(stats.pop("_verdict"))
         if bad_chunks:
             stats["nonfinite_stage"] = bad_chunks[0]
             if self.nonfinite == "raise" and not loss_scaled(self.precision):
@@ -533,6 +535,15 @@ class Pipeline:
             raise ValueError(f"rank {self.mesh.rank} runs the last stage and needs the targets")
         return self.executor.run(program, x_mbs, y_mbs, self.optimizer, train=train,
                                  diagnose=diagnose)
+
+    def _read_verdict(self, verdict: Tensor) -> tuple[float, list[int]]:
+        """(mean loss over replicas, chunks whose forward was non-finite) from this replica's
+        verdict (``engine.executor``); with replicas, summed over this stage's data-parallel
+        group first."""
+        if self.data_parallel > 1:
+            dist.all_reduce(verdict, group=self.mesh.dp_group)
+        v = verdict.cpu()
+        return float(v[0]) / self.data_parallel, [s for s in range(len(v) - 1) if v[1 + s] != 0]
 
     def _reduce_loss(self, losses: list[Tensor], flags: dict[int, Tensor] | None = None
                      ) -> tuple[float, list[int]]:

@@ -163,7 +163,7 @@ class FixedCosts:
     - ``action_s``: per compute action (F, B, I, W): dispatch, posting transfers, bookkeeping;
     - ``message_latency_s``: per point-to-point message, on top of bytes / link rate;
     - ``link_bytes_per_s``: the link's rate (used when ``partition`` is given no link);
-    - ``step_s``: per optimizer step (zero_grad, the loss all-reduce, an empty update);
+    - ``step_s``: per optimizer step (zero_grad, reading the step's verdict, an empty update);
     - ``optimizer_s_per_byte``: seconds per parameter byte of the update, per optimizer name.
 
     >>> FixedCosts(action_s=2e-4, optimizer_s_per_byte={"sgd": 3e-10}).optimizer_s("sgd", 4e6)

@@ -165,10 +165,17 @@ class Plan(JsonMixin):
         comm = self.boundary_comm_s if len(f) > 1 and self.boundary_comm_s else 0.0
         return simulate(sched, f, b, weight_s=w, comm_s=comm)
 
-    def predicted_step_s(self, schedule_s: float) -> float:
-        """A whole step from its schedule's simulated time: plus the per-step fixed cost and the
-        slowest rank's optimizer update (ranks update after the step's loss all-reduce)."""
-        return schedule_s + self.step_fixed_s + max(self.rank_optimizer_s or [0.0])
+    def predicted_step_s(self, sim: Any) -> float:
+        """A whole step from its simulated schedule (an ``engine.simulate`` result): plus the
+        per-step fixed cost and the optimizer updates. No rank waits for another before its
+        update (the step's verdict rides the last microbatch's messages, ``engine.executor``):
+        rank ``r`` updates right after its own last action, so the step ends at the latest
+        ``end_r + update_r``, not at the schedule's end plus the slowest update."""
+        ends = [row[-1][2] if row else 0.0 for row in sim.timeline]
+        opt = list(self.rank_optimizer_s) or [0.0] * len(ends)
+        if len(opt) != len(ends):  # not per rank of this schedule: the slowest after the end
+            return sim.step_s + self.step_fixed_s + max(opt)
+        return max(e + o for e, o in zip(ends, opt)) + self.step_fixed_s
 
     # -- JSON -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

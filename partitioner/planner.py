@@ -635,7 +635,7 @@ def _lower_bound(prob: _Problem) -> tuple[float, float]:
 def _predict(plan: Plan, prob: _Problem) -> None:
     """Replace the closed-form step with :meth:`Plan.simulate`'s (what the engine will run)."""
     res = plan.simulate()
-    plan.step_s, plan.bubble_fraction = plan.predicted_step_s(res.step_s), res.bubble_fraction
+    plan.step_s, plan.bubble_fraction = plan.predicted_step_s(res), res.bubble_fraction
     plan.predicted_by = "engine.simulate" + (" + fixed costs" if prob.fixed is not None else "")
     sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
     held = rank_totals(inflight_from_schedule(sched), prob.schedule, prob.p, prob.v)

@@ -8,7 +8,7 @@ import torch
 
 from dist_helpers import run_workers
 
-from engine.comm import Spec, flatten, spec_of
+from engine.comm import MAX_TENSORS, Spec, flatten, spec_of
 
 
 def test_header_round_trip():
@@ -77,6 +77,47 @@ def test_hold_queues_until_flush_then_issues_back_to_back_in_order(monkeypatch):
 def test_bad_boundary_value_is_refused():
     with pytest.raises(TypeError, match="flat tuple of"):
         flatten({"a": torch.ones(1)})
+
+
+def test_more_tensors_than_tag_slots_is_refused_with_the_remedy():
+    spec_of(tuple(torch.ones(1) for _ in range(MAX_TENSORS)))
+    with pytest.raises(TypeError, match="at most 62 .* concatenate"):
+        spec_of(tuple(torch.ones(1) for _ in range(MAX_TENSORS + 1)))
+
+
+def _notes():
+    """A note rides after a message in each direction, also on a header's first message."""
+    from engine.comm import P2P
+    from engine.mesh import Mesh
+
+    mesh = Mesh(2, 1)
+    p2p = P2P(mesh, timeout_s=20)
+    p2p.hold = True
+    out = {}
+    if mesh.rank == 0:
+        x = torch.ones(2, 3, requires_grad=True) * 1
+        p2p.send("F", 0, 0, x, peer=1, note=torch.tensor([1.0, 0.0, 5.0], dtype=torch.float64))
+        r = p2p.post("B", 0, 0, peer=1, note_len=3)
+        p2p.flush()
+        out["grad"], out["note"] = r.wait()[0].clone(), r.note.clone()
+    else:
+        r = p2p.post("F", 1, 0, peer=0, note_len=3)
+        p2p.flush()
+        x = r.wait()
+        out["note"] = r.note.clone()
+        note = r.note.clone()
+        note[2] += 1
+        p2p.send("B", 1, 0, [x.detach() * 2], peer=0, note=note)
+        p2p.flush()
+    p2p.wait_sends()
+    return out
+
+
+def test_a_note_rides_after_a_message_in_both_directions():
+    r0, r1 = run_workers(_notes, 2, timeout_s=60)
+    assert r1["note"].tolist() == [1.0, 0.0, 5.0]
+    assert r0["note"].tolist() == [1.0, 0.0, 6.0] and r0["note"].dtype == torch.float64
+    torch.testing.assert_close(r0["grad"], torch.full((2, 3), 2.0))
 
 
 def _exchange():

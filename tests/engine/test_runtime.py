@@ -307,3 +307,52 @@ def test_a_send_and_the_receive_after_it_are_issued_together_before_the_next_com
         # steady state: rank 0 sends activations then posts the gradient receive; rank 1 sends
         # a gradient then posts the next activation receive: both in one batch, send first
         assert ["send", "recv"] in batches_, (rank, batches_)
+
+
+def _collectives_in_a_step(schedule: str):
+    """Two training steps; the collectives each issued, and the loss and stats it reported."""
+    import torch.distributed as dist
+    from engine import OptimizerConfig, Pipeline
+
+    torch.set_num_threads(1)
+    v = 1 if schedule == "1f1b" else 2
+    pipe = Pipeline(_factories(), ranges(N_LAYERS, 2 * v), loss_fn=nn.functional.mse_loss,
+                    schedule=schedule, virtual_stages=v, microbatches=4, seed=SEED,
+                    optimizer=OptimizerConfig(name="sgd", lr=LR), comm_timeout_s=30)
+    names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+             "reduce_scatter_tensor", "barrier", "all_to_all", "reduce", "gather", "scatter")
+    calls, saved = [], {n: getattr(dist, n) for n in names}
+
+    def counting(name):
+        def call(*a, **k):
+            calls.append(name)
+            return saved[name](*a, **k)
+        return call
+
+    out = []
+    for step in range(2):
+        for n in names:
+            setattr(dist, n, counting(n))
+        try:
+            r = pipe.train_step(*_data(step), diagnose=False)  # diagnose: the norm's all-reduce
+        finally:
+            for n, fn in saved.items():
+                setattr(dist, n, fn)
+        out.append({"collectives": list(calls), "loss": r.loss,
+                    "nonfinite": r.stats.get("nonfinite_stage")})
+        calls.clear()
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zbv"])
+def test_a_step_with_one_replica_needs_no_collective_and_every_rank_has_the_loss(schedule):
+    """The loss and the non-finite verdict ride the last microbatch's messages (issue 10): no
+    rank waits on a collective at the end of a step, yet every rank reports the same loss,
+    the single process's."""
+    per_rank = run_workers(_collectives_in_a_step, 2, schedule, timeout_s=120)
+    ref = reference(_factories(), _data, OptimizerConfig(name="sgd", lr=LR), 2, seed=SEED)
+    for rank, steps in enumerate(per_rank):
+        for k, s in enumerate(steps):
+            assert s["collectives"] == [], (rank, k, s)
+            assert s["nonfinite"] is None
+            assert s["loss"] == pytest.approx(ref["losses"][k], rel=RTOL, abs=ATOL), (rank, k)

@@ -53,3 +53,20 @@ def test_no_fixed_costs_is_compute_only():
     assert plan.action_s == 0 and plan.step_fixed_s == 0 and plan.rank_optimizer_s == []
     base = simulate(build_schedule("1f1b", 2, 8), plan.stage_forward_s, plan.stage_backward_s).step_s
     assert plan.step_s == pytest.approx(base)
+
+
+def test_an_update_inside_a_ranks_slack_costs_nothing_and_beyond_it_the_excess():
+    """No rank waits for another before its update: in 1F1B the last rank ends ``p - 1``
+    backwards before rank 0, so its update overlaps them; only what exceeds that slack counts."""
+    plan = partition(Profile([LAYER] * 4, fixed=FIXED), 2, schedule="1f1b", microbatches=8,
+                     optimizer="sgd")
+    sim = plan.simulate()
+    end0, end1 = (row[-1][2] for row in sim.timeline)
+    slack = end0 - end1
+    assert slack > 0
+    plan.rank_optimizer_s = [0.0, 0.5 * slack]
+    assert plan.predicted_step_s(sim) == pytest.approx(sim.step_s + FIXED.step_s)
+    plan.rank_optimizer_s = [0.0, slack + 1e-3]
+    assert plan.predicted_step_s(sim) == pytest.approx(sim.step_s + FIXED.step_s + 1e-3)
+    plan.rank_optimizer_s = [2e-3, 0.0]          # rank 0 ends last: all of its update counts
+    assert plan.predicted_step_s(sim) == pytest.approx(sim.step_s + FIXED.step_s + 2e-3)

@@ -50,7 +50,7 @@ def test_optimal_predicts_the_fastest_of_every_split(schedule):
     plan = partition(prof, 2, **_kw(schedule))
     best = _every_split(prof, 2, **_kw(schedule))[0]
     assert plan.step_s <= best[0] * (1 + 1e-3), (plan.stage_ranges, best)
-    assert plan.step_s == pytest.approx(plan.predicted_step_s(plan.simulate().step_s), rel=1e-12)
+    assert plan.step_s == pytest.approx(plan.predicted_step_s(plan.simulate()), rel=1e-12)
 
 
 def test_the_min_bottleneck_split_of_a_v_is_not_the_fastest_and_the_plan_says_so():
