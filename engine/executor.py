@@ -62,9 +62,8 @@ class Executor:
     def run(self, program: Sequence[Any], x_mbs: list | None, y_mbs: list | None,
             optimizer: Any, *, train: bool, diagnose: bool) -> dict:
         """Run ``program``; returns the step's figures (see ``Pipeline.train_step``) and, under
-        private keys, the losses (``_losses``), per-chunk non-finite flags (``_flags``) and, when
-        training, the step's verdict (``_verdict``, see the module docstring; not yet averaged
-        over replicas)."""
+        private keys, the last chunk's losses (``_losses``) and, when training, the step's
+        verdict (``_verdict``, see the module docstring; not yet summed over replicas)."""
         step = _Step(self, program, x_mbs, y_mbs, optimizer, train, diagnose)
         self.p2p.new_step()
         wait0, issue0, sent0 = self.p2p.wait_s, self.p2p.issue_s, self.p2p.bytes_sent
@@ -90,8 +89,7 @@ class Executor:
                "comm_wait_s": self.p2p.wait_s - wait0, "comm_issue_s": self.p2p.issue_s - issue0,
                "bytes_sent": self.p2p.bytes_sent - sent0,
                "pipeline_rank": self.rank, "replica": self.p2p.mesh.replica,
-               "stages": sorted(self.chunks), "_losses": step.losses, "_flags": step.flags,
-               "_verdict": step.verdict}
+               "stages": sorted(self.chunks), "_losses": step.losses, "_verdict": step.verdict}
         if diagnose and train:
             out["peak_activation_bytes"] = step.peak
         return out
@@ -173,10 +171,10 @@ class _Step:
         d, s, i = it.kind[-1], it.stage, it.microbatch
         note = None
         if self.train and i == self.last_mb:
-            note = self.verdict_out.pop(s) if d == "F" else self.verdict
+            note = self.verdict_out.pop(s, None) if d == "F" else self.verdict
             if note is None:
-                raise RuntimeError(f"internal: chunk {s} sends its last gradients before the step's "
-                                   "verdict reached it")
+                raise RuntimeError(f"internal: chunk {s} sends its last microbatch before the "
+                                   "step's verdict reached it")
         self.ex.p2p.send(d, s, i, self.outbox.pop((d, s, i)), it.peer, note=note)
 
     # ---- compute -----------------------------------------------------------------------------
@@ -194,7 +192,7 @@ class _Step:
                                    split=(s, i) in ex.split, keep=self.train,
                                    node_split=ex.node_split, measure=self.diagnose)
         self.fwd_s += time.perf_counter() - t
-        if self.train and not last:  # the last chunk's flag is its loss (Pipeline._reduce_loss)
+        if self.train and not last:  # the last chunk's flag is its loss (_add_verdict)
             flag = nonfinite_flag(out)
             if flag is not None:
                 self.flags[s] = flag if s not in self.flags else self.flags[s] + flag
@@ -232,7 +230,7 @@ class _Step:
     def _backward(self, it: Any) -> None:
         ex, s, i = self.ex, it.stage, it.microbatch
         src = None if s == ex.last else self.inbox_b.pop((s, i))
-        g = None if s == ex.last else _value(src)
+        g = None if src is None else _value(src)
         if isinstance(src, Recv) and src.note is not None:
             self.verdict = src.note
         t = time.perf_counter()

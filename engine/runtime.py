@@ -458,7 +458,7 @@ class Pipeline:
         # The step's verdict (loss and, per chunk, whether its forward output was non-finite)
         # reached every rank with the last microbatch's messages: every rank knows the same first
         # stage where a NaN/inf appeared, with no collective across the pipeline.
-        del stats["_losses"], stats["_flags"]
+        del stats["_losses"]
         loss, bad_chunks = self._read_verdict(stats.pop("_verdict"))
         if bad_chunks:
             stats["nonfinite_stage"] = bad_chunks[0]
@@ -489,7 +489,7 @@ class Pipeline:
         with torch.no_grad():
             stats = self._run(self._forward_program(), inputs, targets, train=False,
                               diagnose=False)
-        return self._reduce_loss(stats["_losses"])[0]
+        return self._reduce_loss(stats["_losses"])
 
     # ---- execution ---------------------------------------------------------------------------
     def _forward_program(self) -> list[_Item]:
@@ -545,19 +545,12 @@ class Pipeline:
         v = verdict.cpu()
         return float(v[0]) / self.data_parallel, [s for s in range(len(v) - 1) if v[1 + s] != 0]
 
-    def _reduce_loss(self, losses: list[Tensor], flags: dict[int, Tensor] | None = None
-                     ) -> tuple[float, list[int]]:
-        """Mean over microbatches on the last stage, averaged over replicas, on every rank; and
-        the chunks (on any rank) whose forward produced a non-finite value, in order."""
-        k = self.schedule.num_chunks
-        buf = torch.zeros(1 + k, dtype=torch.float64, device=self.device)
+    def _reduce_loss(self, losses: list[Tensor]) -> float:
+        """Evaluation: the mean over microbatches on the last stage, averaged over replicas, on
+        every rank (a forward-only step sends nothing back up to carry it)."""
+        buf = torch.zeros(1, dtype=torch.float64, device=self.device)
         if losses:
             buf[0] = torch.stack(losses).mean().double() / self.data_parallel
-            if flags is not None:  # training: the last chunk's output is its loss
-                buf[k] = (~torch.isfinite(buf[0])).double()
-        for s, flag in (flags or {}).items():
-            buf[1 + s] = (~torch.isfinite(flag)).double()
         if self.mesh.distributed and self.mesh.world_size > 1:
             dist.all_reduce(buf)
-        buf = buf.cpu()
-        return float(buf[0]), [s for s in range(k) if buf[1 + s] != 0]
+        return float(buf.cpu()[0])
