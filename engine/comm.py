@@ -250,18 +250,17 @@ class P2P:
                             h, f"header of chunk {stage} microbatch {microbatch}")
         else:
             ts = list(value)
+        boundary = stage if direction == "F" else stage - 1
         for i, t in enumerate(ts):
             if t.numel() == 0:
                 continue
             t = t.detach().contiguous()
             self.bytes_sent += t.numel() * t.element_size()
-            boundary = stage if direction == "F" else stage - 1
             self._track(self._issue(dist.isend, t, peer, direction,
                                     _tag(direction, boundary, microbatch, i + 1)), t,
                         f"{'activations' if direction == 'F' else 'gradients'} of chunk {stage} "
                         f"microbatch {microbatch}")
         if note is not None:
-            boundary = stage if direction == "F" else stage - 1
             self._track(self._issue(dist.isend, note, peer, direction,
                                     _tag(direction, boundary, microbatch, _NOTE_IDX)), note,
                         f"the note after chunk {stage} microbatch {microbatch}")
@@ -315,15 +314,14 @@ class P2P:
 
     def _post_data(self, r: Recv, spec: Spec) -> None:
         r.spec = spec
+        boundary = r.stage - 1 if r.direction == "F" else r.stage
         for i, (shape, dtype, _) in enumerate(spec.tensors):
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             r.bufs.append(buf)
             if buf.numel():
-                boundary = r.stage - 1 if r.direction == "F" else r.stage
                 r.works.append(self._issue(dist.irecv, buf, r.peer, r.direction,
                                            _tag(r.direction, boundary, r.microbatch, i + 1)))
         if r.note_len:
-            boundary = r.stage - 1 if r.direction == "F" else r.stage
             r.note = torch.empty(r.note_len, dtype=torch.float64, device=self.device)
             r.works.append(self._issue(dist.irecv, r.note, r.peer, r.direction,
                                        _tag(r.direction, boundary, r.microbatch, _NOTE_IDX)))
