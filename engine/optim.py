@@ -175,6 +175,7 @@ class StageOptimizer(Protocol):
     accepts_gradient_edges: bool
 
     def scale_loss(self, loss: Tensor) -> Tensor: ...            # loss / m * loss_scale
+    def loss_grad(self, loss: Tensor) -> Tensor: ...             # d scale_loss / d loss, like loss
     def backward(self, tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor] | None,
                  inputs: Sequence[Tensor] | None = None, retain_graph: bool = False) -> None: ...
     def step(self, need_norm: bool = True) -> tuple[bool, float | None]: ...  # (skipped, norm)
@@ -234,6 +235,12 @@ class TorchStageOptimizer:
     # ---- protocol ----------------------------------------------------------------------------
     def scale_loss(self, loss: Tensor) -> Tensor:
         return loss * (self.loss_scale / self.m)
+
+    def loss_grad(self, loss: Tensor) -> Tensor:
+        """The gradient the last stage seeds its backward with: ``loss_scale / m``, shaped like
+        ``loss``. ``backward([loss], [loss_grad(loss)])`` equals ``backward([scale_loss(loss)])``
+        bit for bit, without the multiply and its backward node per microbatch."""
+        return torch.full_like(loss, self.loss_scale / self.m)
 
     def backward(self, tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor] | None,
                  inputs: Sequence[Tensor] | None = None, retain_graph: bool = False) -> None:

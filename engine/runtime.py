@@ -550,7 +550,7 @@ class Pipeline:
         every rank (a forward-only step sends nothing back up to carry it)."""
         buf = torch.zeros(1, dtype=torch.float64, device=self.device)
         if losses:
-            buf[0] = torch.stack(losses).mean().double() / self.data_parallel
+            buf[0] = torch.stack(losses).float().mean().double() / self.data_parallel
         if self.mesh.distributed and self.mesh.world_size > 1:
             dist.all_reduce(buf)
         return float(buf.cpu()[0])

@@ -230,9 +230,12 @@ class Chunk:
         self.live_bytes -= st.saved_bytes
 
     def _out_grads(self, st: _MbState, grads: Sequence[Tensor] | None, optimizer: Any
-                   ) -> tuple[list[Tensor], list[Tensor] | None]:
+                   ) -> tuple[list[Tensor], list[Tensor]]:
         if self.loss_fn is not None:
-            return [optimizer.scale_loss(st.outputs[0])], None
+            # seeded with d(scaled loss)/d(loss): the same gradients as scaling the loss, without
+            # a multiply and its backward node per microbatch
+            loss = st.outputs[0]
+            return [loss], [optimizer.loss_grad(loss)]
         if grads is None or len(grads) != len(st.outputs):
             raise RuntimeError(f"chunk {self.index}: got {0 if grads is None else len(grads)} "
                                f"output gradients for {len(st.outputs)} outputs requiring grad")
@@ -270,11 +273,7 @@ class Chunk:
             return self._input_grads(st)
         if st.node_split:
             return self._node_input(st, grads, optimizer)
-        outs, gs = self._out_grads(st, grads, optimizer)
-        if gs is None:  # last chunk: start from the scaled loss, which depends on the loss
-            gs = [torch.ones_like(o) for o in outs]
-            seg_in, _, _ = st.segments[-1]
-            st.segments[-1] = (seg_in, outs, False)
+        _, gs = self._out_grads(st, grads, optimizer)  # the last segment's outputs are `outs`
         pending: list[tuple[list[Tensor], list[Tensor]]] = []
         for k in range(len(st.segments) - 1, -1, -1):
             seg_in, seg_out, has_params = st.segments[k]
@@ -314,8 +313,6 @@ class Chunk:
     def _node_input(self, st: _MbState, grads: Sequence[Tensor] | None, optimizer: Any
                     ) -> list[Tensor]:
         outs, gs = self._out_grads(st, grads, optimizer)
-        if gs is None:
-            gs = [torch.ones_like(o) for o in outs]
         roots = [(o, g) for o, g in zip(outs, gs) if o.requires_grad]
         if not st.inputs:   # nothing to differentiate at I (token ids in): W is the whole backward
             st.boundaries, st.pending_w = [], [([o for o, _ in roots], [g for _, g in roots])]

@@ -303,6 +303,11 @@ class DeepSpeedStageOptimizer:
         """``loss / microbatches * loss_scale``: what the last stage back-propagates."""
         return loss * (self.loss_scale / self.microbatches)
 
+    def loss_grad(self, loss: Tensor) -> Tensor:
+        """``d scale_loss(loss) / d loss`` shaped like ``loss``: what the last stage seeds its
+        backward with (the same gradients as back-propagating ``scale_loss(loss)``)."""
+        return torch.full_like(loss, self.loss_scale / self.microbatches)
+
     def backward(self, tensors: Tensor | Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | None = None,
                  inputs: Sequence[Tensor] | None = None, retain_graph: bool = False) -> None:
         """Accumulate gradients of ``tensors`` (seeded with ``grad_tensors``) into ``inputs``.

@@ -402,6 +402,12 @@ class _PlainBackward:
         return loss
 
     @staticmethod
+    def loss_grad(loss):
+        import torch
+
+        return torch.ones_like(loss)
+
+    @staticmethod
     def backward(outs, grads, inputs=None) -> None:
         import torch
 

@@ -11,13 +11,16 @@ from engine.stage import Chunk, build_layers
 
 
 class _Opt:
-    """The two protocol methods a chunk uses."""
+    """The protocol methods a chunk uses."""
 
     def __init__(self, m=1):
         self.m = m
 
     def scale_loss(self, loss):
         return loss / self.m
+
+    def loss_grad(self, loss):
+        return torch.full_like(loss, 1 / self.m)
 
     def backward(self, tensors, grad_tensors, inputs=None, retain_graph=False):
         torch.autograd.backward(tensors, grad_tensors, inputs=inputs, retain_graph=retain_graph)
