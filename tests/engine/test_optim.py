@@ -164,3 +164,21 @@ def test_bf16_trains_close_to_fp32_and_fp16_runs():
     assert abs(bf16[-1] - fp32[-1]) < 0.05 * fp32[0]
     fp16 = _train("fp16-autocast", steps=5)   # CPU autocast supports float16 in this torch
     assert not any(r.skipped for r in fp16) and fp16[-1].loss < fp16[0].loss
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-autocast"])
+def test_seeding_backward_with_loss_grad_equals_back_propagating_the_scaled_loss(precision):
+    # the last chunk seeds its backward with loss_grad(loss) instead of scaling the loss: the
+    # gradients must be the same bits, with and without an fp16 loss scale
+    torch.manual_seed(0)
+    a, b = nn.ModuleDict({"0": nn.Linear(3, 2)}), nn.ModuleDict({"0": nn.Linear(3, 2)})
+    b.load_state_dict(a.state_dict())
+    oa, ob = _opt(a, precision=precision), _opt(b, precision=precision)
+    x = torch.randn(5, 3)
+    loss_a, loss_b = a["0"](x).pow(2).mean(), b["0"](x).pow(2).mean()
+    oa.backward([oa.scale_loss(loss_a)], None)
+    ob.backward([loss_b], [ob.loss_grad(loss_b)])
+    assert ob.loss_grad(loss_b).shape == loss_b.shape
+    assert float(ob.loss_grad(loss_b)) == ob.loss_scale / 2
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p.grad, q.grad)
