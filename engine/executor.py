@@ -35,7 +35,7 @@ from torch import Tensor
 from engine.comm import P2P, Recv
 from engine.stage import Chunk, _cut
 
-__all__ = ["Executor", "nonfinite_flag"]
+__all__ = ["Executor", "nonfinite_flag", "mean_loss"]
 
 
 def nonfinite_flag(value: Any) -> Tensor | None:
@@ -54,6 +54,12 @@ def nonfinite_flag(value: Any) -> Tensor | None:
             s = t.detach().sum(dtype=torch.float32 if t.element_size() < 4 else None)
             flag = s if flag is None else flag + s
     return flag
+
+
+def mean_loss(losses: Sequence[Tensor]) -> Tensor:
+    """The mean of the last chunk's per-microbatch losses, in float64 (averaged in float32, the
+    losses kept as they came and converted once per step)."""
+    return torch.stack(list(losses)).float().mean().double()
 
 
 def _any_nonfinite(flags: list[Tensor]) -> Tensor:
@@ -231,7 +237,7 @@ class _Step:
         if v is None:
             v = torch.zeros(ex.last + 2, dtype=torch.float64, device=ex.p2p.device)
         if s == ex.last:
-            v[0] = torch.stack(self.losses).float().mean().double()
+            v[0] = mean_loss(self.losses)
             v[1 + s] = (~torch.isfinite(v[0])).double()
             self.verdict = v
             return

@@ -23,7 +23,7 @@ from engine.allocator import tune_cpu_allocator
 from engine.backend import make_optimizer
 from engine.choices import check_nonfinite, check_precision, loss_scaled
 from engine.comm import P2P
-from engine.executor import Executor
+from engine.executor import Executor, mean_loss
 from engine.mesh import Mesh
 from engine.optim import (NonFiniteError, OptimizerConfig, StageOptimizer,
                           check_optimizer_config, compute_dtype, weight_dtype)
@@ -550,7 +550,7 @@ class Pipeline:
         every rank (a forward-only step sends nothing back up to carry it)."""
         buf = torch.zeros(1, dtype=torch.float64, device=self.device)
         if losses:
-            buf[0] = torch.stack(losses).float().mean().double() / self.data_parallel
+            buf[0] = mean_loss(losses) / self.data_parallel
         if self.mesh.distributed and self.mesh.world_size > 1:
             dist.all_reduce(buf)
         return float(buf.cpu()[0])

@@ -273,7 +273,8 @@ class Chunk:
             return self._input_grads(st)
         if st.node_split:
             return self._node_input(st, grads, optimizer)
-        _, gs = self._out_grads(st, grads, optimizer)  # the last segment's outputs are `outs`
+        # the outputs are the last segment's outputs, which the loop below walks from
+        _, gs = self._out_grads(st, grads, optimizer)
         pending: list[tuple[list[Tensor], list[Tensor]]] = []
         for k in range(len(st.segments) - 1, -1, -1):
             seg_in, seg_out, has_params = st.segments[k]
