@@ -9,9 +9,19 @@ almost nothing, and charged by the partitioner (``partitioner.FixedCosts``):
 - ``action_s``: what each compute action (F, B, I, W) costs beyond its compute: the executor's
   dispatch, posting receives and sends, bookkeeping. Fitted so that the simulator, charging
   ``action_s`` per action and the measured latency per message, reproduces the growth of the
-  measured 1F1B step between two microbatch counts;
+  measured 1F1B step with the microbatch count (a least-squares line through four counts, each
+  the median of three alternating rounds: on a shared CPU one count measured once moved the fit
+  by 2x);
 - ``step_s``: what a step costs beyond its actions (zero_grad, reading the step's verdict, an empty
   optimizer step), the measured step minus the simulated one;
+- ``message_busy_s``: what each message end (a send issued, a receive posted) costs a rank *on
+  top of* the above when both ranks are computing, as they are in a pipeline's steady state. On
+  a CPU the call then competes with the compute of both ranks for the cores (the connection's
+  lock, the transport threads it wakes), and takes several times its cost on idle ranks. Measured
+  directly, not fitted: both ranks run the same loop of compute units (a matmul of about 2 ms)
+  with and without an exchange (one send and one receive) after each unit, in alternating blocks;
+  the extra time per message end, less the same figure with no compute (the idle cost, already
+  inside ``action_s``);
 - ``optimizer_s_per_byte``: seconds per parameter byte of each optimizer's update
   (``sgd`` with momentum, ``adam``, ``adamw``), timed on this process's CPU or device.
 
@@ -37,8 +47,9 @@ _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate l
 
 # Bump when the runtime's per-action path changes, so that cached figures are measured again
 # (2: receives posted when needed on gloo, recv_lookahead 0; 3: transfers between two computes
-# held and issued back to back; 4: no loss all-reduce, the verdict rides the messages).
-_RUNTIME_VERSION = 4
+# held and issued back to back; 4: no loss all-reduce, the verdict rides the messages; 5: the
+# busy per-message cost).
+_RUNTIME_VERSION = 5
 
 
 def cache_path() -> Path:
@@ -50,29 +61,37 @@ def cache_path() -> Path:
     return root / f"fixed_costs-{key}.json"
 
 
-def measure_fixed_costs(*, microbatches: Sequence[int] = (16, 32), steps: int = 12,
-                        use_cache: bool = True, timeout_s: float = 300.0) -> dict[str, Any]:
+def measure_fixed_costs(*, microbatches: Sequence[int] = (8, 16, 24, 32), steps: int = 12,
+                        exchanges: int = 60, use_cache: bool = True,
+                        timeout_s: float = 300.0) -> dict[str, Any]:
     """Measure (or read from the cache) the fixed costs of the runtime on two local ranks (gloo
-    on CPU), one thread each. Returns a dict with the keys of ``partitioner.FixedCosts``."""
+    on CPU), one thread each. Returns a dict with the keys of ``partitioner.FixedCosts``.
+    ``steps``: timed steps per microbatch count in each of three alternating rounds;
+    ``exchanges``: compute units per block of the busy per-message measurement."""
     path = cache_path()
     if use_cache and path.exists():
         return json.loads(path.read_text())
     from engine.launch import launch
 
-    results = launch(_worker, 2, tuple(microbatches), steps, timeout_s=timeout_s,
+    results = launch(_worker, 2, tuple(microbatches), steps, exchanges, timeout_s=timeout_s,
                      backend="gloo", local=True)  # also from rank 0 of a torchrun / Slurm job
     lat, rate = _fit_line(results[0]["link"])
     steps_s = {int(m): t for m, t in results[0]["steps"].items()}
-    (m1, t1), (m2, t2) = sorted(steps_s.items())[:2]
+    # the step's growth with m from a least-squares line through every count, not two points
+    base, per_mb = _line(sorted(steps_s.items()))
+    m1, m2 = min(steps_s), max(steps_s)
+    t1, t2 = base + m1 * per_mb, base + m2 * per_mb
     action = fit_action_cost(m1, t1, m2, t2, latency_s=lat)
     from engine.schedules import build_schedule
     from engine.simulate import simulate
 
     sim = simulate(build_schedule("1f1b", 2, m2), forward_s=action, backward_s=action,
                    comm_s=lat).step_s
+    busy = [r["exchange"] for r in results]
     costs = {"action_s": action, "message_latency_s": lat, "link_bytes_per_s": rate,
              "step_s": max(0.0, t2 - sim), "optimizer_s_per_byte": results[0]["optimizer"],
-             "measured": {"steps_s": steps_s, "link": results[0]["link"],
+             "message_busy_s": max(0.0, statistics.fmean(b["busy_s"] - b["idle_s"] for b in busy)),
+             "measured": {"steps_s": steps_s, "link": results[0]["link"], "exchange": busy,
                           "when": time.strftime("%Y-%m-%d %H:%M:%S")}}
     text = json.dumps(costs, indent=1)
     if use_cache:
@@ -106,26 +125,94 @@ def fit_action_cost(m1: int, t1: float, m2: int, t2: float, *, latency_s: float)
 
 def _fit_line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares ``t = latency + bytes / rate`` through ``(bytes, seconds)`` points."""
-    xs, ys = [float(b) for b, _ in points], [float(t) for _, t in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    intercept, slope = _line(points)
     slope = max(slope, 1e-15)
+    mx = statistics.fmean(float(b) for b, _ in points)
+    my = statistics.fmean(float(t) for _, t in points)
     return max(0.0, my - slope * mx), 1.0 / slope
 
 
+def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the least-squares line through ``(x, y)`` points."""
+    xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return my - slope * mx, slope
+
+
 # ---- the measuring workers (module level: they are pickled) -------------------------------------
-def _worker(microbatches: tuple[int, ...], steps: int) -> dict[str, Any]:
+def _worker(microbatches: tuple[int, ...], steps: int, exchanges: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     link = [(n, _ping_pong(n)) for n in _SIZES]
-    timed = {}
-    for m in microbatches:
-        timed[m] = _pipeline_step(m, steps)
+    times: dict[int, list[float]] = {m: [] for m in microbatches}
+    for _ in range(3):  # alternating rounds: one slow spell does not skew one microbatch count
+        for m in microbatches:
+            times[m] += _pipeline_steps(m, steps)
+    timed = {m: statistics.median(t) for m, t in times.items()}
+    exchange = {"busy_s": _exchange_cost(exchanges, unit_s=2e-3),
+                "idle_s": _exchange_cost(exchanges, unit_s=0.0)}
     opt = _optimizer_cost() if dist.get_rank() == 0 else {}
     torch.distributed.barrier()
-    return {"link": link, "steps": timed, "optimizer": opt}
+    return {"link": link, "steps": timed, "optimizer": opt, "exchange": exchange}
+
+
+def _exchange_cost(n: int, *, unit_s: float, blocks: int = 10, nbytes: int = 16384) -> float:
+    """This rank's extra seconds per message end when each of ``n`` compute units (a matmul loop
+    of about ``unit_s``, the same count on both ranks; none for 0) runs while an exchange with the
+    other rank is under way (a receive posted and a send issued before the unit, the receive
+    waited after it), against the same units alone: the median over alternating blocks."""
+    import torch
+    import torch.distributed as dist
+
+    peer = 1 - dist.get_rank()
+    a, w = torch.randn(128, 512), torch.randn(512, 512)
+    reps = _reps_for(lambda: a @ w, unit_s)
+    out, inbox = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
+
+    def block(exchange: bool) -> float:
+        dist.barrier()
+        t0, sends = time.perf_counter(), []
+        for i in range(n):
+            recv = dist.irecv(inbox, peer, tag=i) if exchange else None
+            if exchange:
+                sends.append(dist.isend(out, peer, tag=i))
+            for _ in range(reps):
+                a @ w
+            if recv is not None:
+                recv.wait()
+        for work in sends:
+            work.wait()
+        return time.perf_counter() - t0
+
+    block(True)
+    extra = []
+    for k in range(blocks):
+        order = (True, False) if k % 2 else (False, True)
+        t = {ex: block(ex) for ex in order}
+        extra.append((t[True] - t[False]) / (2 * n))
+    return statistics.median(extra)
+
+
+def _reps_for(fn: Any, seconds: float) -> int:
+    """How many calls of ``fn`` take about ``seconds`` (0 for 0), agreed by both ranks (the
+    larger count), so that the two ranks' units are equal."""
+    import torch
+    import torch.distributed as dist
+
+    reps = 0
+    if seconds > 0:
+        fn()
+        t0, k = time.perf_counter(), 0
+        while time.perf_counter() - t0 < 10 * seconds:
+            fn()
+            k += 1
+        reps = max(1, round(k * seconds / (time.perf_counter() - t0)))
+    agreed = torch.tensor([reps])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return int(agreed)
 
 
 def _ping_pong(nbytes: int, repeats: int = 30) -> float:
@@ -148,8 +235,8 @@ def _ping_pong(nbytes: int, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def _pipeline_step(m: int, steps: int) -> float:
-    """Median step time of 1F1B on 2 ranks over near-free layers (Linear(4, 4))."""
+def _pipeline_steps(m: int, steps: int) -> list[float]:
+    """Step times of 1F1B on 2 ranks over near-free layers (Linear(4, 4)), after 3 warm-up steps."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -168,7 +255,7 @@ def _pipeline_step(m: int, steps: int) -> float:
         dist.barrier()
         if k >= 3:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def _tiny_layer() -> Any:

@@ -45,6 +45,7 @@ __all__ = [
     "chunk_ranks",
     "depends_on",
     "peak_inflight",
+    "message_ends",
     "build_schedule",
     "validate",
     "ScheduleError",
@@ -292,6 +293,21 @@ def depends_on(action: Action, num_chunks: int,
     if s < num_chunks - 1:
         deps.append((backward_kind[(s + 1, i)], s + 1, i))
     return deps
+
+
+def message_ends(schedule: Schedule) -> list[int]:
+    """Per chunk, the cross-rank messages each of its F actions sends or receives: its input
+    from the previous chunk and its output to the next, each if that chunk is on another rank.
+    Its B (or I) has as many (the gradients go the other way); a W none.
+
+    >>> message_ends(build_schedule("1f1b", 2, 4)), message_ends(build_schedule("zbv", 2, 4, 2))
+    ([1, 1], [1, 1, 1, 1])
+    >>> message_ends(build_schedule("interleaved-1f1b", 2, 4, 2))
+    [1, 2, 2, 1]
+    """
+    n = schedule.num_chunks
+    cross = [schedule.rank_of(s) != schedule.rank_of(s + 1) for s in range(n - 1)]
+    return [int(s > 0 and cross[s - 1]) + int(s < n - 1 and cross[s]) for s in range(n)]
 
 
 def peak_inflight(schedule: Schedule) -> list[int]:

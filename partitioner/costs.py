@@ -164,7 +164,10 @@ class FixedCosts:
     - ``message_latency_s``: per point-to-point message, on top of bytes / link rate;
     - ``link_bytes_per_s``: the link's rate (used when ``partition`` is given no link);
     - ``step_s``: per optimizer step (zero_grad, reading the step's verdict, an empty update);
-    - ``optimizer_s_per_byte``: seconds per parameter byte of the update, per optimizer name.
+    - ``optimizer_s_per_byte``: seconds per parameter byte of the update, per optimizer name;
+    - ``message_busy_s``: per message end (a send issued, a receive posted), what the call costs
+      its rank beyond ``action_s`` when the ranks are computing (measured with compute running,
+      not on the compute-free model).
 
     >>> FixedCosts(action_s=2e-4, optimizer_s_per_byte={"sgd": 3e-10}).optimizer_s("sgd", 4e6)
     0.0012
@@ -175,6 +178,7 @@ class FixedCosts:
     link_bytes_per_s: float | None = None
     step_s: float = 0.0
     optimizer_s_per_byte: dict[str, float] = field(default_factory=dict)
+    message_busy_s: float = 0.0
 
     def optimizer_s(self, optimizer: str, param_bytes: float) -> float:
         """Seconds of one ``optimizer`` update of ``param_bytes`` bytes of parameters."""

@@ -47,7 +47,8 @@ class Plan(JsonMixin):
     1f1b: ``(m - 1) * that + total``; other schedules: ``max(m * per-rank bound, total)``).
     ``gap = step_s / lower_bound_s - 1``. ``max_inflight``: zb-h2's memory knob as planned
     (None: the schedule's default). Fixed costs of the runtime (``partitioner.FixedCosts``, from
-    the profile): ``action_s`` is charged on every compute action, ``boundary_comm_s`` includes the
+    the profile): ``action_s`` is charged on every compute action, ``message_busy_s`` on every
+    action per message it sends or receives across ranks, ``boundary_comm_s`` includes the
     per-message latency, and ``step_fixed_s`` (per step) plus the slowest rank's optimizer update
     (``rank_optimizer_s``) are added to the simulated schedule. ``search``: when
     ``partitioner.search`` chose this plan's layout, its record (the choice, the alternatives
@@ -85,6 +86,7 @@ class Plan(JsonMixin):
     stage_weight_s: list[float] = field(default_factory=list)
     boundary_comm_s: list[float] = field(default_factory=list)
     action_s: float = 0.0
+    message_busy_s: float = 0.0
     step_fixed_s: float = 0.0
     rank_optimizer_s: list[float] = field(default_factory=list)
     rank_memory_bytes: list[int] = field(default_factory=list)
@@ -141,27 +143,33 @@ class Plan(JsonMixin):
         """The predicted timeline of one step's schedule: ``engine.simulate`` of this plan's
         schedule on its per-chunk costs (``stage_forward_s``, ``stage_backward_s`` with
         recomputation, ``stage_weight_s``, ``boundary_comm_s``), each compute action charged
-        ``action_s`` more. ``forward_s`` / ``backward_s`` replace the compute costs (e.g.
-        measured ones) and keep the rest. The one place a plan's timeline is predicted: the
+        ``action_s`` more, and ``message_busy_s`` per message it sends or receives across ranks
+        (an F and the B or I of the same chunk have the same: one per cut at either end).
+        ``forward_s`` / ``backward_s`` replace the compute costs (e.g. measured ones) and keep
+        the rest. The one place a plan's timeline is predicted: the
         planner, the training run's timeline pictures and the benchmark's predictions all call
         it; :meth:`predicted_step_s` adds what a step costs beyond its schedule.
 
         >>> res = plan.simulate()                         # doctest: +SKIP
         >>> res.step_s, res.bubble_fraction; res.to_png("timeline.png")  # doctest: +SKIP
         """
-        from engine.schedules import SCHEDULE_INFO, build_schedule
+        from engine.schedules import SCHEDULE_INFO, build_schedule, message_ends
         from engine.simulate import simulate
 
         a = self.action_s
+        sched = build_schedule(self.schedule, self.num_stages, self.microbatches, self.virtual_stages,
+                               max_inflight=self.max_inflight)
         f = [x + a for x in (self.stage_forward_s if forward_s is None else forward_s)]
         b = list(self.stage_backward_s if backward_s is None else backward_s)
         w = [min(x, y) for x, y in zip(self.stage_weight_s or b, b)]
-        if SCHEDULE_INFO[self.schedule].splits_backward:   # I and W: two actions
+        if SCHEDULE_INFO[self.schedule].splits_backward:   # I (it carries the messages) and W
             b, w = [x + 2 * a for x in b], [x + a for x in w]
         else:
             b, w = [x + a for x in b], [x + a for x in w]
-        sched = build_schedule(self.schedule, self.num_stages, self.microbatches, self.virtual_stages,
-                               max_inflight=self.max_inflight)
+        ends = message_ends(sched)
+        if self.message_busy_s and len(f) == len(b) == len(ends):  # else simulate names the misfit
+            f = [x + self.message_busy_s * k for x, k in zip(f, ends)]
+            b = [x + self.message_busy_s * k for x, k in zip(b, ends)]
         comm = self.boundary_comm_s if len(f) > 1 and self.boundary_comm_s else 0.0
         return simulate(sched, f, b, weight_s=w, comm_s=comm)
 

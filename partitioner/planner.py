@@ -588,7 +588,7 @@ def _chunk_shares(prob: _Problem, bounds: list[tuple[int, int]], act_c: list[flo
 
 
 def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[str, Any]) -> dict[str, Any]:
-    """The plan's fixed-cost fields: per action, per step, and each rank's optimizer update
+    """The plan's fixed-cost fields: per action, per message end, per step, and each rank's optimizer update
     (its parameters, sharded over the replicas from ZeRO-1 on)."""
     fixed = prob.fixed
     if fixed is None:
@@ -596,7 +596,8 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
     shard = settings["data_parallel"] if settings["zero_stage"] >= 1 else 1
     param_c = [float(prob.param[a:e].sum()) / shard for a, e in bounds]
     per_rank = [float(x) for x in rank_totals(param_c, prob.schedule, prob.p, prob.v)]
-    return {"action_s": fixed.action_s, "step_fixed_s": fixed.step_s,
+    return {"action_s": fixed.action_s, "message_busy_s": fixed.message_busy_s,
+            "step_fixed_s": fixed.step_s,
             "rank_optimizer_s": [fixed.optimizer_s(settings["optimizer"], x) for x in per_rank]}
 
 

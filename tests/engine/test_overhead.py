@@ -1,6 +1,8 @@
 """The fixed-cost fit: pure functions on numbers, and one short measurement on two ranks."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from engine.overhead import _fit_line, fit_action_cost, measure_fixed_costs
@@ -27,9 +29,11 @@ def test_fit_action_cost_inverts_the_simulator(a):
 @pytest.mark.slow
 def test_measure_fixed_costs_runs_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPESHARD_CACHE_DIR", str(tmp_path))
-    costs = measure_fixed_costs(microbatches=(4, 8), steps=3)
+    costs = measure_fixed_costs(microbatches=(4, 8), steps=3, exchanges=4)
     assert costs["action_s"] > 0 and costs["link_bytes_per_s"] > 0
+    assert costs["message_busy_s"] >= 0 and len(costs["measured"]["exchange"]) == 2   # both ranks
+    assert all(math.isfinite(e["busy_s"]) and e["idle_s"] > 0 for e in costs["measured"]["exchange"])
     assert set(costs["optimizer_s_per_byte"]) == {"sgd", "adam", "adamw"}
     assert all(v > 0 for v in costs["optimizer_s_per_byte"].values())
     assert list(tmp_path.iterdir())                      # cached ...
-    assert measure_fixed_costs(microbatches=(4, 8), steps=3) == costs   # ... and read back
+    assert measure_fixed_costs(microbatches=(4, 8), steps=3, exchanges=4) == costs  # ... read back

@@ -16,6 +16,7 @@ from engine.schedules import (
     chunk_ranks,
     depends_on,
     lower,
+    message_ends,
     peak_inflight,
     validate,
 )
@@ -335,3 +336,12 @@ def test_lower_interleaved_edges_and_wraparound():
 def test_lower_single_rank_is_local():
     low = lower(build_schedule("interleaved-1f1b", 1, 3, virtual_stages=3))
     assert all(isinstance(op, Action) for op in low[0])
+
+
+@pytest.mark.parametrize("name,p,v,ends", [
+    ("gpipe", 1, 1, [0]), ("1f1b", 3, 1, [1, 2, 1]), ("zb-h2", 4, 1, [1, 2, 2, 1]),
+    ("interleaved-1f1b", 2, 2, [1, 2, 2, 1]),
+    ("zbv", 2, 2, [1, 1, 1, 1]),        # chunks 1 and 2 share rank 1: their hand-off is local
+    ("zbv", 3, 2, [1, 2, 1, 1, 2, 1])])
+def test_message_ends_count_the_cross_rank_cuts_of_each_chunk(name, p, v, ends):
+    assert message_ends(build_schedule(name, p, 2 * p, v)) == ends

@@ -10,7 +10,7 @@ from partitioner import FixedCosts, LayerCost, Profile, partition
 LAYER = LayerCost(forward_s=1e-3, backward_s=2e-3, param_bytes=4_000_000, activation_bytes=10_000,
                   output_bytes=100_000)
 FIXED = FixedCosts(action_s=2e-4, message_latency_s=5e-5, link_bytes_per_s=1e9, step_s=3e-3,
-                   optimizer_s_per_byte={"sgd": 1e-10, "adamw": 5e-10})
+                   optimizer_s_per_byte={"sgd": 1e-10, "adamw": 5e-10}, message_busy_s=3e-4)
 
 
 def test_profile_json_keeps_the_fixed_costs():
@@ -31,13 +31,13 @@ def test_prediction_charges_each_action_message_and_the_step(schedule):
     m, p = 8, 2
     plan = partition(Profile([LAYER] * 4, fixed=FIXED), p, schedule=schedule, microbatches=m,
                      optimizer="adamw", zero_stage=1, data_parallel=2)
-    a = FIXED.action_s
-    f = [x + a for x in plan.stage_forward_s]
+    a, c = FIXED.action_s, FIXED.message_busy_s    # p = 2: each F and B (or I) has one message
+    f = [x + a + c for x in plan.stage_forward_s]
     if schedule == "zb-h1":
-        b = [x + 2 * a for x in plan.stage_backward_s]
+        b = [x + 2 * a + c for x in plan.stage_backward_s]
         w = [x + a for x in plan.stage_weight_s]
     else:
-        b = [x + a for x in plan.stage_backward_s]
+        b = [x + a + c for x in plan.stage_backward_s]
         w = [x + a for x in plan.stage_weight_s]
     comm = LAYER.output_bytes / FIXED.link_bytes_per_s + FIXED.message_latency_s
     assert plan.boundary_comm_s == [pytest.approx(comm)]
@@ -46,6 +46,27 @@ def test_prediction_charges_each_action_message_and_the_step(schedule):
     assert plan.rank_optimizer_s == [pytest.approx(opt)] * 2
     assert plan.step_s == pytest.approx(sched + FIXED.step_s + opt)
     assert "fixed costs" in plan.predicted_by
+
+
+def test_fixed_costs_without_the_busy_message_cost_read_as_zero():
+    assert FixedCosts.from_dict({"action_s": 1e-4}).message_busy_s == 0.0
+
+
+@pytest.mark.parametrize("schedule,v,ends", [("1f1b", 1, [1, 2, 1]), ("interleaved-1f1b", 2, [1, 2, 2, 2, 2, 1])])
+def test_the_busy_message_cost_is_charged_per_cut_at_either_end(schedule, v, ends):
+    """A chunk in the middle sends and receives across two cuts, an end chunk across one; the
+    cost rides on its F and its B, so the step grows by it wherever those are on the critical path."""
+    prof = Profile([LAYER] * 12, fixed=FIXED)
+    plan = partition(prof, 3, schedule=schedule, microbatches=6, virtual_stages=v, optimizer="sgd")
+    assert plan.message_busy_s == FIXED.message_busy_s
+    a, c = FIXED.action_s, FIXED.message_busy_s
+    f = [x + a + c * k for x, k in zip(plan.stage_forward_s, ends)]
+    b = [x + a + c * k for x, k in zip(plan.stage_backward_s, ends)]
+    w = [x + a for x in plan.stage_weight_s]
+    want = simulate(build_schedule(schedule, 3, 6, v), f, b, weight_s=w, comm_s=plan.boundary_comm_s)
+    assert plan.simulate().step_s == pytest.approx(want.step_s)
+    plan.message_busy_s = 0.0
+    assert plan.simulate().step_s < want.step_s
 
 
 def test_no_fixed_costs_is_compute_only():
