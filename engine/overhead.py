@@ -126,10 +126,10 @@ def fit_action_cost(m1: int, t1: float, m2: int, t2: float, *, latency_s: float)
 def _fit_line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares ``t = latency + bytes / rate`` through ``(bytes, seconds)`` points."""
     intercept, slope = _line(points)
-    slope = max(slope, 1e-15)
-    mx = statistics.fmean(float(b) for b, _ in points)
-    my = statistics.fmean(float(t) for _, t in points)
-    return max(0.0, my - slope * mx), 1.0 / slope
+    if slope < 1e-15:  # flat: the line through the same mean point, at the slowest rate kept
+        intercept += (slope - 1e-15) * statistics.fmean(float(b) for b, _ in points)
+        slope = 1e-15
+    return max(0.0, intercept), 1.0 / slope
 
 
 def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

@@ -588,8 +588,8 @@ def _chunk_shares(prob: _Problem, bounds: list[tuple[int, int]], act_c: list[flo
 
 
 def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[str, Any]) -> dict[str, Any]:
-    """The plan's fixed-cost fields: per action, per message end, per step, and each rank's optimizer update
-    (its parameters, sharded over the replicas from ZeRO-1 on)."""
+    """The plan's fixed-cost fields: per action, per message end on a busy CPU, per step, and
+    each rank's optimizer update (its parameters, sharded over the replicas from ZeRO-1 on)."""
     fixed = prob.fixed
     if fixed is None:
         return {}
