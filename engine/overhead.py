@@ -19,7 +19,8 @@ almost nothing, and charged by the partitioner (``partitioner.FixedCosts``):
   a CPU the call then competes with the compute of both ranks for the cores (the connection's
   lock, the transport threads it wakes), and takes several times its cost on idle ranks. Measured
   directly, not fitted: both ranks run the same loop of compute units (a matmul of about 2 ms)
-  with and without an exchange (one send and one receive) after each unit, in alternating blocks;
+  with and without an exchange (one send and one receive) under way during each unit, in
+  alternating blocks;
   the extra time per message end, less the same figure with no compute (the idle cost, already
   inside ``action_s``);
 - ``optimizer_s_per_byte``: seconds per parameter byte of each optimizer's update

@@ -146,9 +146,9 @@ class Plan(JsonMixin):
         ``action_s`` more, and ``message_busy_s`` per message it sends or receives across ranks
         (an F and the B or I of the same chunk have the same: one per cut at either end).
         ``forward_s`` / ``backward_s`` replace the compute costs (e.g. measured ones) and keep
-        the rest. The one place a plan's timeline is predicted: the
-        planner, the training run's timeline pictures and the benchmark's predictions all call
-        it; :meth:`predicted_step_s` adds what a step costs beyond its schedule.
+        the rest. The one place a plan's timeline is predicted: the planner, the training run's
+        timeline pictures and the benchmark's predictions all call it; :meth:`predicted_step_s`
+        adds what a step costs beyond its schedule.
 
         >>> res = plan.simulate()                         # doctest: +SKIP
         >>> res.step_s, res.bubble_fraction; res.to_png("timeline.png")  # doctest: +SKIP
