@@ -12,7 +12,8 @@ which the receiver asks for with ``note_len`` and reads from :attr:`Recv.note`. 
 it for the step's verdict (loss and non-finite flags), which rides the last microbatch's messages
 down the pipeline and back instead of needing a collective.
 
-Sends are non-blocking and waited at the end of the step (:meth:`P2P.wait_sends`). Receives
+Sends are non-blocking and waited by :meth:`P2P.wait_sends` (at the end of the step, or before
+each compute: ``engine.runtime.default_send_wait``). Receives
 are posted ahead (:meth:`P2P.post`) and waited when the data is needed (:meth:`Recv.wait`), so
 compute overlaps the transfer. With ``hold`` set (the executor sets it for a step; NCCL always
 holds), operations are queued and issued back to back by :meth:`P2P.flush` (or the first wait
@@ -178,7 +179,7 @@ class P2P:
         self.mesh, self.timeout_s = mesh, timeout_s
         self.device = device or torch.device("cpu")
         self.nccl = mesh.backend == "nccl"
-        self._sends: list[tuple[Any, Any, str]] = []
+        self._sends: list[tuple[Any, Any, tuple[str, int, int, int]]] = []
         self._pending_ops: list[Any] = []
         self.hold = False  # gloo: queue operations until flush (NCCL always queues)
         self.wait_s = 0.0
@@ -240,33 +241,38 @@ class P2P:
         """Non-blocking send of chunk ``stage``'s output (F) or its input gradient (B), and of
         ``note`` after it (the receiver posts with ``note_len=note.numel()``)."""
         if direction == "F":
-            spec = spec_of(value)
             _, ts = flatten(value)
-            if stage not in self._sent_header:
+            if stage not in self._sent_header:  # the spec only for the step's first message
+                spec = spec_of(value)
                 self._sent_header.add(stage)
                 self.out_specs[stage] = spec
                 h = spec.encode().to(self.device)
                 self._track(self._issue(dist.isend, h, peer, "F", _tag("F", stage, microbatch, 0)),
-                            h, f"header of chunk {stage} microbatch {microbatch}")
+                            h, ("the header of", stage, microbatch, peer))
         else:
             ts = list(value)
         boundary = stage if direction == "F" else stage - 1
+        what = ("activations of" if direction == "F" else "gradients of", stage, microbatch, peer)
         for i, t in enumerate(ts):
             if t.numel() == 0:
                 continue
             t = t.detach().contiguous()
             self.bytes_sent += t.numel() * t.element_size()
             self._track(self._issue(dist.isend, t, peer, direction,
-                                    _tag(direction, boundary, microbatch, i + 1)), t,
-                        f"{'activations' if direction == 'F' else 'gradients'} of chunk {stage} "
-                        f"microbatch {microbatch}")
+                                    _tag(direction, boundary, microbatch, i + 1)), t, what)
         if note is not None:
             self._track(self._issue(dist.isend, note, peer, direction,
                                     _tag(direction, boundary, microbatch, _NOTE_IDX)), note,
-                        f"the note after chunk {stage} microbatch {microbatch}")
+                        ("the note after", stage, microbatch, peer))
 
-    def _track(self, work: Any, tensor: Tensor, what: str) -> None:
+    def _track(self, work: Any, tensor: Tensor, what: tuple[str, int, int, int]) -> None:
+        # ``what`` is formatted only if the send fails (_send_what): not once per message
         self._sends.append((work, tensor, what))
+
+    def _send_what(self, what: tuple[str, int, int, int]) -> str:
+        thing, stage, microbatch, peer = what
+        return (f"the send of {thing} chunk {stage} microbatch {microbatch} to rank "
+                f"{self.mesh.global_rank(peer)} (pipeline rank {peer})")
 
     # ---- receive ---------------------------------------------------------------------------
     def can_post(self, direction: str, stage: int) -> bool:
@@ -355,7 +361,7 @@ class P2P:
         self.flush()
         sends, self._sends = self._sends, []
         for work, _tensor, what in sends:
-            self._wait(work, None, f"the send of {what} to complete")
+            self._wait(work, None, self._send_what(what) + " to complete")
 
 
 class _Handle:

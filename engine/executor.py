@@ -6,7 +6,9 @@ actions arrives while this rank computes. The transfers between two computes are
 together just before the next compute (``P2P.hold``): on NCCL they form one batch; on gloo a send
 and the receive after it leave microseconds apart, so the peer's transport thread wakes once for
 both (posted one by one, with Python between them, it woke twice; docs/performance.md).
-Hand-offs between two chunks of the same rank stay in memory.
+Hand-offs between two chunks of the same rank stay in memory. Sends are waited at the end of the
+step, or, with ``send_wait="compute"``, before the next compute (as torch's 1F1B runtime does;
+``engine.runtime.default_send_wait`` says when).
 
 What runs on every step is only what a step needs: the compute, the transfers, and one fused
 reduction per forward output that flags a NaN/inf (``nonfinite`` guard, named by chunk; the last
@@ -21,7 +23,8 @@ peak of live activations) run only when asked (``diagnose=True``).
 
 Example (what ``engine.Pipeline.train_step`` does on each rank)::
 
-    ex = Executor(chunks, p2p, schedule, lookahead=2, split=split, node_split=None)
+    ex = Executor(chunks, p2p, schedule, lookahead=2, split=split, node_split=None,
+                  send_wait="step")
     stats = ex.run(program, x_mbs, y_mbs, optimizer, train=True, diagnose=False)
 """
 from __future__ import annotations
@@ -74,9 +77,10 @@ class Executor:
     """One rank's program runner; keeps nothing between steps but its configuration."""
 
     def __init__(self, chunks: dict[int, Chunk], p2p: P2P, schedule: Any, *, lookahead: int,
-                 split: set[tuple[int, int]], node_split: bool | None):
+                 split: set[tuple[int, int]], node_split: bool | None, send_wait: str = "step"):
         self.chunks, self.p2p, self.schedule = chunks, p2p, schedule
         self.lookahead, self.split, self.node_split = lookahead, split, node_split
+        self.wait_before_compute = send_wait == "compute"
         self.rank = p2p.mesh.pipeline_rank
         self.last = schedule.num_chunks - 1
 
@@ -149,6 +153,8 @@ class _Step:
         compute = it.kind in _COMPUTE
         if compute:
             self.ex.p2p.flush()  # the transfers before this compute leave now, back to back
+            if self.ex.wait_before_compute:
+                self.ex.p2p.wait_sends()  # see engine.runtime.default_send_wait
         op(it)
         if compute:
             self._prefetch(pos)

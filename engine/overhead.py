@@ -49,8 +49,9 @@ _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate l
 # Bump when the runtime's per-action path changes, so that cached figures are measured again
 # (2: receives posted when needed on gloo, recv_lookahead 0; 3: transfers between two computes
 # held and issued back to back; 4: no loss all-reduce, the verdict rides the messages; 5: the
-# busy per-message cost).
-_RUNTIME_VERSION = 5
+# busy per-message cost; 6: gloo's transport thread under SCHED_BATCH, sends waited before each
+# compute on 1F1B).
+_RUNTIME_VERSION = 6
 
 
 def cache_path() -> Path:
@@ -147,6 +148,9 @@ def _worker(microbatches: tuple[int, ...], steps: int, exchanges: int) -> dict[s
     import torch
     import torch.distributed as dist
 
+    from engine.transport import set_transport_threads
+
+    set_transport_threads("batch")  # as the runtime sets it on gloo, for every figure below
     link = [(n, _ping_pong(n)) for n in _SIZES]
     times: dict[int, list[float]] = {m: [] for m in microbatches}
     for _ in range(3):  # alternating rounds: one slow spell does not skew one microbatch count

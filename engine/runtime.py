@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from engine.allocator import tune_cpu_allocator
+from engine.transport import set_transport_threads
 from engine.backend import make_optimizer
 from engine.choices import check_nonfinite, check_precision, loss_scaled
 from engine.comm import P2P
@@ -29,7 +30,8 @@ from engine.optim import (NonFiniteError, OptimizerConfig, StageOptimizer,
                           check_optimizer_config, compute_dtype, weight_dtype)
 from engine.stage import Chunk, build_layers
 
-__all__ = ["Pipeline", "StepResult", "check_stage_ranges", "default_recv_lookahead"]
+__all__ = ["Pipeline", "StepResult", "check_stage_ranges", "default_recv_lookahead",
+           "default_send_wait"]
 
 
 @dataclass
@@ -107,6 +109,39 @@ def default_recv_lookahead(backend: str, schedule: Any) -> int:
     return 2 if schedule.virtual_stages > 1 and schedule.placement == "loop" else 0
 
 
+def default_send_wait(backend: str, schedule: Any, transport_threads: str | None,
+                      send_wait: str | None = None) -> str:
+    """When a rank waits for its sends: ``"compute"`` (before its next compute, as torch's 1F1B
+    runtime does) or ``"step"`` (at the end of the step). ``send_wait`` is the caller's choice,
+    checked; ``None`` picks: ``"compute"`` on gloo with its transport thread under SCHED_BATCH
+    (:mod:`engine.transport`) when the schedule allows it (:func:`engine.schedules.sends_can_block`:
+    gpipe, 1f1b, zb-h1), else ``"step"``.
+
+    Why: under SCHED_BATCH gloo's transport thread waits for a free core. A rank that computes on
+    while its send is still pending (the peer's receive was not yet known when it was issued)
+    delays its own transport thread, and so the message; waiting for the send frees the core at
+    once (overhead benchmark, paired: docs/performance.md). Under the default policy the same wait
+    was 1.2-1.3x slower, so it goes with the policy.
+
+    >>> from engine.schedules import build_schedule
+    >>> [default_send_wait("gloo", build_schedule(n, 2, 4), "batch") for n in ("1f1b", "zb-h2")]
+    ['compute', 'step']
+    """
+    from engine.schedules import sends_can_block
+
+    if send_wait is None:
+        fits = backend == "gloo" and transport_threads == "batch" and sends_can_block(schedule)
+        return "compute" if fits else "step"
+    if send_wait not in ("compute", "step"):
+        raise ValueError(f"send_wait={send_wait!r}: use 'compute' (wait each compute's sends "
+                         "before it) or 'step' (at the end of the step)")
+    if send_wait == "compute" and not sends_can_block(schedule):
+        raise ValueError(f"send_wait='compute' would deadlock {schedule.name}: a rank would "
+                         "wait for a send whose receive its peer posts only after waiting on "
+                         "this rank; use send_wait='step' (or leave it unset)")
+    return send_wait
+
+
 def _per_chunk(flag: bool | Sequence[bool], n_chunks: int) -> list[bool]:
     """``activation_checkpointing``: one bool for every chunk, or one per chunk (a plan's
     ``stage_recompute``, in chunk order)."""
@@ -177,7 +212,9 @@ class Pipeline:
     receives are posted ahead of the compute that needs them (default:
     :func:`default_recv_lookahead`, 2 on NCCL; on gloo 2 for interleaved-1f1b, else 0);
     ``max_inflight``:
-    zb-h2's bound on the microbatches a rank holds. Chunks are placed by the schedule
+    zb-h2's bound on the microbatches a rank holds. ``transport_threads``: the scheduling policy
+    of gloo's transport thread (:mod:`engine.transport`; default ``"batch"`` on gloo, untouched
+    on NCCL); ``send_wait``: when sends are waited (:func:`default_send_wait`). Chunks are placed by the schedule
     (``Schedule.rank_of``: looped, or a V for zbv, whose first and last chunks share rank 0).
     ``activation_checkpointing``: one bool for every chunk, or one per chunk (global chunk
     order, e.g. ``Plan.stage_recompute``: recompute only where memory needs it).
@@ -191,7 +228,8 @@ class Pipeline:
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
                  recv_lookahead: int | None = None, diagnose_every: int = 100, memory_every: int = 0,
-                 max_inflight: int | None = None):
+                 max_inflight: int | None = None, transport_threads: str | None = None,
+                 send_wait: str | None = None):
         from engine.schedules import lower
 
         sched = self.check_arguments(
@@ -250,8 +288,14 @@ class Pipeline:
         split = {(a.stage, a.microbatch) for a in self.program if a.kind == "I"}
         if recv_lookahead is None:
             recv_lookahead = default_recv_lookahead(self.mesh.backend, sched)
+        if transport_threads is None and self.mesh.backend == "gloo":
+            transport_threads = "batch"
+        if transport_threads is not None:  # after every group and the optimizer exist
+            set_transport_threads(transport_threads)
+        self.transport_threads = transport_threads
+        self.send_wait = default_send_wait(self.mesh.backend, sched, transport_threads, send_wait)
         self.executor = Executor(self.chunks, self.p2p, sched, lookahead=int(recv_lookahead),
-                                 split=split, node_split=node_split)
+                                 split=split, node_split=node_split, send_wait=self.send_wait)
         self.nonfinite = nonfinite
         self.diagnose_every = int(diagnose_every)
         self.memory_every = int(memory_every)

@@ -46,6 +46,7 @@ __all__ = [
     "depends_on",
     "peak_inflight",
     "message_ends",
+    "sends_can_block",
     "build_schedule",
     "validate",
     "ScheduleError",
@@ -576,6 +577,51 @@ def lower(schedule: Schedule) -> list[list[Action | Comm]]:
     ['RECV_F(1,0)<-r0', '1F0', '1B0', 'SEND_B(1,0)->r0']
     """
     return [[op for op, _ in ops] for ops in _lower_indexed(schedule)]
+
+
+def sends_can_block(schedule: Schedule) -> bool:
+    """Whether the lowered program still completes when each rank, before every compute, waits
+    for the sends it has just issued (as torch's 1F1B runtime does), with sends that complete only
+    once the peer has posted the matching receive (gloo's rendezvous).
+
+    Each rank issues the transfers held since its previous compute (its sends and the receives the
+    compute needs), waits for the sends and the receives, then computes; the sends after its last
+    compute are waited at the end. ``False`` means some rank would wait on a peer that waits on
+    it: such a schedule must leave its sends unwaited until the step ends.
+
+    >>> sends_can_block(build_schedule("1f1b", 4, 8))
+    True
+    """
+    segments = []
+    for ops in lower(schedule):
+        sends: list[tuple[str, int, int]] = []
+        recvs: list[tuple[str, int, int]] = []
+        rank_segments = []
+        for op in ops:
+            if isinstance(op, Comm):
+                (sends if op.kind.startswith("SEND") else recvs).append(op.message())
+            else:
+                rank_segments.append((sends, recvs))
+                sends, recvs = [], []
+        if sends or recvs:
+            rank_segments.append((sends, recvs))
+        segments.append(rank_segments)
+    posted: set[tuple[str, int, int]] = set()
+    issued: set[tuple[str, int, int]] = set()
+    ptr = [0] * len(segments)
+    moved = True
+    while moved:
+        moved = False
+        for r, rank_segments in enumerate(segments):
+            while ptr[r] < len(rank_segments):
+                sends, recvs = rank_segments[ptr[r]]
+                issued.update(sends)
+                posted.update(recvs)
+                if not (posted.issuperset(sends) and issued.issuperset(recvs)):
+                    break
+                ptr[r] += 1
+                moved = True
+    return all(ptr[r] == len(s) for r, s in enumerate(segments))
 
 
 # --------------------------------------------------------------------------- validation

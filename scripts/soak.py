@@ -198,7 +198,7 @@ def _kill_at(launcher, metrics: str, steps: list[int], rng, kills: list, stop) -
             recs = [r for r in _metric_lines(metrics) if "loss" in r]
             if len(recs) > seen and recs[-1]["step"] >= target:
                 break
-            stop.wait(0.2)
+            stop.wait(0.05)
         workers = _workers(launcher)
         if stop.is_set() or not workers:
             return
@@ -243,7 +243,10 @@ def restart_soak(a) -> int:
            "train.eval_every=0", "logger.progress=false", "logger.timeline=false", "logger.mode=disabled",
            f"hydra.run.dir={run_dir}", *a.override]
     rng = random.Random(a.seed)
-    kill_steps = sorted(rng.sample(range(a.every + 1, a.steps - a.every), a.kills))
+    # kills in the first two thirds: the watcher (polling metrics.jsonl) lags a few steps behind a
+    # fast run, and a kill that lands after the last step restarts nothing
+    kill_steps = sorted(rng.sample(range(a.every + 1, max(a.every + 1 + a.kills, 2 * a.steps // 3)),
+                                   a.kills))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     t0 = time.time()
     with open(os.path.join(run_dir, "soak.log"), "w") as log:

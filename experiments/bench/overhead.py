@@ -13,7 +13,10 @@ Separate runs in fresh processes swing by 30-50% between invocations on a shared
 :func:`run_paired_overhead` also times pipeshard's and torch's 1F1B **in the same processes**:
 both engines are built on every rank and run alternating blocks of steps (the order flips every
 block); the figure is the median over blocks of pipeshard's block time over torch's
-(``paired_ratio``), which a slow spell longer than a block cannot bias.
+(``paired_ratio``), which a slow spell longer than a block cannot bias. pipeshard's ``Pipeline``
+puts gloo's transport thread under SCHED_BATCH for its whole process (``engine.transport``), so
+in the paired blocks torch's runtime runs under it too: the paired ratio compares the engines under
+the same thread policy, the fresh-process rows compare them as each one ships.
 
 Example::
 

@@ -174,11 +174,13 @@ def test_dead_or_failing_rank_ends_job_fast(tmp_path, fail, cause):
 
 def test_hung_rank_is_found_by_peers_comm_timeout(tmp_path):
     # Rank 1 hangs (alive, silent) mid-step: its peers' receives time out after comm_timeout_s
-    # and the error names the rank they were waiting for.
+    # (or their sends, waited before the next compute on gloo) and the error names the rank they
+    # were waiting for.
     err, elapsed = _run_failing(tmp_path, "hang", comm_timeout_s=3.0)
     assert elapsed < LIMIT_S
     assert err.rank in (0, 2) and "CommError" in str(err), str(err)
-    assert "timed out after 3 s" in str(err) and "from rank 1" in str(err), str(err)
+    assert "timed out after 3 s" in str(err), str(err)
+    assert "from rank 1" in str(err) or "to rank 1" in str(err), str(err)
 
 
 def _collective_hang():

@@ -8,6 +8,7 @@ Several layouts share one spawned job to keep the suite fast.
 """
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -69,6 +70,7 @@ def _data(step: int):
 def _worker(cases):
     """Run each case on this rank; return per case: losses, grads per step, final params."""
     from engine import OptimizerConfig, Pipeline
+    from engine.transport import transport_threads
 
     torch.set_num_threads(1)
     out = []
@@ -83,7 +85,9 @@ def _worker(cases):
                                                   grad_bucket_mb=case.get("bucket_mb", 25.0)),
                         activation_checkpointing=case.get("ckpt", False), comm_timeout_s=30,
                         ties=TIES if case.get("tie") else (), max_inflight=case.get("cap"),
-                        recv_lookahead=case.get("lookahead"), device=case.get("device"))
+                        recv_lookahead=case.get("lookahead"), device=case.get("device"),
+                        transport_threads=case.get("transport"), send_wait=case.get("send_wait"))
+        policies = {os.sched_getscheduler(t) for t in transport_threads()}
         if case.get("batched"):  # NCCL's path (batch_isend_irecv per flush), run on gloo
             pipe.p2p.nccl = True
         losses, grads, stats = [], [], []
@@ -97,7 +101,8 @@ def _worker(cases):
         params = {f"{i}.{n}": t.detach().clone()
                   for i, ps in pipe.named_layer_parameters().items() for n, t in ps.items()}
         out.append({"losses": losses, "grads": grads, "params": params, "stats": stats,
-                    "eval": pipe.eval_step(*_data(0))})
+                    "eval": pipe.eval_step(*_data(0)), "send_wait": pipe.send_wait,
+                    "policies": policies})
     return out
 
 
@@ -167,10 +172,21 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
               dict(schedule="zbv", p=2, v=2, m=4, ckpt=[True, False, False, True])]
     # interleaved posts receives 2 ahead on gloo by default: also run it posting when needed
     cases += [dict(schedule="interleaved-1f1b", p=2, v=2, m=4, lookahead=0)]
+    # sends waited at the end of the step with gloo's default thread policy (the others on gloo
+    # wait them before each compute where the schedule allows it: engine.runtime.default_send_wait)
+    cases += [dict(schedule=s, p=2, m=4, transport="normal") for s in SCHEDS]
     # the NCCL code path (held transfers issued as batch_isend_irecv batches), on gloo
     cases += [dict(schedule=s, p=2, v=v, m=4, batched=True)
               for s, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2))]
     results = _run_and_check(2, cases)
+    waits = [(c["schedule"], c.get("transport"), results[0][k]["send_wait"])
+             for k, c in enumerate(cases)]
+    assert ("1f1b", None, "compute") in waits and ("1f1b", "normal", "step") in waits
+    assert {w for s, _, w in waits if s in ("zbv", "zb-h2", "interleaved-1f1b")} == {"step"}
+    # gloo's transport thread runs under SCHED_BATCH unless asked otherwise (engine/transport.py)
+    for k, c in enumerate(cases):
+        want = os.SCHED_OTHER if c.get("transport") == "normal" else os.SCHED_BATCH
+        assert results[0][k]["policies"] == {want}, c
     stats = results[0][0]["stats"][0]  # rank 0, gpipe, step 0
     for key in ("forward_s", "backward_s", "comm_wait_s", "comm_issue_s", "idle_s",
                 "peak_activation_bytes", "optimizer_state_bytes"):
@@ -356,3 +372,19 @@ def test_a_step_with_one_replica_needs_no_collective_and_every_rank_has_the_loss
             assert s["collectives"] == [], (rank, k, s)
             assert s["nonfinite"] is None
             assert s["loss"] == pytest.approx(ref["losses"][k], rel=RTOL, abs=ATOL), (rank, k)
+
+
+def test_default_send_wait_waits_before_compute_only_where_it_cannot_deadlock():
+    from engine.runtime import default_send_wait
+    from engine.schedules import build_schedule
+
+    one, zbv = build_schedule("1f1b", 2, 4), build_schedule("zbv", 2, 4, 2)
+    assert default_send_wait("gloo", one, "batch") == "compute"
+    assert default_send_wait("gloo", one, "normal") == "step"    # slower there (docs/performance.md)
+    assert default_send_wait("nccl", one, None) == "step"
+    assert default_send_wait("gloo", zbv, "batch") == "step"
+    assert default_send_wait("gloo", one, "normal", "compute") == "compute"   # asked for
+    with pytest.raises(ValueError, match="deadlock zbv.*send_wait='step'"):
+        default_send_wait("gloo", zbv, "batch", "compute")
+    with pytest.raises(ValueError, match="use 'compute'"):
+        default_send_wait("gloo", one, "batch", "sometimes")

@@ -17,6 +17,7 @@ from engine.schedules import (
     depends_on,
     lower,
     message_ends,
+    sends_can_block,
     peak_inflight,
     validate,
 )
@@ -345,3 +346,27 @@ def test_lower_single_rank_is_local():
     ("zbv", 3, 2, [1, 2, 1, 1, 2, 1])])
 def test_message_ends_count_the_cross_rank_cuts_of_each_chunk(name, p, v, ends):
     assert message_ends(build_schedule(name, p, 2 * p, v)) == ends
+
+
+@pytest.mark.parametrize("name,v,blocking", [
+    ("gpipe", 1, True), ("1f1b", 1, True), ("zb-h1", 1, True),
+    ("zb-h2", 1, False), ("interleaved-1f1b", 2, False), ("zbv", 2, False)])
+@pytest.mark.parametrize("p", [2, 4])
+def test_sends_can_block_only_where_every_peer_posts_its_receive_first(name, v, p, blocking):
+    assert sends_can_block(build_schedule(name, p, 2 * p, v)) is blocking
+
+
+def test_sends_can_block_finds_a_wait_cycle_that_nonblocking_sends_avoid():
+    # zb-h2, p=2, m=4: before 1W0 rank 1 would wait for SEND_B(1,2), whose receive rank 0 posts
+    # after 0I1; before 0I1 rank 0 would wait for SEND_F(0,3), whose receive rank 1 posts after
+    # 1W0. With sends left pending until the step ends, the same program completes.
+    s = build_schedule("zb-h2", 2, 4)
+    validate(s)
+    assert not sends_can_block(s)
+    # the same cycle cut: rank 1 runs its deferred W after receiving microbatch 3's input
+    acts = [list(a) for a in s.actions]
+    w0 = acts[1].index(Action("W", 1, 0))
+    acts[1].insert(acts[1].index(Action("F", 1, 3)) + 1, acts[1].pop(w0))
+    fixed = Schedule("custom", 2, 4, 1, acts)
+    validate(fixed)
+    assert sends_can_block(fixed)
