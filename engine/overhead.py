@@ -49,9 +49,9 @@ _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate l
 # Bump when the runtime's per-action path changes, so that cached figures are measured again
 # (2: receives posted when needed on gloo, recv_lookahead 0; 3: transfers between two computes
 # held and issued back to back; 4: no loss all-reduce, the verdict rides the messages; 5: the
-# busy per-message cost; 6: gloo's transport thread under SCHED_BATCH, sends waited before each
-# compute on 1F1B).
-_RUNTIME_VERSION = 6
+# busy per-message cost; 6: the per-action and per-step costs of both runtime modes, sends waited
+# at the step's end and, under SCHED_BATCH, before each compute).
+_RUNTIME_VERSION = 7
 
 
 def cache_path() -> Path:
@@ -65,7 +65,7 @@ def cache_path() -> Path:
 
 def measure_fixed_costs(*, microbatches: Sequence[int] = (8, 16, 24, 32), steps: int = 12,
                         exchanges: int = 60, use_cache: bool = True,
-                        timeout_s: float = 300.0) -> dict[str, Any]:
+                        timeout_s: float = 600.0) -> dict[str, Any]:
     """Measure (or read from the cache) the fixed costs of the runtime on two local ranks (gloo
     on CPU), one thread each. Returns a dict with the keys of ``partitioner.FixedCosts``.
     ``steps``: timed steps per microbatch count in each of three alternating rounds;
@@ -79,27 +79,38 @@ def measure_fixed_costs(*, microbatches: Sequence[int] = (8, 16, 24, 32), steps:
                      backend="gloo", local=True)  # also from rank 0 of a torchrun / Slurm job
     lat, rate = _fit_line(results[0]["link"])
     steps_s = {int(m): t for m, t in results[0]["steps"].items()}
-    # the step's growth with m from a least-squares line through every count, not two points
-    base, per_mb = _line(sorted(steps_s.items()))
-    m1, m2 = min(steps_s), max(steps_s)
-    t1, t2 = base + m1 * per_mb, base + m2 * per_mb
-    action = fit_action_cost(m1, t1, m2, t2, latency_s=lat)
-    from engine.schedules import build_schedule
-    from engine.simulate import simulate
-
-    sim = simulate(build_schedule("1f1b", 2, m2), forward_s=action, backward_s=action,
-                   comm_s=lat).step_s
+    waited = {int(m): t for m, t in results[0]["steps_send_wait"].items()}
+    action, step = _action_and_step(steps_s, lat)
+    action_w, step_w = _action_and_step(waited, lat)
     busy = [r["exchange"] for r in results]
     costs = {"action_s": action, "message_latency_s": lat, "link_bytes_per_s": rate,
-             "step_s": max(0.0, t2 - sim), "optimizer_s_per_byte": results[0]["optimizer"],
+             "step_s": step, "optimizer_s_per_byte": results[0]["optimizer"],
              "message_busy_s": max(0.0, statistics.fmean(b["busy_s"] - b["idle_s"] for b in busy)),
-             "measured": {"steps_s": steps_s, "link": results[0]["link"], "exchange": busy,
+             "action_s_send_wait": action_w, "step_s_send_wait": step_w,
+             "measured": {"steps_s": steps_s, "steps_s_send_wait": waited,
+                          "link": results[0]["link"], "exchange": busy,
                           "when": time.strftime("%Y-%m-%d %H:%M:%S")}}
     text = json.dumps(costs, indent=1)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return json.loads(text)  # the same plain-JSON form as a cached read
+
+
+def _action_and_step(steps_s: dict[int, float], latency_s: float) -> tuple[float, float]:
+    """(per action, per step) from 1F1B step times per microbatch count: the step's growth with
+    m from a least-squares line through every count (not two points), the per-step cost what the
+    simulated compute-free step leaves of the largest count's."""
+    from engine.schedules import build_schedule
+    from engine.simulate import simulate
+
+    base, per_mb = _line(sorted(steps_s.items()))
+    m1, m2 = min(steps_s), max(steps_s)
+    t1, t2 = base + m1 * per_mb, base + m2 * per_mb
+    action = fit_action_cost(m1, t1, m2, t2, latency_s=latency_s)
+    sim = simulate(build_schedule("1f1b", 2, m2), forward_s=action, backward_s=action,
+                   comm_s=latency_s).step_s
+    return action, max(0.0, t2 - sim)
 
 
 def fit_action_cost(m1: int, t1: float, m2: int, t2: float, *, latency_s: float) -> float:
@@ -150,18 +161,27 @@ def _worker(microbatches: tuple[int, ...], steps: int, exchanges: int) -> dict[s
 
     from engine.transport import set_transport_threads
 
-    set_transport_threads("batch")  # as the runtime sets it on gloo, for every figure below
+    set_transport_threads("normal")
     link = [(n, _ping_pong(n)) for n in _SIZES]
-    times: dict[int, list[float]] = {m: [] for m in microbatches}
-    for _ in range(3):  # alternating rounds: one slow spell does not skew one microbatch count
+    # the runtime's two modes (engine.runtime.default_send_wait), alternated with the counts in
+    # each round, so that one slow spell does not skew one count or one mode
+    times: dict[str, dict[int, list[float]]] = {w: {m: [] for m in microbatches} for w in _MODES}
+    for _ in range(3):
         for m in microbatches:
-            times[m] += _pipeline_steps(m, steps)
-    timed = {m: statistics.median(t) for m, t in times.items()}
+            for wait in _MODES:
+                times[wait][m] += _pipeline_steps(m, steps, wait)
+    timed = {w: {m: statistics.median(t) for m, t in ts.items()} for w, ts in times.items()}
+    set_transport_threads("normal")  # the busy cost is charged on every schedule: the general mode
     exchange = {"busy_s": _exchange_cost(exchanges, unit_s=2e-3),
                 "idle_s": _exchange_cost(exchanges, unit_s=0.0)}
     opt = _optimizer_cost() if dist.get_rank() == 0 else {}
     torch.distributed.barrier()
-    return {"link": link, "steps": timed, "optimizer": opt, "exchange": exchange}
+    return {"link": link, "steps": timed["step"], "steps_send_wait": timed["compute"],
+            "optimizer": opt, "exchange": exchange}
+
+
+# send_wait -> transport thread policy: the pairs the runtime picks (engine.runtime)
+_MODES = {"step": "normal", "compute": "batch"}
 
 
 def _exchange_cost(n: int, *, unit_s: float, blocks: int = 10, nbytes: int = 16384) -> float:
@@ -240,8 +260,10 @@ def _ping_pong(nbytes: int, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def _pipeline_steps(m: int, steps: int) -> list[float]:
-    """Step times of 1F1B on 2 ranks over near-free layers (Linear(4, 4)), after 3 warm-up steps."""
+def _pipeline_steps(m: int, steps: int, send_wait: str = "step") -> list[float]:
+    """Step times of 1F1B on 2 ranks over near-free layers (Linear(4, 4)), after 3 warm-up steps,
+    with sends waited at the end of the step or before each compute (``send_wait``, with the
+    transport thread policy the runtime pairs with it: ``_MODES``)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -250,7 +272,8 @@ def _pipeline_steps(m: int, steps: int) -> list[float]:
     from engine.runtime import Pipeline
 
     pipe = Pipeline([_tiny_layer] * 4, [(0, 2), (2, 4)], loss_fn=nn.functional.mse_loss,
-                    schedule="1f1b", microbatches=m, optimizer=OptimizerConfig(name="sgd", lr=1e-3))
+                    schedule="1f1b", microbatches=m, optimizer=OptimizerConfig(name="sgd", lr=1e-3),
+                    send_wait=send_wait, transport_threads=_MODES[send_wait])
     x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
     times = []
     for k in range(steps + 3):

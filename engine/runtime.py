@@ -31,7 +31,7 @@ from engine.optim import (NonFiniteError, OptimizerConfig, StageOptimizer,
 from engine.stage import Chunk, build_layers
 
 __all__ = ["Pipeline", "StepResult", "check_stage_ranges", "default_recv_lookahead",
-           "default_send_wait"]
+           "default_send_wait", "default_transport_threads"]
 
 
 @dataclass
@@ -113,25 +113,27 @@ def default_send_wait(backend: str, schedule: Any, transport_threads: str | None
                       send_wait: str | None = None) -> str:
     """When a rank waits for its sends: ``"compute"`` (before its next compute, as torch's 1F1B
     runtime does) or ``"step"`` (at the end of the step). ``send_wait`` is the caller's choice,
-    checked; ``None`` picks: ``"compute"`` on gloo with its transport thread under SCHED_BATCH
-    (:mod:`engine.transport`) when the schedule allows it (:func:`engine.schedules.sends_can_block`:
-    gpipe, 1f1b, zb-h1), else ``"step"``.
+    checked; ``None`` picks ``"compute"`` on gloo with its transport thread under SCHED_BATCH
+    (:mod:`engine.transport`) for the schedules of
+    :func:`engine.schedules.sends_waited_before_compute` (gpipe, 1f1b), else ``"step"``.
 
     Why: under SCHED_BATCH gloo's transport thread waits for a free core. A rank that computes on
     while its send is still pending (the peer's receive was not yet known when it was issued)
     delays its own transport thread, and so the message; waiting for the send frees the core at
     once (overhead benchmark, paired: docs/performance.md). Under the default policy the same wait
-    was 1.2-1.3x slower, so it goes with the policy.
+    was 1.2-1.3x slower, so the two go together. A zero-bubble schedule fills its bubbles with
+    weight gradients (W) while a peer has not yet posted its receive; waiting for the send there
+    gives the bubble back (zb-h1 on the issue's GPT: 16% slower), so it keeps ``"step"``.
 
     >>> from engine.schedules import build_schedule
-    >>> [default_send_wait("gloo", build_schedule(n, 2, 4), "batch") for n in ("1f1b", "zb-h2")]
+    >>> [default_send_wait("gloo", build_schedule(n, 2, 4), "batch") for n in ("1f1b", "zb-h1")]
     ['compute', 'step']
     """
-    from engine.schedules import sends_can_block
+    from engine.schedules import sends_can_block, sends_waited_before_compute
 
     if send_wait is None:
-        fits = backend == "gloo" and transport_threads == "batch" and sends_can_block(schedule)
-        return "compute" if fits else "step"
+        fits = backend == "gloo" and transport_threads == "batch"
+        return "compute" if fits and sends_waited_before_compute(schedule) else "step"
     if send_wait not in ("compute", "step"):
         raise ValueError(f"send_wait={send_wait!r}: use 'compute' (wait each compute's sends "
                          "before it) or 'step' (at the end of the step)")
@@ -140,6 +142,26 @@ def default_send_wait(backend: str, schedule: Any, transport_threads: str | None
                          "wait for a send whose receive its peer posts only after waiting on "
                          "this rank; use send_wait='step' (or leave it unset)")
     return send_wait
+
+
+def default_transport_threads(backend: str, schedule: Any) -> str | None:
+    """The policy the runtime gives gloo's transport thread when ``transport_threads`` is not
+    given: on gloo ``"batch"`` for the schedules whose sends it waits before each compute
+    (:func:`engine.schedules.sends_waited_before_compute`), else ``"normal"`` (the kernel's
+    default, set again in case an earlier pipeline of the process changed it); ``None`` (left as
+    it is) on NCCL. On the other schedules, with sends left pending while the rank computes,
+    SCHED_BATCH delayed them (the equal-layer MLP's interleaved, zb-h2 and zbv 7-12% slower in one
+    five-round run).
+
+    >>> from engine.schedules import build_schedule
+    >>> [default_transport_threads("gloo", build_schedule(n, 2, 4)) for n in ("1f1b", "zb-h2")]
+    ['batch', 'normal']
+    """
+    from engine.schedules import sends_waited_before_compute
+
+    if backend != "gloo":
+        return None
+    return "batch" if sends_waited_before_compute(schedule) else "normal"
 
 
 def _per_chunk(flag: bool | Sequence[bool], n_chunks: int) -> list[bool]:
@@ -213,8 +235,9 @@ class Pipeline:
     :func:`default_recv_lookahead`, 2 on NCCL; on gloo 2 for interleaved-1f1b, else 0);
     ``max_inflight``:
     zb-h2's bound on the microbatches a rank holds. ``transport_threads``: the scheduling policy
-    of gloo's transport thread (:mod:`engine.transport`; default ``"batch"`` on gloo, untouched
-    on NCCL); ``send_wait``: when sends are waited (:func:`default_send_wait`). Chunks are placed by the schedule
+    of gloo's transport thread (:mod:`engine.transport`; default: :func:`default_transport_threads`,
+    ``"batch"`` on gloo for gpipe and 1f1b, else ``"normal"``); ``send_wait``: when sends are waited
+    (:func:`default_send_wait`). Chunks are placed by the schedule
     (``Schedule.rank_of``: looped, or a V for zbv, whose first and last chunks share rank 0).
     ``activation_checkpointing``: one bool for every chunk, or one per chunk (global chunk
     order, e.g. ``Plan.stage_recompute``: recompute only where memory needs it).
@@ -288,8 +311,8 @@ class Pipeline:
         split = {(a.stage, a.microbatch) for a in self.program if a.kind == "I"}
         if recv_lookahead is None:
             recv_lookahead = default_recv_lookahead(self.mesh.backend, sched)
-        if transport_threads is None and self.mesh.backend == "gloo":
-            transport_threads = "batch"
+        if transport_threads is None:
+            transport_threads = default_transport_threads(self.mesh.backend, sched)
         if transport_threads is not None:  # after every group and the optimizer exist
             set_transport_threads(transport_threads)
         self.transport_threads = transport_threads

@@ -47,6 +47,7 @@ __all__ = [
     "peak_inflight",
     "message_ends",
     "sends_can_block",
+    "sends_waited_before_compute",
     "build_schedule",
     "validate",
     "ScheduleError",
@@ -622,6 +623,19 @@ def sends_can_block(schedule: Schedule) -> bool:
                 ptr[r] += 1
                 moved = True
     return all(ptr[r] == len(s) for r, s in enumerate(segments))
+
+
+def sends_waited_before_compute(schedule: Schedule) -> bool:
+    """Whether pipeshard's gloo runtime has each rank wait for its sends before its next compute,
+    with gloo's transport thread under SCHED_BATCH (``engine.runtime.default_send_wait``): for a
+    schedule without split backwards (a blocking send would give back the bubble a W fills) that
+    :func:`sends_can_block` allows. The planner charges this mode's measured fixed costs to it.
+
+    >>> [sends_waited_before_compute(build_schedule(n, 2, 4)) for n in ("1f1b", "zb-h1")]
+    [True, False]
+    """
+    split = any(a.kind in ("I", "W") for acts in schedule.actions for a in acts)
+    return not split and sends_can_block(schedule)
 
 
 # --------------------------------------------------------------------------- validation

@@ -167,7 +167,11 @@ class FixedCosts:
     - ``optimizer_s_per_byte``: seconds per parameter byte of the update, per optimizer name;
     - ``message_busy_s``: per message end (a send issued, a receive posted), what the call costs
       its rank beyond ``action_s`` when the ranks are computing (measured with compute running,
-      not on the compute-free model).
+      not on the compute-free model);
+    - ``action_s_send_wait`` / ``step_s_send_wait``: ``action_s`` and ``step_s`` for the
+      schedules whose sends the gloo runtime waits before each compute, with its transport thread
+      under SCHED_BATCH (``engine.schedules.sends_waited_before_compute``: gpipe, 1f1b); None:
+      the same as the others (:meth:`runtime_costs`).
 
     >>> FixedCosts(action_s=2e-4, optimizer_s_per_byte={"sgd": 3e-10}).optimizer_s("sgd", 4e6)
     0.0012
@@ -179,6 +183,21 @@ class FixedCosts:
     step_s: float = 0.0
     optimizer_s_per_byte: dict[str, float] = field(default_factory=dict)
     message_busy_s: float = 0.0
+    action_s_send_wait: float | None = None
+    step_s_send_wait: float | None = None
+
+    def runtime_costs(self, sends_waited: bool) -> tuple[float, float]:
+        """(per action, per step) for a schedule whose sends are waited before each compute
+        (``sends_waited``) or at the end of the step.
+
+        >>> FixedCosts(action_s=3e-4, step_s=2e-3, action_s_send_wait=1e-4).runtime_costs(True)
+        (0.0001, 0.002)
+        """
+        if not sends_waited:
+            return self.action_s, self.step_s
+        action = self.action_s if self.action_s_send_wait is None else self.action_s_send_wait
+        step = self.step_s if self.step_s_send_wait is None else self.step_s_send_wait
+        return action, step
 
     def optimizer_s(self, optimizer: str, param_bytes: float) -> float:
         """Seconds of one ``optimizer`` update of ``param_bytes`` bytes of parameters."""

@@ -37,7 +37,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from engine.footprint import GRAD_BUCKET_MB
-from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks
+from engine.schedules import (SCHEDULE_INFO, build_schedule, chunk_ranks,
+                              sends_waited_before_compute)
 
 from .costs import FixedCosts, Profile
 from .memory import (BREAKDOWN_KEYS, SCHEDULES, MemorySettings, held_and_pending, inflight_from_schedule,
@@ -596,8 +597,10 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
     shard = settings["data_parallel"] if settings["zero_stage"] >= 1 else 1
     param_c = [float(prob.param[a:e].sum()) / shard for a, e in bounds]
     per_rank = [float(x) for x in rank_totals(param_c, prob.schedule, prob.p, prob.v)]
-    return {"action_s": fixed.action_s, "message_busy_s": fixed.message_busy_s,
-            "step_fixed_s": fixed.step_s,
+    sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
+    action, step = fixed.runtime_costs(sends_waited_before_compute(sched))
+    return {"action_s": action, "message_busy_s": fixed.message_busy_s,
+            "step_fixed_s": step,
             "rank_optimizer_s": [fixed.optimizer_s(settings["optimizer"], x) for x in per_rank]}
 
 

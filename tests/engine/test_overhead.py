@@ -31,6 +31,8 @@ def test_measure_fixed_costs_runs_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPESHARD_CACHE_DIR", str(tmp_path))
     costs = measure_fixed_costs(microbatches=(4, 8), steps=3, exchanges=4)
     assert costs["action_s"] > 0 and costs["link_bytes_per_s"] > 0
+    assert costs["action_s_send_wait"] > 0 and costs["step_s_send_wait"] >= 0   # the other mode
+    assert set(costs["measured"]["steps_s_send_wait"]) == set(costs["measured"]["steps_s"])
     assert costs["message_busy_s"] >= 0 and len(costs["measured"]["exchange"]) == 2   # both ranks
     assert all(math.isfinite(e["busy_s"]) and e["idle_s"] > 0 for e in costs["measured"]["exchange"])
     assert set(costs["optimizer_s_per_byte"]) == {"sgd", "adam", "adamw"}

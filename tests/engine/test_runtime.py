@@ -175,6 +175,7 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     # sends waited at the end of the step with gloo's default thread policy (the others on gloo
     # wait them before each compute where the schedule allows it: engine.runtime.default_send_wait)
     cases += [dict(schedule=s, p=2, m=4, transport="normal") for s in SCHEDS]
+    cases += [dict(schedule="zb-h1", p=2, m=4, send_wait="compute")]   # allowed, not the default
     # the NCCL code path (held transfers issued as batch_isend_irecv batches), on gloo
     cases += [dict(schedule=s, p=2, v=v, m=4, batched=True)
               for s, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2))]
@@ -182,10 +183,13 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     waits = [(c["schedule"], c.get("transport"), results[0][k]["send_wait"])
              for k, c in enumerate(cases)]
     assert ("1f1b", None, "compute") in waits and ("1f1b", "normal", "step") in waits
+    assert ("zb-h1", None, "step") in waits and ("zb-h1", None, "compute") in waits
     assert {w for s, _, w in waits if s in ("zbv", "zb-h2", "interleaved-1f1b")} == {"step"}
-    # gloo's transport thread runs under SCHED_BATCH unless asked otherwise (engine/transport.py)
+    # gloo's transport thread runs under SCHED_BATCH where sends are waited before each compute
+    # (engine/transport.py, engine.runtime.default_transport_threads), else the kernel's default
     for k, c in enumerate(cases):
-        want = os.SCHED_OTHER if c.get("transport") == "normal" else os.SCHED_BATCH
+        batch = results[0][k]["send_wait"] == "compute" and c.get("send_wait") is None
+        want = os.SCHED_BATCH if batch else os.SCHED_OTHER
         assert results[0][k]["policies"] == {want}, c
     stats = results[0][0]["stats"][0]  # rank 0, gpipe, step 0
     for key in ("forward_s", "backward_s", "comm_wait_s", "comm_issue_s", "idle_s",
@@ -380,6 +384,15 @@ def test_default_send_wait_waits_before_compute_only_where_it_cannot_deadlock():
 
     one, zbv = build_schedule("1f1b", 2, 4), build_schedule("zbv", 2, 4, 2)
     assert default_send_wait("gloo", one, "batch") == "compute"
+    assert default_send_wait("gloo", build_schedule("gpipe", 2, 4), "batch") == "compute"
+    # zb-h1 allows it, but a blocking send gives back the bubble its W fills: not by default
+    zb1 = build_schedule("zb-h1", 2, 4)
+    assert default_send_wait("gloo", zb1, "batch") == "step"
+    assert default_send_wait("gloo", zb1, "batch", "compute") == "compute"
+    from engine.runtime import default_transport_threads
+    assert [default_transport_threads("gloo", x) for x in (one, zb1, zbv)] == ["batch", "normal",
+                                                                              "normal"]
+    assert default_transport_threads("nccl", one) is None
     assert default_send_wait("gloo", one, "normal") == "step"    # slower there (docs/performance.md)
     assert default_send_wait("nccl", one, None) == "step"
     assert default_send_wait("gloo", zbv, "batch") == "step"

@@ -48,6 +48,20 @@ def test_prediction_charges_each_action_message_and_the_step(schedule):
     assert "fixed costs" in plan.predicted_by
 
 
+@pytest.mark.parametrize("schedule,waited", [("1f1b", True), ("gpipe", True), ("zb-h1", False),
+                                             ("zb-h2", False)])
+def test_each_schedule_is_charged_the_fixed_costs_of_its_runtime_mode(schedule, waited):
+    """gpipe and 1f1b run with sends waited before each compute (engine.schedules.
+    sends_waited_before_compute), the others with sends waited at the step's end: each gets the
+    per-action and per-step cost measured in its own mode."""
+    two = FixedCosts(action_s=2e-4, step_s=3e-3, action_s_send_wait=5e-5, step_s_send_wait=1e-3,
+                     message_latency_s=5e-5, link_bytes_per_s=1e9)
+    plan = partition(Profile([LAYER] * 4, fixed=two), 2, schedule=schedule, microbatches=4,
+                     optimizer="sgd")
+    assert (plan.action_s, plan.step_fixed_s) == ((5e-5, 1e-3) if waited else (2e-4, 3e-3))
+    assert FixedCosts(action_s=2e-4, step_s=3e-3).runtime_costs(True) == (2e-4, 3e-3)  # one mode
+
+
 def test_fixed_costs_without_the_busy_message_cost_read_as_zero():
     assert FixedCosts.from_dict({"action_s": 1e-4}).message_busy_s == 0.0
 
