@@ -161,15 +161,20 @@ def _worker(microbatches: tuple[int, ...], steps: int, exchanges: int) -> dict[s
 
     from engine.transport import set_transport_threads
 
-    set_transport_threads("normal")
-    link = [(n, _ping_pong(n)) for n in _SIZES]
-    # the runtime's two modes (engine.runtime.default_send_wait), alternated with the counts in
-    # each round, so that one slow spell does not skew one count or one mode
+    # the link and the runtime's two modes (engine.runtime.default_send_wait), alternated with
+    # the counts in three rounds, so that one slow spell does not skew one figure (one link
+    # measurement once read 1 ms for 64 KiB where the others read 0.1 ms, which left no per-action
+    # cost to fit)
+    pings: dict[int, list[float]] = {n: [] for n in _SIZES}
     times: dict[str, dict[int, list[float]]] = {w: {m: [] for m in microbatches} for w in _MODES}
     for _ in range(3):
+        set_transport_threads("normal")
+        for n in _SIZES:
+            pings[n].append(_ping_pong(n))
         for m in microbatches:
             for wait in _MODES:
                 times[wait][m] += _pipeline_steps(m, steps, wait)
+    link = [(n, statistics.median(t)) for n, t in pings.items()]
     timed = {w: {m: statistics.median(t) for m, t in ts.items()} for w, ts in times.items()}
     set_transport_threads("normal")  # the busy cost is charged on every schedule: the general mode
     exchange = {"busy_s": _exchange_cost(exchanges, unit_s=2e-3),
