@@ -49,8 +49,9 @@ _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate l
 # Bump when the runtime's per-action path changes, so that cached figures are measured again
 # (2: receives posted when needed on gloo, recv_lookahead 0; 3: transfers between two computes
 # held and issued back to back; 4: no loss all-reduce, the verdict rides the messages; 5: the
-# busy per-message cost; 6: the per-action and per-step costs of both runtime modes, sends waited
-# at the step's end and, under SCHED_BATCH, before each compute).
+# busy per-message cost; 6: gloo's transport thread under SCHED_BATCH; 7: the per-action and
+# per-step costs of both runtime modes, sends waited at the step's end and, under SCHED_BATCH,
+# before each compute).
 _RUNTIME_VERSION = 7
 
 

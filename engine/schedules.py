@@ -634,7 +634,7 @@ def sends_waited_before_compute(schedule: Schedule) -> bool:
     >>> [sends_waited_before_compute(build_schedule(n, 2, 4)) for n in ("1f1b", "zb-h1")]
     [True, False]
     """
-    split = any(a.kind in ("I", "W") for acts in schedule.actions for a in acts)
+    split = "I" in schedule.backward_kind.values()   # a valid schedule's W comes with its I
     return not split and sends_can_block(schedule)
 
 
