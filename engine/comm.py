@@ -41,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -180,6 +181,7 @@ class P2P:
         self.device = device or torch.device("cpu")
         self.nccl = mesh.backend == "nccl"
         self._sends: list[tuple[Any, Any, tuple[str, int, int, int]]] = []
+        self._sends_done = 0  # self._sends[:_sends_done] are known complete
         self._pending_ops: list[Any] = []
         self.hold = False  # gloo: queue operations until flush (NCCL always queues)
         self.wait_s = 0.0
@@ -356,10 +358,22 @@ class P2P:
                     "comm_timeout_s if a stage is legitimately this slow.")
         return f"{me} failed while waiting for {target}: {exc}"
 
+    def yield_to_sends(self) -> None:
+        """Give up this thread's core once if a send of this step is still in flight (issued
+        before its receive was known, the data leaves from gloo's transport thread, which under
+        SCHED_BATCH waits for a free core: ``engine.runtime.default_send_wait``). Never blocks."""
+        self.flush()
+        done = self._sends_done
+        while done < len(self._sends) and self._sends[done][0].is_completed():
+            done += 1
+        self._sends_done = done
+        if done < len(self._sends):
+            os.sched_yield()
+
     def wait_sends(self) -> None:
         """Wait for every send of this step (bounded by the timeout)."""
         self.flush()
-        sends, self._sends = self._sends, []
+        sends, self._sends, self._sends_done = self._sends, [], 0
         for work, _tensor, what in sends:
             self._wait(work, None, self._send_what(what) + " to complete")
 

@@ -7,8 +7,9 @@ together just before the next compute (``P2P.hold``): on NCCL they form one batc
 and the receive after it leave microseconds apart, so the peer's transport thread wakes once for
 both (posted one by one, with Python between them, it woke twice; docs/performance.md).
 Hand-offs between two chunks of the same rank stay in memory. Sends are waited at the end of the
-step, or, with ``send_wait="compute"``, before the next compute (as torch's 1F1B runtime does;
-``engine.runtime.default_send_wait`` says when).
+step, or, with ``send_wait="compute"``, before the next compute (as torch's 1F1B runtime does);
+with ``send_wait="yield"`` the rank gives up its core once before a compute while a send is still
+in flight (``engine.runtime.default_send_wait`` says which, when).
 
 What runs on every step is only what a step needs: the compute, the transfers, and one fused
 reduction per forward output that flags a NaN/inf (``nonfinite`` guard, named by chunk; the last
@@ -81,6 +82,7 @@ class Executor:
         self.chunks, self.p2p, self.schedule = chunks, p2p, schedule
         self.lookahead, self.split, self.node_split = lookahead, split, node_split
         self.wait_before_compute = send_wait == "compute"
+        self.yield_before_compute = send_wait == "yield"
         self.rank = p2p.mesh.pipeline_rank
         self.last = schedule.num_chunks - 1
 
@@ -153,8 +155,10 @@ class _Step:
         compute = it.kind in _COMPUTE
         if compute:
             self.ex.p2p.flush()  # the transfers before this compute leave now, back to back
-            if self.ex.wait_before_compute:
-                self.ex.p2p.wait_sends()  # see engine.runtime.default_send_wait
+            if self.ex.wait_before_compute:  # see engine.runtime.default_send_wait
+                self.ex.p2p.wait_sends()
+            elif self.ex.yield_before_compute:
+                self.ex.p2p.yield_to_sends()
         op(it)
         if compute:
             self._prefetch(pos)

@@ -9,20 +9,24 @@ almost nothing, and charged by the partitioner (``partitioner.FixedCosts``):
 - ``action_s``: what each compute action (F, B, I, W) costs beyond its compute: the executor's
   dispatch, posting receives and sends, bookkeeping. Fitted so that the simulator, charging
   ``action_s`` per action and the measured latency per message, reproduces the growth of the
-  measured 1F1B step with the microbatch count (a least-squares line through four counts, each
+  measured step with the microbatch count (a least-squares line through four counts, each
   the median of three alternating rounds: on a shared CPU one count measured once moved the fit
-  by 2x);
-- ``step_s``: what a step costs beyond its actions (zero_grad, reading the step's verdict, an empty
-  optimizer step), the measured step minus the simulated one;
+  by 2x). Once per mode of the runtime (``engine.schedules.send_mode``), on a schedule that runs
+  in it: ``action_s`` for sends waited at the step's end (1F1B forced into it; the zero-bubble
+  schedules run so), ``action_s_send_wait`` for sends waited before each compute (1F1B),
+  ``action_s_yield`` for a yield to sends in flight (interleaved 1F1B, 2 chunks per rank);
+- ``step_s`` (and ``step_s_send_wait``, ``step_s_yield``): what a step costs beyond its actions
+  (zero_grad, reading the step's verdict, an empty optimizer step), the measured step minus the
+  simulated one;
 - ``message_busy_s``: what each message end (a send issued, a receive posted) costs a rank *on
   top of* the above when both ranks are computing, as they are in a pipeline's steady state. On
   a CPU the call then competes with the compute of both ranks for the cores (the connection's
   lock, the transport threads it wakes), and takes several times its cost on idle ranks. Measured
   directly, not fitted: both ranks run the same loop of compute units (a matmul of about 2 ms)
   with and without an exchange (one send and one receive) under way during each unit, in
-  alternating blocks;
-  the extra time per message end, less the same figure with no compute (the idle cost, already
-  inside ``action_s``);
+  alternating blocks; the extra time per message end, less the same figure with no compute (the
+  idle cost, already inside ``action_s``); the median of three rounds (one reading alone varied
+  from 44 to 136 us);
 - ``optimizer_s_per_byte``: seconds per parameter byte of each optimizer's update
   (``sgd`` with momentum, ``adam``, ``adamw``), timed on this process's CPU or device.
 
@@ -51,8 +55,9 @@ _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate l
 # held and issued back to back; 4: no loss all-reduce, the verdict rides the messages; 5: the
 # busy per-message cost; 6: gloo's transport thread under SCHED_BATCH; 7: the per-action and
 # per-step costs of both runtime modes, sends waited at the step's end and, under SCHED_BATCH,
-# before each compute).
-_RUNTIME_VERSION = 7
+# before each compute; 8: a third mode, yielding to sends in flight, measured on
+# interleaved-1f1b; one layer per chunk).
+_RUNTIME_VERSION = 8
 
 
 def cache_path() -> Path:
@@ -79,16 +84,16 @@ def measure_fixed_costs(*, microbatches: Sequence[int] = (8, 16, 24, 32), steps:
     results = launch(_worker, 2, tuple(microbatches), steps, exchanges, timeout_s=timeout_s,
                      backend="gloo", local=True)  # also from rank 0 of a torchrun / Slurm job
     lat, rate = _fit_line(results[0]["link"])
-    steps_s = {int(m): t for m, t in results[0]["steps"].items()}
-    waited = {int(m): t for m, t in results[0]["steps_send_wait"].items()}
-    action, step = _action_and_step(steps_s, lat)
-    action_w, step_w = _action_and_step(waited, lat)
+    steps_s = {mode: {int(m): t for m, t in ts.items()} for mode, ts in results[0]["steps"].items()}
+    fitted = {mode: _action_and_step(ts, lat, *_MODES[mode][:2]) for mode, ts in steps_s.items()}
     busy = [r["exchange"] for r in results]
-    costs = {"action_s": action, "message_latency_s": lat, "link_bytes_per_s": rate,
-             "step_s": step, "optimizer_s_per_byte": results[0]["optimizer"],
+    costs = {"action_s": fitted["step"][0], "message_latency_s": lat, "link_bytes_per_s": rate,
+             "step_s": fitted["step"][1], "optimizer_s_per_byte": results[0]["optimizer"],
              "message_busy_s": max(0.0, statistics.fmean(b["busy_s"] - b["idle_s"] for b in busy)),
-             "action_s_send_wait": action_w, "step_s_send_wait": step_w,
-             "measured": {"steps_s": steps_s, "steps_s_send_wait": waited,
+             "action_s_send_wait": fitted["compute"][0], "step_s_send_wait": fitted["compute"][1],
+             "action_s_yield": fitted["yield"][0], "step_s_yield": fitted["yield"][1],
+             "measured": {"steps_s": steps_s["step"], "steps_s_send_wait": steps_s["compute"],
+                          "steps_s_yield": steps_s["yield"],
                           "link": results[0]["link"], "exchange": busy,
                           "when": time.strftime("%Y-%m-%d %H:%M:%S")}}
     text = json.dumps(costs, indent=1)
@@ -98,30 +103,34 @@ def measure_fixed_costs(*, microbatches: Sequence[int] = (8, 16, 24, 32), steps:
     return json.loads(text)  # the same plain-JSON form as a cached read
 
 
-def _action_and_step(steps_s: dict[int, float], latency_s: float) -> tuple[float, float]:
-    """(per action, per step) from 1F1B step times per microbatch count: the step's growth with
-    m from a least-squares line through every count (not two points), the per-step cost what the
-    simulated compute-free step leaves of the largest count's."""
+def _action_and_step(steps_s: dict[int, float], latency_s: float, schedule: str = "1f1b",
+                     virtual_stages: int = 1) -> tuple[float, float]:
+    """(per action, per step) from ``schedule``'s step times per microbatch count: the step's
+    growth with m from a least-squares line through every count (not two points), the per-step
+    cost what the simulated compute-free step leaves of the largest count's."""
     from engine.schedules import build_schedule
     from engine.simulate import simulate
 
     base, per_mb = _line(sorted(steps_s.items()))
     m1, m2 = min(steps_s), max(steps_s)
     t1, t2 = base + m1 * per_mb, base + m2 * per_mb
-    action = fit_action_cost(m1, t1, m2, t2, latency_s=latency_s)
-    sim = simulate(build_schedule("1f1b", 2, m2), forward_s=action, backward_s=action,
-                   comm_s=latency_s).step_s
+    action = fit_action_cost(m1, t1, m2, t2, latency_s=latency_s, schedule=schedule,
+                             virtual_stages=virtual_stages)
+    sim = simulate(build_schedule(schedule, 2, m2, virtual_stages), forward_s=action,
+                   backward_s=action, comm_s=latency_s).step_s
     return action, max(0.0, t2 - sim)
 
 
-def fit_action_cost(m1: int, t1: float, m2: int, t2: float, *, latency_s: float) -> float:
-    """The per-action cost ``a`` for which the simulated compute-free 1F1B step on 2 ranks grows
-    from ``m1`` to ``m2`` microbatches as the measured one did (``t2 - t1``); bisection, since
-    the simulated growth rises with ``a``."""
+def fit_action_cost(m1: int, t1: float, m2: int, t2: float, *, latency_s: float,
+                    schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+    """The per-action cost ``a`` for which the simulated compute-free ``schedule`` step on 2
+    ranks grows from ``m1`` to ``m2`` microbatches as the measured one did (``t2 - t1``);
+    bisection, since the simulated growth rises with ``a``."""
     from engine.schedules import build_schedule
     from engine.simulate import simulate
 
-    s1, s2 = build_schedule("1f1b", 2, m1), build_schedule("1f1b", 2, m2)
+    s1 = build_schedule(schedule, 2, m1, virtual_stages)
+    s2 = build_schedule(schedule, 2, m2, virtual_stages)
 
     def growth(a: float) -> float:
         return (simulate(s2, forward_s=a, backward_s=a, comm_s=latency_s).step_s
@@ -162,32 +171,35 @@ def _worker(microbatches: tuple[int, ...], steps: int, exchanges: int) -> dict[s
 
     from engine.transport import set_transport_threads
 
-    # the link and the runtime's two modes (engine.runtime.default_send_wait), alternated with
-    # the counts in three rounds, so that one slow spell does not skew one figure (one link
-    # measurement once read 1 ms for 64 KiB where the others read 0.1 ms, which left no per-action
-    # cost to fit)
+    # the link, the busy per-message cost and the runtime's modes (engine.schedules.send_mode),
+    # alternated with the counts in three rounds, medians kept, so that one slow spell does not
+    # skew one figure (one link measurement once read 1 ms for 64 KiB where the others read
+    # 0.1 ms, which left no per-action cost to fit)
     pings: dict[int, list[float]] = {n: [] for n in _SIZES}
     times: dict[str, dict[int, list[float]]] = {w: {m: [] for m in microbatches} for w in _MODES}
+    busy: dict[str, list[float]] = {"busy_s": [], "idle_s": []}
     for _ in range(3):
-        set_transport_threads("normal")
+        set_transport_threads("normal")  # the busy cost is charged on every schedule
         for n in _SIZES:
             pings[n].append(_ping_pong(n))
+        busy["busy_s"].append(_exchange_cost(exchanges, unit_s=2e-3))  # read 44-136 us once each
+        busy["idle_s"].append(_exchange_cost(exchanges, unit_s=0.0))
         for m in microbatches:
             for wait in _MODES:
                 times[wait][m] += _pipeline_steps(m, steps, wait)
     link = [(n, statistics.median(t)) for n, t in pings.items()]
     timed = {w: {m: statistics.median(t) for m, t in ts.items()} for w, ts in times.items()}
-    set_transport_threads("normal")  # the busy cost is charged on every schedule: the general mode
-    exchange = {"busy_s": _exchange_cost(exchanges, unit_s=2e-3),
-                "idle_s": _exchange_cost(exchanges, unit_s=0.0)}
+    exchange = {k: statistics.median(v) for k, v in busy.items()}
     opt = _optimizer_cost() if dist.get_rank() == 0 else {}
     torch.distributed.barrier()
-    return {"link": link, "steps": timed["step"], "steps_send_wait": timed["compute"],
-            "optimizer": opt, "exchange": exchange}
+    return {"link": link, "steps": timed, "optimizer": opt, "exchange": exchange}
 
 
-# send_wait -> transport thread policy: the pairs the runtime picks (engine.runtime)
-_MODES = {"step": "normal", "compute": "batch"}
+# send_wait -> (schedule measured, chunks per rank, transport thread policy): each mode of the
+# runtime (engine.schedules.send_mode) measured on a schedule it runs, with the thread policy the
+# runtime pairs with it; "step" on 1f1b, which the runtime itself never runs in that mode
+_MODES = {"step": ("1f1b", 1, "normal"), "compute": ("1f1b", 1, "batch"),
+          "yield": ("interleaved-1f1b", 2, "batch")}
 
 
 def _exchange_cost(n: int, *, unit_s: float, blocks: int = 10, nbytes: int = 16384) -> float:
@@ -267,9 +279,9 @@ def _ping_pong(nbytes: int, repeats: int = 30) -> float:
 
 
 def _pipeline_steps(m: int, steps: int, send_wait: str = "step") -> list[float]:
-    """Step times of 1F1B on 2 ranks over near-free layers (Linear(4, 4)), after 3 warm-up steps,
-    with sends waited at the end of the step or before each compute (``send_wait``, with the
-    transport thread policy the runtime pairs with it: ``_MODES``)."""
+    """Step times on 2 ranks over near-free layers (Linear(4, 4), one per chunk), after 3 warm-up
+    steps, of the runtime mode ``send_wait`` on the schedule and with the transport thread policy
+    of ``_MODES``."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -277,9 +289,11 @@ def _pipeline_steps(m: int, steps: int, send_wait: str = "step") -> list[float]:
     from engine.optim import OptimizerConfig
     from engine.runtime import Pipeline
 
-    pipe = Pipeline([_tiny_layer] * 4, [(0, 2), (2, 4)], loss_fn=nn.functional.mse_loss,
-                    schedule="1f1b", microbatches=m, optimizer=OptimizerConfig(name="sgd", lr=1e-3),
-                    send_wait=send_wait, transport_threads=_MODES[send_wait])
+    schedule, v, threads = _MODES[send_wait]
+    pipe = Pipeline([_tiny_layer] * (2 * v), [(k, k + 1) for k in range(2 * v)],
+                    loss_fn=nn.functional.mse_loss, schedule=schedule, microbatches=m,
+                    virtual_stages=v, optimizer=OptimizerConfig(name="sgd", lr=1e-3),
+                    send_wait=send_wait, transport_threads=threads)
     x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
     times = []
     for k in range(steps + 3):

@@ -111,57 +111,64 @@ def default_recv_lookahead(backend: str, schedule: Any) -> int:
 
 def default_send_wait(backend: str, schedule: Any, transport_threads: str | None,
                       send_wait: str | None = None) -> str:
-    """When a rank waits for its sends: ``"compute"`` (before its next compute, as torch's 1F1B
-    runtime does) or ``"step"`` (at the end of the step). ``send_wait`` is the caller's choice,
-    checked; ``None`` picks ``"compute"`` on gloo with its transport thread under SCHED_BATCH
-    (:mod:`engine.transport`) for the schedules of
-    :func:`engine.schedules.sends_waited_before_compute` (gpipe, 1f1b), else ``"step"``.
+    """What a rank does about its sends before each compute: ``"compute"`` waits for them (as
+    torch's 1F1B runtime does), ``"yield"`` gives up its core once while one is in flight, and
+    ``"step"`` does neither; all are waited at the end of the step. ``send_wait`` is the caller's
+    choice, checked; ``None`` picks, on gloo with its transport thread under SCHED_BATCH
+    (:mod:`engine.transport`), the schedule's :func:`engine.schedules.send_mode` (``"compute"``
+    for gpipe and 1f1b, ``"yield"`` for interleaved-1f1b), else ``"step"``.
 
     Why: under SCHED_BATCH gloo's transport thread waits for a free core. A rank that computes on
     while its send is still pending (the peer's receive was not yet known when it was issued)
     delays its own transport thread, and so the message; waiting for the send frees the core at
     once (overhead benchmark, paired: docs/performance.md). Under the default policy the same wait
-    was 1.2-1.3x slower, so the two go together. A zero-bubble schedule fills its bubbles with
-    weight gradients (W) while a peer has not yet posted its receive; waiting for the send there
-    gives the bubble back (zb-h1 on the issue's GPT: 16% slower), so it keeps ``"step"``.
+    was 1.2-1.3x slower, so the two go together. interleaved-1f1b cannot wait (its peers post some
+    receives only after waiting on this rank: :func:`engine.schedules.sends_can_block`), and
+    waiting where it could was 8% slower (receives posted ahead mostly take the data at once);
+    one yield lets a transport thread that is ready move the rest (equal-layer MLP, paired: 0.91
+    of the default policy's step). A zero-bubble schedule fills its bubbles with weight gradients
+    (W) while a peer has not yet posted its receive; waiting there gives the bubble back (zb-h1 on
+    the issue's GPT: 16% slower) and yielding was 5-8% slower, so it keeps ``"step"``.
 
     >>> from engine.schedules import build_schedule
-    >>> [default_send_wait("gloo", build_schedule(n, 2, 4), "batch") for n in ("1f1b", "zb-h1")]
-    ['compute', 'step']
+    >>> [default_send_wait("gloo", build_schedule(n, 2, 4, v), "batch")
+    ...  for n, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))]
+    ['compute', 'yield', 'step']
     """
-    from engine.schedules import sends_can_block, sends_waited_before_compute
+    from engine.schedules import send_mode, sends_can_block
 
     if send_wait is None:
         fits = backend == "gloo" and transport_threads == "batch"
-        return "compute" if fits and sends_waited_before_compute(schedule) else "step"
-    if send_wait not in ("compute", "step"):
+        return send_mode(schedule) if fits else "step"
+    if send_wait not in ("compute", "yield", "step"):
         raise ValueError(f"send_wait={send_wait!r}: use 'compute' (wait each compute's sends "
-                         "before it) or 'step' (at the end of the step)")
+                         "before it), 'yield' (give up the core once before a compute while a "
+                         "send is in flight) or 'step' (wait them at the end of the step)")
     if send_wait == "compute" and not sends_can_block(schedule):
         raise ValueError(f"send_wait='compute' would deadlock {schedule.name}: a rank would "
                          "wait for a send whose receive its peer posts only after waiting on "
-                         "this rank; use send_wait='step' (or leave it unset)")
+                         "this rank; use send_wait='yield' or 'step' (or leave it unset)")
     return send_wait
 
 
 def default_transport_threads(backend: str, schedule: Any) -> str | None:
     """The policy the runtime gives gloo's transport thread when ``transport_threads`` is not
-    given: on gloo ``"batch"`` for the schedules whose sends it waits before each compute
-    (:func:`engine.schedules.sends_waited_before_compute`), else ``"normal"`` (the kernel's
-    default, set again in case an earlier pipeline of the process changed it); ``None`` (left as
-    it is) on NCCL. On the other schedules, with sends left pending while the rank computes,
-    SCHED_BATCH delayed them (the equal-layer MLP's interleaved, zb-h2 and zbv 7-12% slower in one
-    five-round run).
+    given: on gloo ``"batch"`` for the schedules whose sends it waits or yields to before each
+    compute (:func:`engine.schedules.send_mode` ``"compute"`` or ``"yield"``), else ``"normal"``
+    (the kernel's default, set again in case an earlier pipeline of the process changed it);
+    ``None`` (left as it is) on NCCL. On the zero-bubble schedules, with sends left pending while
+    the rank computes, SCHED_BATCH delayed them (the equal-layer MLP's zb-h2 and zbv 7-12% slower
+    in one five-round run).
 
     >>> from engine.schedules import build_schedule
     >>> [default_transport_threads("gloo", build_schedule(n, 2, 4)) for n in ("1f1b", "zb-h2")]
     ['batch', 'normal']
     """
-    from engine.schedules import sends_waited_before_compute
+    from engine.schedules import send_mode
 
     if backend != "gloo":
         return None
-    return "batch" if sends_waited_before_compute(schedule) else "normal"
+    return "normal" if send_mode(schedule) == "step" else "batch"
 
 
 def _per_chunk(flag: bool | Sequence[bool], n_chunks: int) -> list[bool]:
@@ -236,8 +243,8 @@ class Pipeline:
     ``max_inflight``:
     zb-h2's bound on the microbatches a rank holds. ``transport_threads``: the scheduling policy
     of gloo's transport thread (:mod:`engine.transport`; default: :func:`default_transport_threads`,
-    ``"batch"`` on gloo for gpipe and 1f1b, else ``"normal"``); ``send_wait``: when sends are waited
-    (:func:`default_send_wait`). Chunks are placed by the schedule
+    ``"batch"`` on gloo for gpipe, 1f1b and interleaved-1f1b, else ``"normal"``); ``send_wait``:
+    what a rank does about its sends before each compute (:func:`default_send_wait`). Chunks are placed by the schedule
     (``Schedule.rank_of``: looped, or a V for zbv, whose first and last chunks share rank 0).
     ``activation_checkpointing``: one bool for every chunk, or one per chunk (global chunk
     order, e.g. ``Plan.stage_recompute``: recompute only where memory needs it).

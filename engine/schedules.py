@@ -48,6 +48,7 @@ __all__ = [
     "message_ends",
     "sends_can_block",
     "sends_waited_before_compute",
+    "send_mode",
     "build_schedule",
     "validate",
     "ScheduleError",
@@ -636,6 +637,33 @@ def sends_waited_before_compute(schedule: Schedule) -> bool:
     """
     split = "I" in schedule.backward_kind.values()   # a valid schedule's W comes with its I
     return not split and sends_can_block(schedule)
+
+
+SendMode = Literal["compute", "yield", "step"]
+
+
+def send_mode(schedule: Schedule) -> SendMode:
+    """How pipeshard's gloo runtime treats a schedule's sends (``engine.runtime.default_send_wait``),
+    and so which measured fixed costs the planner charges it (``partitioner.FixedCosts``):
+
+    - ``"compute"``: waited before each compute (:func:`sends_waited_before_compute`: gpipe, 1f1b);
+    - ``"yield"``: a looped schedule with several chunks per rank and no split backward
+      (interleaved-1f1b), whose receives are posted ahead: before each compute the rank gives up
+      its core once while one of its sends is still in flight, and waits them at the step's end;
+    - ``"step"``: waited at the end of the step (the zero-bubble schedules).
+
+    The first two run with gloo's transport thread under SCHED_BATCH, the last under the default
+    policy (``engine.runtime.default_transport_threads``).
+
+    >>> [send_mode(build_schedule(n, 2, 4, v)) for n, v in
+    ...  (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))]
+    ['compute', 'yield', 'step']
+    """
+    if sends_waited_before_compute(schedule):
+        return "compute"
+    split = "I" in schedule.backward_kind.values()
+    looped = schedule.virtual_stages > 1 and schedule.placement == "loop"
+    return "yield" if looped and not split else "step"
 
 
 # --------------------------------------------------------------------------- validation

@@ -170,8 +170,10 @@ class FixedCosts:
       not on the compute-free model);
     - ``action_s_send_wait`` / ``step_s_send_wait``: ``action_s`` and ``step_s`` for the
       schedules whose sends the gloo runtime waits before each compute, with its transport thread
-      under SCHED_BATCH (``engine.schedules.sends_waited_before_compute``: gpipe, 1f1b); None:
-      the same as the others (:meth:`runtime_costs`).
+      under SCHED_BATCH (``engine.schedules.send_mode`` ``"compute"``: gpipe, 1f1b); None: the
+      same as the others (:meth:`runtime_costs`);
+    - ``action_s_yield`` / ``step_s_yield``: the same for the schedules that yield to their sends
+      in flight (``send_mode`` ``"yield"``: interleaved-1f1b); None: ``action_s``, ``step_s``.
 
     >>> FixedCosts(action_s=2e-4, optimizer_s_per_byte={"sgd": 3e-10}).optimizer_s("sgd", 4e6)
     0.0012
@@ -185,19 +187,24 @@ class FixedCosts:
     message_busy_s: float = 0.0
     action_s_send_wait: float | None = None
     step_s_send_wait: float | None = None
+    action_s_yield: float | None = None
+    step_s_yield: float | None = None
 
-    def runtime_costs(self, sends_waited: bool) -> tuple[float, float]:
-        """(per action, per step) for a schedule whose sends are waited before each compute
-        (``sends_waited``) or at the end of the step.
+    def runtime_costs(self, mode: str) -> tuple[float, float]:
+        """(per action, per step) for a schedule the runtime runs in ``mode``
+        (``engine.schedules.send_mode``: ``"compute"``, ``"yield"`` or ``"step"``).
 
-        >>> FixedCosts(action_s=3e-4, step_s=2e-3, action_s_send_wait=1e-4).runtime_costs(True)
+        >>> FixedCosts(action_s=3e-4, step_s=2e-3, action_s_send_wait=1e-4).runtime_costs("compute")
         (0.0001, 0.002)
         """
-        if not sends_waited:
-            return self.action_s, self.step_s
-        action = self.action_s if self.action_s_send_wait is None else self.action_s_send_wait
-        step = self.step_s if self.step_s_send_wait is None else self.step_s_send_wait
-        return action, step
+        own = {"compute": (self.action_s_send_wait, self.step_s_send_wait),
+               "yield": (self.action_s_yield, self.step_s_yield), "step": (None, None)}
+        if mode not in own:
+            raise ValueError(f"runtime mode {mode!r}: one of {sorted(own)} "
+                             "(engine.schedules.send_mode)")
+        action, step = own[mode]
+        return (self.action_s if action is None else action,
+                self.step_s if step is None else step)
 
     def optimizer_s(self, optimizer: str, param_bytes: float) -> float:
         """Seconds of one ``optimizer`` update of ``param_bytes`` bytes of parameters."""

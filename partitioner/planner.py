@@ -37,8 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from engine.footprint import GRAD_BUCKET_MB
-from engine.schedules import (SCHEDULE_INFO, build_schedule, chunk_ranks,
-                              sends_waited_before_compute)
+from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, send_mode
 
 from .costs import FixedCosts, Profile
 from .memory import (BREAKDOWN_KEYS, SCHEDULES, MemorySettings, held_and_pending, inflight_from_schedule,
@@ -598,7 +597,7 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
     param_c = [float(prob.param[a:e].sum()) / shard for a, e in bounds]
     per_rank = [float(x) for x in rank_totals(param_c, prob.schedule, prob.p, prob.v)]
     sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
-    action, step = fixed.runtime_costs(sends_waited_before_compute(sched))
+    action, step = fixed.runtime_costs(send_mode(sched))
     return {"action_s": action, "message_busy_s": fixed.message_busy_s,
             "step_fixed_s": step,
             "rank_optimizer_s": [fixed.optimizer_s(settings["optimizer"], x) for x in per_rank]}

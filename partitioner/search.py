@@ -276,8 +276,9 @@ def _lower_bound(prof: Profile, c: Candidate, p: int) -> float:
     (F and a backward), plus the per-step fixed cost."""
     work = [layer.forward_s + layer.backward_s for layer in prof.layers]
     fixed = prof.fixed
-    # the cheaper of the runtime's two modes (engine.schedules.sends_waited_before_compute)
-    modes = [fixed.runtime_costs(w) for w in (True, False)] if fixed is not None else [(0.0, 0.0)]
+    # the cheapest of the runtime's modes (engine.schedules.send_mode)
+    modes = ([fixed.runtime_costs(w) for w in ("compute", "yield", "step")] if fixed is not None
+             else [(0.0, 0.0)])
     action, step = min(a for a, _ in modes), min(s for _, s in modes)
     m, v = c.microbatches, c.virtual_stages
     return m * max(sum(work) / p, max(work)) + 2 * m * v * action + step

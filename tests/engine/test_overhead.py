@@ -26,13 +26,24 @@ def test_fit_action_cost_inverts_the_simulator(a):
     assert fit_action_cost(16, t[16], 32, t[32], latency_s=lat) == pytest.approx(a, rel=1e-6)
 
 
+@pytest.mark.parametrize("a", [1e-5, 3e-4])
+def test_fit_action_cost_inverts_the_simulator_of_another_schedule(a):
+    lat = 8e-5
+    t = {m: simulate(build_schedule("interleaved-1f1b", 2, m, 2), forward_s=a, backward_s=a,
+                     comm_s=lat).step_s + 0.002 for m in (8, 16)}
+    got = fit_action_cost(8, t[8], 16, t[16], latency_s=lat, schedule="interleaved-1f1b",
+                          virtual_stages=2)
+    assert got == pytest.approx(a, rel=1e-6)
+
+
 @pytest.mark.slow
 def test_measure_fixed_costs_runs_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPESHARD_CACHE_DIR", str(tmp_path))
     costs = measure_fixed_costs(microbatches=(4, 8), steps=3, exchanges=4)
     assert costs["action_s"] > 0 and costs["link_bytes_per_s"] > 0
-    assert costs["action_s_send_wait"] > 0 and costs["step_s_send_wait"] >= 0   # the other mode
-    assert set(costs["measured"]["steps_s_send_wait"]) == set(costs["measured"]["steps_s"])
+    for mode in ("send_wait", "yield"):                  # the other modes
+        assert costs[f"action_s_{mode}"] > 0 and costs[f"step_s_{mode}"] >= 0
+        assert set(costs["measured"][f"steps_s_{mode}"]) == set(costs["measured"]["steps_s"])
     assert costs["message_busy_s"] >= 0 and len(costs["measured"]["exchange"]) == 2   # both ranks
     assert all(math.isfinite(e["busy_s"]) and e["idle_s"] > 0 for e in costs["measured"]["exchange"])
     assert set(costs["optimizer_s_per_byte"]) == {"sgd", "adam", "adamw"}

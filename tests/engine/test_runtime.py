@@ -175,7 +175,11 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     # sends waited at the end of the step with gloo's default thread policy (the others on gloo
     # wait them before each compute where the schedule allows it: engine.runtime.default_send_wait)
     cases += [dict(schedule=s, p=2, m=4, transport="normal") for s in SCHEDS]
+    cases += [dict(schedule="interleaved-1f1b", p=2, v=2, m=4, transport="normal")]
     cases += [dict(schedule="zb-h1", p=2, m=4, send_wait="compute")]   # allowed, not the default
+    # yielding to sends in flight (interleaved's default on gloo) forced on schedules without it
+    cases += [dict(schedule=s, p=2, v=v, m=4, send_wait="yield")
+              for s, v in (("1f1b", 1), ("zb-h2", 1), ("zbv", 2))]
     # the NCCL code path (held transfers issued as batch_isend_irecv batches), on gloo
     cases += [dict(schedule=s, p=2, v=v, m=4, batched=True)
               for s, v in (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2))]
@@ -184,11 +188,14 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
              for k, c in enumerate(cases)]
     assert ("1f1b", None, "compute") in waits and ("1f1b", "normal", "step") in waits
     assert ("zb-h1", None, "step") in waits and ("zb-h1", None, "compute") in waits
-    assert {w for s, _, w in waits if s in ("zbv", "zb-h2", "interleaved-1f1b")} == {"step"}
-    # gloo's transport thread runs under SCHED_BATCH where sends are waited before each compute
-    # (engine/transport.py, engine.runtime.default_transport_threads), else the kernel's default
+    assert {w for s, t, w in waits if s in ("zbv", "zb-h2") and t is None} == {"step", "yield"}
+    assert {w for s, t, w in waits if s == "interleaved-1f1b" and t is None} == {"yield"}
+    assert ("interleaved-1f1b", "normal", "step") in waits
+    # gloo's transport thread runs under SCHED_BATCH where sends are waited or yielded to before
+    # each compute (engine/transport.py, engine.runtime.default_transport_threads), else the
+    # kernel's default
     for k, c in enumerate(cases):
-        batch = results[0][k]["send_wait"] == "compute" and c.get("send_wait") is None
+        batch = c.get("transport") is None and c["schedule"] in ("gpipe", "1f1b", "interleaved-1f1b")
         want = os.SCHED_BATCH if batch else os.SCHED_OTHER
         assert results[0][k]["policies"] == {want}, c
     stats = results[0][0]["stats"][0]  # rank 0, gpipe, step 0
@@ -397,7 +404,15 @@ def test_default_send_wait_waits_before_compute_only_where_it_cannot_deadlock():
     assert default_send_wait("nccl", one, None) == "step"
     assert default_send_wait("gloo", zbv, "batch") == "step"
     assert default_send_wait("gloo", one, "normal", "compute") == "compute"   # asked for
-    with pytest.raises(ValueError, match="deadlock zbv.*send_wait='step'"):
+    # interleaved cannot wait its sends; it yields to them where gloo's thread is under SCHED_BATCH
+    inter = build_schedule("interleaved-1f1b", 2, 4, 2)
+    assert default_transport_threads("gloo", inter) == "batch"
+    assert default_send_wait("gloo", inter, "batch") == "yield"
+    assert default_send_wait("gloo", inter, "normal") == "step"
+    assert default_send_wait("gloo", zbv, "batch", "yield") == "yield"   # never blocks: allowed
+    with pytest.raises(ValueError, match="deadlock interleaved-1f1b"):
+        default_send_wait("gloo", inter, "batch", "compute")
+    with pytest.raises(ValueError, match="deadlock zbv.*send_wait='yield' or 'step'"):
         default_send_wait("gloo", zbv, "batch", "compute")
     with pytest.raises(ValueError, match="use 'compute'"):
         default_send_wait("gloo", one, "batch", "sometimes")

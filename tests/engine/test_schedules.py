@@ -18,6 +18,7 @@ from engine.schedules import (
     lower,
     message_ends,
     sends_can_block,
+    send_mode,
     peak_inflight,
     validate,
 )
@@ -354,6 +355,20 @@ def test_message_ends_count_the_cross_rank_cuts_of_each_chunk(name, p, v, ends):
 @pytest.mark.parametrize("p", [2, 4])
 def test_sends_can_block_only_where_every_peer_posts_its_receive_first(name, v, p, blocking):
     assert sends_can_block(build_schedule(name, p, 2 * p, v)) is blocking
+
+
+
+@pytest.mark.parametrize("name,v,mode", [
+    ("gpipe", 1, "compute"), ("1f1b", 1, "compute"), ("interleaved-1f1b", 2, "yield"),
+    ("interleaved-1f1b", 3, "yield"), ("zb-h1", 1, "step"), ("zb-h2", 1, "step"),
+    ("zbv", 2, "step")])
+@pytest.mark.parametrize("p", [2, 4])
+def test_send_mode_waits_where_sends_can_block_and_yields_on_looped_chunks(name, v, p, mode):
+    """A mode never waits where waiting could deadlock; the split-backward schedules keep their
+    sends pending (a wait would give back the bubble their W fill)."""
+    s = build_schedule(name, p, 2 * p, v)
+    assert send_mode(s) == mode
+    assert mode != "compute" or sends_can_block(s)
 
 
 def test_sends_can_block_finds_a_wait_cycle_that_nonblocking_sends_avoid():

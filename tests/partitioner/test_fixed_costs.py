@@ -48,18 +48,24 @@ def test_prediction_charges_each_action_message_and_the_step(schedule):
     assert "fixed costs" in plan.predicted_by
 
 
-@pytest.mark.parametrize("schedule,waited", [("1f1b", True), ("gpipe", True), ("zb-h1", False),
-                                             ("zb-h2", False)])
-def test_each_schedule_is_charged_the_fixed_costs_of_its_runtime_mode(schedule, waited):
-    """gpipe and 1f1b run with sends waited before each compute (engine.schedules.
-    sends_waited_before_compute), the others with sends waited at the step's end: each gets the
-    per-action and per-step cost measured in its own mode."""
-    two = FixedCosts(action_s=2e-4, step_s=3e-3, action_s_send_wait=5e-5, step_s_send_wait=1e-3,
-                     message_latency_s=5e-5, link_bytes_per_s=1e9)
-    plan = partition(Profile([LAYER] * 4, fixed=two), 2, schedule=schedule, microbatches=4,
-                     optimizer="sgd")
-    assert (plan.action_s, plan.step_fixed_s) == ((5e-5, 1e-3) if waited else (2e-4, 3e-3))
-    assert FixedCosts(action_s=2e-4, step_s=3e-3).runtime_costs(True) == (2e-4, 3e-3)  # one mode
+@pytest.mark.parametrize("schedule,v,mode", [("1f1b", 1, "compute"), ("gpipe", 1, "compute"),
+                                             ("interleaved-1f1b", 2, "yield"), ("zb-h1", 1, "step"),
+                                             ("zb-h2", 1, "step"), ("zbv", 2, "step")])
+def test_each_schedule_is_charged_the_fixed_costs_of_its_runtime_mode(schedule, v, mode):
+    """gpipe and 1f1b run with sends waited before each compute, interleaved-1f1b yields to its
+    sends in flight, the others wait them at the step's end (engine.schedules.send_mode): each
+    gets the per-action and per-step cost measured in its own mode."""
+    three = FixedCosts(action_s=2e-4, step_s=3e-3, action_s_send_wait=5e-5, step_s_send_wait=1e-3,
+                       action_s_yield=1e-4, step_s_yield=2e-3, message_latency_s=5e-5,
+                       link_bytes_per_s=1e9)
+    plan = partition(Profile([LAYER] * 8, fixed=three), 2, schedule=schedule, microbatches=4,
+                     virtual_stages=v, optimizer="sgd")
+    want = {"compute": (5e-5, 1e-3), "yield": (1e-4, 2e-3), "step": (2e-4, 3e-3)}[mode]
+    assert (plan.action_s, plan.step_fixed_s) == want
+    for m in ("compute", "yield", "step"):    # costs measured in one mode only: every mode's
+        assert FixedCosts(action_s=2e-4, step_s=3e-3).runtime_costs(m) == (2e-4, 3e-3)
+    with pytest.raises(ValueError, match="send_mode"):
+        three.runtime_costs(True)
 
 
 def test_fixed_costs_without_the_busy_message_cost_read_as_zero():
