@@ -7,6 +7,12 @@ same step reuse it, because all microbatches of a step have equal shapes. Gradie
 ``"B"``) never need a header: they have the shapes of the activations the receiver sent itself,
 one per float tensor that required grad.
 
+On gloo the receiver posts the step's first data together with its header, with the shapes of
+the channel's previous step (both ends keep them): when they hold, as in training, the data does
+not wait for the header's round trip (gloo moves data only once its receive is posted). When
+they changed, the sender first sends zeros of the old shapes to those receives (same tags,
+matched in order), then the header's shapes (:meth:`P2P.new_step` ``speculate``).
+
 A message can carry a ``note``: a small float64 tensor sent right after its data (its own tag),
 which the receiver asks for with ``note_len`` and reads from :attr:`Recv.note`. The executor uses
 it for the step's verdict (loss and non-finite flags), which rides the last microbatch's messages
@@ -189,8 +195,19 @@ class P2P:
         self.bytes_sent = 0
         self.new_step()
 
-    def new_step(self) -> None:
-        """Forget per-step handshakes (shapes may change between steps)."""
+    def new_step(self, *, speculate: bool = True) -> None:
+        """Start a step's handshakes (shapes may change between steps). With ``speculate`` (gloo),
+        a channel's first receive of the step also posts its data with the shapes of the previous
+        step's (see :meth:`post`); pass False where shapes change every time (generation's prefill
+        and decode rounds)."""
+        prev_in = getattr(self, "in_specs", {}) if speculate else {}
+        prev_out = getattr(self, "out_specs", {}) if speculate else {}
+        # both ends of a channel keep the spec of the last step that used it (the same one at
+        # either end, since the receiver learnt it from the sender's header)
+        self._prev_in_specs: dict[int, Spec] = {**getattr(self, "_prev_in_specs", {}), **prev_in}
+        self._prev_out_specs: dict[int, Spec] = {**getattr(self, "_prev_out_specs", {}), **prev_out}
+        if not speculate:
+            self._prev_in_specs, self._prev_out_specs = {}, {}
         self._sent_header: set[int] = set()          # F channels (by sending chunk) this step
         self._recv_header: set[int] = set()          # F channels (by receiving chunk) posted
         self.in_specs: dict[int, Spec] = {}          # receiving chunk -> spec of its input
@@ -251,6 +268,9 @@ class P2P:
                 h = spec.encode().to(self.device)
                 self._track(self._issue(dist.isend, h, peer, "F", _tag("F", stage, microbatch, 0)),
                             h, ("the header of", stage, microbatch, peer))
+                prev = self._prev_out_specs.get(stage)
+                if prev is not None and prev != spec and not self.nccl:
+                    self._fill_speculation(prev, stage, microbatch, peer)
         else:
             ts = list(value)
         boundary = stage if direction == "F" else stage - 1
@@ -266,6 +286,16 @@ class P2P:
             self._track(self._issue(dist.isend, note, peer, direction,
                                     _tag(direction, boundary, microbatch, _NOTE_IDX)), note,
                         ("the note after", stage, microbatch, peer))
+
+    def _fill_speculation(self, prev: Spec, stage: int, microbatch: int, peer: int) -> None:
+        """The receiver posted this channel's first data with last step's shapes ``prev`` (post):
+        they changed, so those receives get zeros first (same tags, so they match in order)."""
+        for i, (shape, dtype, _) in enumerate(prev.tensors):
+            z = torch.zeros(shape, dtype=dtype, device=self.device)
+            if z.numel():
+                self._track(self._issue(dist.isend, z, peer, "F",
+                                        _tag("F", stage, microbatch, i + 1)),
+                            z, ("the stale shapes of", stage, microbatch, peer))
 
     def _track(self, work: Any, tensor: Tensor, what: tuple[str, int, int, int]) -> None:
         # ``what`` is formatted only if the send fails (_send_what): not once per message
@@ -297,6 +327,12 @@ class P2P:
                 h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 r.header = (h, self._issue(dist.irecv, h, peer, "F",
                                            _tag("F", stage - 1, microbatch, 0)))
+                prev = self._prev_in_specs.get(stage)
+                if prev is not None and not self.nccl:
+                    # speculation: last step's shapes posted with the header, so the data need
+                    # not wait for the header's round trip (gloo's rendezvous: ~0.2 ms a cut
+                    # while the pipeline fills); the sender fills them if its shapes changed
+                    self._post_data(r, prev)
             else:
                 raise CommError(f"internal: receive of chunk {stage} posted before its header "
                                 "arrived")
@@ -311,7 +347,14 @@ class P2P:
     def _on_header(self, r: Recv, spec: Spec) -> None:
         self.in_specs[r.stage] = spec
         r.header = None
-        self._post_data(r, spec)
+        if r.spec is None:
+            self._post_data(r, spec)
+        elif r.spec != spec:  # speculated wrong: the sender filled those receives first (send)
+            stale = sum(1 for b in r.bufs if b.numel())
+            for w in r.works[:stale]:
+                self._wait(w, r)
+            r.works, r.bufs = r.works[stale:], []   # the note's receive, if any, stays
+            self._post_data(r, spec, note=False)
         self.flush()
 
     def poll_header(self, r: Recv) -> None:
@@ -320,7 +363,7 @@ class P2P:
             self._wait(r.header[1], r)
             self._on_header(r, Spec.decode(r.header[0]))
 
-    def _post_data(self, r: Recv, spec: Spec) -> None:
+    def _post_data(self, r: Recv, spec: Spec, note: bool = True) -> None:
         r.spec = spec
         boundary = r.stage - 1 if r.direction == "F" else r.stage
         for i, (shape, dtype, _) in enumerate(spec.tensors):
@@ -329,7 +372,7 @@ class P2P:
             if buf.numel():
                 r.works.append(self._issue(dist.irecv, buf, r.peer, r.direction,
                                            _tag(r.direction, boundary, r.microbatch, i + 1)))
-        if r.note_len:
+        if r.note_len and note:
             r.note = torch.empty(r.note_len, dtype=torch.float64, device=self.device)
             r.works.append(self._issue(dist.irecv, r.note, r.peer, r.direction,
                                        _tag(r.direction, boundary, r.microbatch, _NOTE_IDX)))

@@ -102,6 +102,9 @@ class Executor:
             for pos, it in enumerate(program):
                 step.do(pos, it)
             self.p2p.wait_sends()
+        except BaseException:
+            self.p2p.new_step(speculate=False)  # no shapes carried over from a failed step
+            raise
         finally:
             self.p2p.hold = False
             self.p2p.discard_held()  # empty unless the step failed: never issue them later

@@ -286,7 +286,7 @@ class Generator:
         sampled: list[list[Tensor]] = [[] for _ in range(m)]
         fwd = 0.0
         for k in range(rounds):
-            self.p2p.new_step()  # prefill and decode shapes differ: a new handshake per round
+            self.p2p.new_step(speculate=False)  # prefill and decode shapes differ each round
             for i in range(m):
                 if first and (k == 0 or p == 1):
                     x = feed[i]
