@@ -56,8 +56,8 @@ _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate l
 # busy per-message cost; 6: gloo's transport thread under SCHED_BATCH; 7: the per-action and
 # per-step costs of both runtime modes, sends waited at the step's end and, under SCHED_BATCH,
 # before each compute; 8: a third mode, yielding to sends in flight, measured on
-# interleaved-1f1b; one layer per chunk).
-_RUNTIME_VERSION = 8
+# interleaved-1f1b; one layer per chunk; 9: a step's first data posted with its header).
+_RUNTIME_VERSION = 9
 
 
 def cache_path() -> Path:
