@@ -197,9 +197,9 @@ class P2P:
 
     def new_step(self, *, speculate: bool = True) -> None:
         """Start a step's handshakes (shapes may change between steps). With ``speculate`` (gloo),
-        a channel's first receive of the step also posts its data with the shapes of the previous
-        step's (see :meth:`post`); pass False where shapes change every time (generation's prefill
-        and decode rounds)."""
+        a channel's first receive of the step also posts its data with the shapes that channel had
+        in its previous step (see :meth:`post`); pass False where shapes change every time
+        (generation's prefill and decode rounds), and after a failed step."""
         prev_in = getattr(self, "in_specs", {}) if speculate else {}
         prev_out = getattr(self, "out_specs", {}) if speculate else {}
         # both ends of a channel keep the spec of the last step that used it (the same one at
