@@ -200,14 +200,14 @@ class P2P:
         a channel's first receive of the step also posts its data with the shapes that channel had
         in its previous step (see :meth:`post`); pass False where shapes change every time
         (generation's prefill and decode rounds), and after a failed step."""
-        prev_in = getattr(self, "in_specs", {}) if speculate else {}
-        prev_out = getattr(self, "out_specs", {}) if speculate else {}
         # both ends of a channel keep the spec of the last step that used it (the same one at
         # either end, since the receiver learnt it from the sender's header)
-        self._prev_in_specs: dict[int, Spec] = {**getattr(self, "_prev_in_specs", {}), **prev_in}
-        self._prev_out_specs: dict[int, Spec] = {**getattr(self, "_prev_out_specs", {}), **prev_out}
-        if not speculate:
-            self._prev_in_specs, self._prev_out_specs = {}, {}
+        prev_in: dict[int, Spec] = {}
+        prev_out: dict[int, Spec] = {}
+        if speculate:
+            prev_in = {**getattr(self, "_prev_in_specs", {}), **getattr(self, "in_specs", {})}
+            prev_out = {**getattr(self, "_prev_out_specs", {}), **getattr(self, "out_specs", {})}
+        self._prev_in_specs, self._prev_out_specs = prev_in, prev_out
         self._sent_header: set[int] = set()          # F channels (by sending chunk) this step
         self._recv_header: set[int] = set()          # F channels (by receiving chunk) posted
         self.in_specs: dict[int, Spec] = {}          # receiving chunk -> spec of its input
