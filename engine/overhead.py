@@ -26,7 +26,7 @@ almost nothing, and charged by the partitioner (``partitioner.FixedCosts``):
   with and without an exchange (one send and one receive) under way during each unit, in
   alternating blocks; the extra time per message end, less the same figure with no compute (the
   idle cost, already inside ``action_s``); the median of three rounds (one reading alone varied
-  from 44 to 136 us);
+  from 44 to 179 us);
 - ``optimizer_s_per_byte``: seconds per parameter byte of each optimizer's update
   (``sgd`` with momentum, ``adam``, ``adamw``), timed on this process's CPU or device.
 
@@ -182,7 +182,7 @@ def _worker(microbatches: tuple[int, ...], steps: int, exchanges: int) -> dict[s
         set_transport_threads("normal")  # the busy cost is charged on every schedule
         for n in _SIZES:
             pings[n].append(_ping_pong(n))
-        busy["busy_s"].append(_exchange_cost(exchanges, unit_s=2e-3))  # read 44-136 us once each
+        busy["busy_s"].append(_exchange_cost(exchanges, unit_s=2e-3))  # single readings: 44-179 us
         busy["idle_s"].append(_exchange_cost(exchanges, unit_s=0.0))
         for m in microbatches:
             for wait in _MODES:
