@@ -184,6 +184,7 @@ class P2P:
 
     def __init__(self, mesh: Mesh, timeout_s: float = 60.0, device: torch.device | None = None):
         self.mesh, self.timeout_s = mesh, timeout_s
+        self._timeout = datetime.timedelta(seconds=timeout_s)  # built once: every wait takes it
         self.device = device or torch.device("cpu")
         self.nccl = mesh.backend == "nccl"
         self._sends: list[tuple[Any, Any, tuple[str, int, int, int]]] = []
@@ -358,7 +359,8 @@ class P2P:
         self.flush()
 
     def poll_header(self, r: Recv) -> None:
-        """If ``r``'s header has arrived, post its data receive (without blocking)."""
+        """If ``r``'s header has arrived, post its data receive (without blocking). On gloo a
+        receive reports completion only once waited, so there this posts nothing."""
         if r.header is not None and r.header[1].is_completed():
             self._wait(r.header[1], r)
             self._on_header(r, Spec.decode(r.header[0]))
@@ -383,7 +385,7 @@ class P2P:
             return
         t0 = time.perf_counter()
         try:
-            ok = work.wait(datetime.timedelta(seconds=self.timeout_s))
+            ok = work.wait(self._timeout)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             raise CommError(self._describe(r, what, exc)) from exc
         finally:
@@ -402,9 +404,11 @@ class P2P:
         return f"{me} failed while waiting for {target}: {exc}"
 
     def yield_to_sends(self) -> None:
-        """Give up this thread's core once if a send of this step is still in flight (issued
+        """Give up this thread's core once if a send of this step is not known complete (issued
         before its receive was known, the data leaves from gloo's transport thread, which under
-        SCHED_BATCH waits for a free core: ``engine.runtime.default_send_wait``). Never blocks."""
+        SCHED_BATCH waits for a free core: ``engine.runtime.default_send_wait``). Never blocks.
+        gloo's point-to-point works report completion only once waited, so on gloo this yields
+        before every compute after the step's first send, until the step's end waits them."""
         self.flush()
         done = self._sends_done
         while done < len(self._sends) and self._sends[done][0].is_completed():

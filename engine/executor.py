@@ -8,25 +8,28 @@ and the receive after it leave microseconds apart, so the peer's transport threa
 both (posted one by one, with Python between them, it woke twice; docs/performance.md).
 Hand-offs between two chunks of the same rank stay in memory. Sends are waited at the end of the
 step, or, with ``send_wait="compute"``, before the next compute (as torch's 1F1B runtime does);
-with ``send_wait="yield"`` the rank gives up its core once before a compute while a send is still
-in flight (``engine.runtime.default_send_wait`` says which, when).
+with ``send_wait="yield"`` the rank gives up its core once before a compute while a send of the
+step is not yet waited (``engine.runtime.default_send_wait`` says which, when).
 
-What runs on every step is only what a step needs: the compute, the transfers, and one fused
-reduction per forward output that flags a NaN/inf (``nonfinite`` guard, named by chunk; the last
-chunk's output is the loss). The step's **verdict** (the mean loss and, per chunk, whether its
-forward output was non-finite: a float64 vector ``[loss, bad_0, ..., bad_{k-1}]``) needs no
-collective: after its last forward, each chunk adds its slot to the partial verdict received with
-that microbatch's input and sends it on with its output (a note, ``engine.comm``); the last chunk
-adds the loss, and the full verdict goes back up with the last microbatch's gradients. So every
-rank knows it by its last backward, and no rank waits for another at the end of a step. The
-costly diagnostics (bytes saved for backward, counted by a Python hook per saved tensor, and the
-peak of live activations) run only when asked (``diagnose=True``).
+What runs on every step is only what a step needs: the compute and the transfers. The step's
+**verdict** (the mean loss and, per chunk, whether its forward output was non-finite: a float64
+vector ``[loss, bad_0, ..., bad_{k-1}]``) needs no collective: the last chunk writes the loss and
+its flag, and the verdict goes back up with the last microbatch's gradients (a note,
+``engine.comm``), so every rank knows it by its last backward and no rank waits for another at
+the end of a step. On a **checked** step (``check``, the runtime's diagnostic steps) every forward
+output is also reduced once to flag a NaN/inf (``nonfinite_flag``): after its last forward, each
+chunk adds its slot to the partial verdict received with that microbatch's input and sends it on
+with its output, so the verdict names the first chunk that went bad. On other steps a non-finite
+loss is located by a forward replay (``engine.runtime``). A forward-only run with ``check``
+returns each chunk's flag (``_flags``). The costly diagnostics (bytes saved for backward, counted
+by a Python hook per saved tensor, and the peak of live activations) run only when asked
+(``diagnose=True``).
 
 Example (what ``engine.Pipeline.train_step`` does on each rank)::
 
     ex = Executor(chunks, p2p, schedule, lookahead=2, split=split, node_split=None,
                   send_wait="step")
-    stats = ex.run(program, x_mbs, y_mbs, optimizer, train=True, diagnose=False)
+    stats = ex.run(program, x_mbs, y_mbs, optimizer, train=True, diagnose=False, check=False)
 """
 from __future__ import annotations
 
@@ -87,11 +90,14 @@ class Executor:
         self.last = schedule.num_chunks - 1
 
     def run(self, program: Sequence[Any], x_mbs: list | None, y_mbs: list | None,
-            optimizer: Any, *, train: bool, diagnose: bool) -> dict:
+            optimizer: Any, *, train: bool, diagnose: bool, check: bool = False) -> dict:
         """Run ``program``; returns the step's figures (see ``Pipeline.train_step``) and, under
-        private keys, the last chunk's losses (``_losses``) and, when training, the step's
-        verdict (``_verdict``, see the module docstring; not yet summed over replicas)."""
-        step = _Step(self, program, x_mbs, y_mbs, optimizer, train, diagnose)
+        private keys, the last chunk's losses (``_losses``), when training the step's verdict
+        (``_verdict``, see the module docstring; not yet summed over replicas), and with
+        ``check`` each of this rank's non-last chunks' flag (``_flags``: 1.0 if one of its
+        forward outputs held a NaN/inf). Every rank of the pipeline must pass the same
+        ``train`` and ``check`` (they decide which messages carry a note)."""
+        step = _Step(self, program, x_mbs, y_mbs, optimizer, train, diagnose, check)
         self.p2p.new_step()
         wait0, issue0, sent0 = self.p2p.wait_s, self.p2p.issue_s, self.p2p.bytes_sent
         if diagnose:
@@ -119,7 +125,8 @@ class Executor:
                "comm_wait_s": self.p2p.wait_s - wait0, "comm_issue_s": self.p2p.issue_s - issue0,
                "bytes_sent": self.p2p.bytes_sent - sent0,
                "pipeline_rank": self.rank, "replica": self.p2p.mesh.replica,
-               "stages": sorted(self.chunks), "_losses": step.losses, "_verdict": step.verdict}
+               "stages": sorted(self.chunks), "_losses": step.losses, "_verdict": step.verdict,
+               "_flags": {s: _any_nonfinite(f) for s, f in step.flags.items()}}
         if diagnose and train:
             out["peak_activation_bytes"] = step.peak
         return out
@@ -129,9 +136,9 @@ class _Step:
     """The state of one run of a program: inboxes, outboxes, posted receives, figures."""
 
     def __init__(self, ex: Executor, program: Sequence[Any], x_mbs: list | None,
-                 y_mbs: list | None, optimizer: Any, train: bool, diagnose: bool):
+                 y_mbs: list | None, optimizer: Any, train: bool, diagnose: bool, check: bool):
         self.ex, self.program, self.x_mbs, self.y_mbs = ex, program, x_mbs, y_mbs
-        self.optimizer, self.train, self.diagnose = optimizer, train, diagnose
+        self.optimizer, self.train, self.diagnose, self.check = optimizer, train, diagnose, check
         self.inbox_f: dict[tuple[int, int], Any] = {}
         self.inbox_b: dict[tuple[int, int], Any] = {}
         self.outbox: dict[tuple[str, int, int], Any] = {}
@@ -167,9 +174,14 @@ class _Step:
             self._prefetch(pos)
 
     # ---- transfers ---------------------------------------------------------------------------
+    def _carries_verdict(self, direction: str, microbatch: int) -> bool:
+        """Whether this message has the verdict as its note: the last microbatch's gradients,
+        and on a checked step its activations too (the partial verdict)."""
+        return self.train and microbatch == self.last_mb and (direction == "B" or self.check)
+
     def _post(self, it: Any) -> Recv:
         d = it.kind[-1]
-        note = self.ex.last + 2 if self.train and it.microbatch == self.last_mb else 0
+        note = self.ex.last + 2 if self._carries_verdict(d, it.microbatch) else 0
         r = self.ex.p2p.post(d, it.stage, it.microbatch, it.peer, note_len=note)
         if d == "F" and r.header is not None:
             self.header_wait[it.stage] = r
@@ -204,7 +216,7 @@ class _Step:
     def _send(self, it: Any) -> None:
         d, s, i = it.kind[-1], it.stage, it.microbatch
         note = None
-        if self.train and i == self.last_mb:
+        if self._carries_verdict(d, i):
             note = self.verdict_out.pop(s, None) if d == "F" else self.verdict
             if note is None:
                 raise RuntimeError(f"internal: chunk {s} sends its last microbatch before the "
@@ -226,7 +238,7 @@ class _Step:
                                    split=(s, i) in ex.split, keep=self.train,
                                    node_split=ex.node_split, measure=self.diagnose)
         self.fwd_s += time.perf_counter() - t
-        if self.train and not last:  # the last chunk's flag is its loss (_add_verdict)
+        if self.check and not last:  # the last chunk's flag is its loss (_add_verdict)
             flag = nonfinite_flag(out)
             if flag is not None:
                 self.flags.setdefault(s, []).append(flag)
@@ -238,7 +250,7 @@ class _Step:
             self.outbox[("F", s, i)] = out
         if self.diagnose and self.train:
             self.peak = max(self.peak, sum(c.live_bytes for c in ex.chunks.values()))
-        if self.train and i == self.last_mb:
+        if self.train and i == self.last_mb and (self.check or last):
             self._add_verdict(s)
 
     def _add_verdict(self, s: int) -> None:

@@ -14,7 +14,7 @@ almost nothing, and charged by the partitioner (``partitioner.FixedCosts``):
   by 2x). Once per mode of the runtime (``engine.schedules.send_mode``), on a schedule that runs
   in it: ``action_s`` for sends waited at the step's end (1F1B forced into it; the zero-bubble
   schedules run so), ``action_s_send_wait`` for sends waited before each compute (1F1B),
-  ``action_s_yield`` for a yield to sends in flight (interleaved 1F1B, 2 chunks per rank);
+  ``action_s_yield`` for a yield to sends not yet waited (interleaved 1F1B, 2 chunks per rank);
 - ``step_s`` (and ``step_s_send_wait``, ``step_s_yield``): what a step costs beyond its actions
   (zero_grad, reading the step's verdict, an empty optimizer step), the measured step minus the
   simulated one;
@@ -56,8 +56,9 @@ _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate l
 # busy per-message cost; 6: gloo's transport thread under SCHED_BATCH; 7: the per-action and
 # per-step costs of both runtime modes, sends waited at the step's end and, under SCHED_BATCH,
 # before each compute; 8: a third mode, yielding to sends in flight, measured on
-# interleaved-1f1b; one layer per chunk; 9: a step's first data posted with its header).
-_RUNTIME_VERSION = 9
+# interleaved-1f1b; one layer per chunk; 9: a step's first data posted with its header; 10: forward
+# outputs checked for NaN/inf on diagnostic steps only, the partial verdict sent down only then).
+_RUNTIME_VERSION = 10
 
 
 def cache_path() -> Path:

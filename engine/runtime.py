@@ -112,7 +112,7 @@ def default_recv_lookahead(backend: str, schedule: Any) -> int:
 def default_send_wait(backend: str, schedule: Any, transport_threads: str | None,
                       send_wait: str | None = None) -> str:
     """What a rank does about its sends before each compute: ``"compute"`` waits for them (as
-    torch's 1F1B runtime does), ``"yield"`` gives up its core once while one is in flight, and
+    torch's 1F1B runtime does), ``"yield"`` gives up its core once while one is not yet waited, and
     ``"step"`` does neither; all are waited at the end of the step. ``send_wait`` is the caller's
     choice, checked; ``None`` picks, on gloo with its transport thread under SCHED_BATCH
     (:mod:`engine.transport`), the schedule's :func:`engine.schedules.send_mode` (``"compute"``
@@ -143,7 +143,7 @@ def default_send_wait(backend: str, schedule: Any, transport_threads: str | None
     if send_wait not in ("compute", "yield", "step"):
         raise ValueError(f"send_wait={send_wait!r}: use 'compute' (wait each compute's sends "
                          "before it), 'yield' (give up the core once before a compute while a "
-                         "send is in flight) or 'step' (wait them at the end of the step)")
+                         "send is not yet waited) or 'step' (wait them at the end of the step)")
     if send_wait == "compute" and not sends_can_block(schedule):
         raise ValueError(f"send_wait='compute' would deadlock {schedule.name}: a rank would "
                          "wait for a send whose receive its peer posts only after waiting on "
@@ -500,8 +500,11 @@ class Pipeline:
     def train_step(self, inputs: Any, targets: Any, *, diagnose: bool | None = None,
                    measure_memory: bool | None = None) -> StepResult:
         """One optimizer step on the global batch (see docs/contracts.md). ``diagnose`` (default:
-        every ``diagnose_every`` steps) adds the costly figures: bytes saved for backward, the
-        peak of live activations and the global gradient norm. ``measure_memory`` (default: the
+        every ``diagnose_every`` steps; the same on every rank) adds the costly figures: bytes
+        saved for backward, the peak of live activations and the global gradient norm, and checks
+        every forward output for NaN/inf (other steps check the loss and the gradients, and replay
+        the forward of a step whose loss is non-finite to name the stage where it began).
+        ``measure_memory`` (default: the
         first two steps and every ``memory_every`` steps when ``memory_every`` > 0; implies
         ``diagnose``) measures this rank's peak with torch's MemTracker (``engine.memtrack``)
         into ``stats["memory_measured"]``: a diagnostic that slows the step several-fold."""
@@ -524,16 +527,20 @@ class Pipeline:
     def _train_step(self, inputs: Any, targets: Any, diagnose: bool) -> StepResult:
         t0 = time.perf_counter()
         self.optimizer.zero_grad()
-        stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose)
+        # diagnostic steps also check every forward output for NaN/inf (engine.executor)
+        stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose,
+                          check=diagnose)
         t1 = time.perf_counter()
         self.optimizer.sync_gradients()   # replicas first: it waits for the overlapped buckets
         for group, prm in self._tie_groups:
             dist.all_reduce(self.optimizer.accumulated_grad(prm), group=group)
-        # The step's verdict (loss and, per chunk, whether its forward output was non-finite)
-        # reached every rank with the last microbatch's messages: every rank knows the same first
-        # stage where a NaN/inf appeared, with no collective across the pipeline.
-        del stats["_losses"]
+        # The step's verdict (loss and, on a checked step, per chunk whether its forward output
+        # was non-finite) reached every rank with the last microbatch's messages, with no
+        # collective across the pipeline: every rank takes the same decision.
+        del stats["_losses"], stats["_flags"]
         loss, bad_chunks = self._read_verdict(stats.pop("_verdict"))
+        if bad_chunks and not diagnose:
+            bad_chunks = self._locate_nonfinite(inputs, targets)
         if bad_chunks:
             stats["nonfinite_stage"] = bad_chunks[0]
             if self.nonfinite == "raise" and not loss_scaled(self.precision):
@@ -557,6 +564,25 @@ class Pipeline:
             f"first of the chunks {bad_chunks} whose output was NaN/inf; loss={loss}. "
             "Lower the lr, enable grad_clip, check the data, or pass nonfinite='skip' "
             "to skip such steps")
+
+    def _locate_nonfinite(self, inputs: Any, targets: Any) -> list[int]:
+        """The chunks whose forward output is NaN/inf on this step's batch, found by replaying its
+        forward with every output checked: run by every rank after an unchecked step whose loss
+        was non-finite (the verdict is the same everywhere). Dropout draws anew; if the replay is
+        finite, the last chunk (the loss) is named."""
+        last = self.schedule.num_chunks - 1
+        with torch.no_grad():
+            stats = self._run(self._forward_program(), inputs, targets, train=False,
+                              diagnose=False, check=True)
+        bad = torch.zeros(last + 1, dtype=torch.float64, device=self.device)
+        for s, flag in stats["_flags"].items():
+            bad[s] = flag
+        if stats["_losses"]:
+            bad[last] = (~torch.isfinite(mean_loss(stats["_losses"]))).double()
+        if self.mesh.distributed and self.mesh.world_size > 1:
+            dist.all_reduce(bad)
+        found = [s for s, b in enumerate(bad.cpu().tolist()) if b != 0]
+        return found or [last]
 
     def eval_step(self, inputs: Any, targets: Any) -> float:
         """Forward-only loss on the global batch (same on every rank)."""
@@ -599,7 +625,7 @@ class Pipeline:
         return [tuple(x) if isinstance(value, (tuple, list)) else x[0] for x in mbs]
 
     def _run(self, program: Sequence[Any], inputs: Any, targets: Any, *, train: bool,
-             diagnose: bool) -> dict:
+             diagnose: bool, check: bool = False) -> dict:
         last = self.schedule.num_chunks - 1
         x_mbs = self._microbatches(inputs, "inputs") if 0 in self.chunks else None
         y_mbs = self._microbatches(targets, "targets") if last in self.chunks else None
@@ -608,7 +634,7 @@ class Pipeline:
         if last in self.chunks and y_mbs is None:
             raise ValueError(f"rank {self.mesh.rank} runs the last stage and needs the targets")
         return self.executor.run(program, x_mbs, y_mbs, self.optimizer, train=train,
-                                 diagnose=diagnose)
+                                 diagnose=diagnose, check=check)
 
     def _read_verdict(self, verdict: Tensor) -> tuple[float, list[int]]:
         """(mean loss over replicas, chunks whose forward was non-finite) from this replica's

@@ -649,7 +649,7 @@ def send_mode(schedule: Schedule) -> SendMode:
     - ``"compute"``: waited before each compute (:func:`sends_waited_before_compute`: gpipe, 1f1b);
     - ``"yield"``: a looped schedule with several chunks per rank and no split backward
       (interleaved-1f1b), whose receives are posted ahead: before each compute the rank gives up
-      its core once while one of its sends is still in flight, and waits them at the step's end;
+      its core once while one of its sends is not yet waited, and waits them at the step's end;
     - ``"step"``: waited at the end of the step (the zero-bubble schedules).
 
     The first two run with gloo's transport thread under SCHED_BATCH, the last under the default

@@ -23,6 +23,9 @@ FAIL_STEP = 1           # 0-based training step
 LIMIT_S = 60.0
 
 
+_STEP = [0]  # the training step the worker runs (set by _train), read by the failing layer
+
+
 def _make(i: int, fail: str | None, fail_step: int, fail_layer: int = FAIL_LAYER):
     import torch
     from torch import nn
@@ -31,16 +34,19 @@ def _make(i: int, fail: str | None, fail_step: int, fail_layer: int = FAIL_LAYER
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(DIM, DIM)
-            self.calls = 0
+            self.step, self.calls = -1, 0
 
         def forward(self, x):
             y = torch.tanh(self.lin(x))
             if fail is not None and i == fail_layer and self.training:
-                step, mb = divmod(self.calls, MICRO)
+                if self.step != _STEP[0]:
+                    self.step, self.calls = _STEP[0], 0
+                # a replay of the step's forward fails the same way, except with "nan-once"
+                mb, replay = self.calls % MICRO, self.calls >= MICRO
                 self.calls += 1
-                if step == fail_step and mb == 1:   # mid-step: microbatch 1 of the step
-                    _inject(fail, y)
-                    if fail == "nan":
+                if self.step == fail_step and mb == 1 and not (replay and fail == "nan-once"):
+                    _inject(fail, y)   # mid-step: microbatch 1 of the step
+                    if fail.startswith("nan"):
                         y = y * float("nan")
             return y
 
@@ -80,6 +86,7 @@ def _train(pid_dir: str, fail: str | None, steps: int, kw: dict):
         x = torch.randn(2 * MICRO, DIM, generator=g)
         y = torch.randn(2 * MICRO, DIM, generator=g) * 0.1
         before = _params(pipe)
+        _STEP[0] = step
         r = pipe.train_step(x, y)
         after = _params(pipe)
         same = all(torch.equal(before[k], after[k]) for k in before)
@@ -226,6 +233,17 @@ def test_nan_on_middle_stage_skips_step_on_every_rank(kw):
 def _tmp_pids() -> str:
     import tempfile
     return tempfile.mkdtemp(prefix="pipeshard-pids-")
+
+
+@pytest.mark.parametrize("diagnose_every,stage", [(1, 1), (100, 2)], ids=["checked", "unchecked"])
+def test_the_stage_is_named_by_the_check_or_by_a_replay(diagnose_every, stage):
+    # A NaN that a replay of the step's forward does not reproduce: a checked (diagnostic)
+    # step names its stage from the verdict; an unchecked one can only name the loss's.
+    out = run_workers(_train, STAGES, _tmp_pids(), "nan-once", 3,
+                      {"nonfinite": "skip", "diagnose_every": diagnose_every}, timeout_s=120)
+    for rank, hist in enumerate(out):
+        skipped, loss, same, named = hist[FAIL_STEP]
+        assert skipped and same and named == stage and loss != loss, f"rank {rank}: {hist}"
 
 
 def test_nan_on_last_stage_is_named_from_the_loss():

@@ -337,7 +337,8 @@ def test_a_send_and_the_receive_after_it_are_issued_together_before_the_next_com
 
 
 def _collectives_in_a_step(schedule: str):
-    """Two training steps; the collectives each issued, and the loss and stats it reported."""
+    """Two unchecked training steps and a checked one (``diagnose``); per step the collectives
+    issued, the notes sent (by direction), and the loss and stats it reported."""
     import torch.distributed as dist
     from engine import OptimizerConfig, Pipeline
 
@@ -348,7 +349,7 @@ def _collectives_in_a_step(schedule: str):
                     optimizer=OptimizerConfig(name="sgd", lr=LR), comm_timeout_s=30)
     names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
              "reduce_scatter_tensor", "barrier", "all_to_all", "reduce", "gather", "scatter")
-    calls, saved = [], {n: getattr(dist, n) for n in names}
+    calls, notes, saved = [], [], {n: getattr(dist, n) for n in names + ("isend",)}
 
     def counting(name):
         def call(*a, **k):
@@ -356,33 +357,46 @@ def _collectives_in_a_step(schedule: str):
             return saved[name](*a, **k)
         return call
 
+    def isend(tensor, dst, group=None, tag=0):
+        if tag % 64 == 63:  # a note (engine.comm): its direction is bit 20 of the tag
+            notes.append("B" if (tag >> 20) & 1 else "F")
+        return saved["isend"](tensor, dst, group=group, tag=tag)
+
     out = []
-    for step in range(2):
+    for step, diagnose in enumerate((False, False, True)):
         for n in names:
             setattr(dist, n, counting(n))
+        dist.isend = isend
         try:
-            r = pipe.train_step(*_data(step), diagnose=False)  # diagnose: the norm's all-reduce
+            r = pipe.train_step(*_data(step), diagnose=diagnose)  # diagnose: the norm's all-reduce
         finally:
             for n, fn in saved.items():
                 setattr(dist, n, fn)
-        out.append({"collectives": list(calls), "loss": r.loss,
+        out.append({"collectives": list(calls), "loss": r.loss, "diagnose": diagnose,
+                    "notes": {d: notes.count(d) for d in "FB"},
                     "nonfinite": r.stats.get("nonfinite_stage")})
         calls.clear()
+        notes.clear()
     return out
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zbv"])
-def test_a_step_with_one_replica_needs_no_collective_and_every_rank_has_the_loss(schedule):
+@pytest.mark.parametrize("schedule,cuts", [("1f1b", 1), ("interleaved-1f1b", 3), ("zbv", 2)])
+def test_a_step_with_one_replica_needs_no_collective_and_every_rank_has_the_loss(schedule, cuts):
     """The loss and the non-finite verdict ride the last microbatch's messages (issue 10): no
     rank waits on a collective at the end of a step, yet every rank reports the same loss,
-    the single process's."""
+    the single process's. Only a checked (diagnostic) step sends the partial verdict down with
+    the activations; every step sends it up with the gradients, once per cut between ranks."""
     per_rank = run_workers(_collectives_in_a_step, 2, schedule, timeout_s=120)
-    ref = reference(_factories(), _data, OptimizerConfig(name="sgd", lr=LR), 2, seed=SEED)
+    ref = reference(_factories(), _data, OptimizerConfig(name="sgd", lr=LR), 3, seed=SEED)
     for rank, steps in enumerate(per_rank):
         for k, s in enumerate(steps):
-            assert s["collectives"] == [], (rank, k, s)
+            if not s["diagnose"]:
+                assert s["collectives"] == [], (rank, k, s)
             assert s["nonfinite"] is None
             assert s["loss"] == pytest.approx(ref["losses"][k], rel=RTOL, abs=ATOL), (rank, k)
+    for k in range(3):
+        sent = {d: sum(steps[k]["notes"][d] for steps in per_rank) for d in "FB"}
+        assert sent == {"F": cuts if per_rank[0][k]["diagnose"] else 0, "B": cuts}, (k, sent)
 
 
 def test_default_send_wait_waits_before_compute_only_where_it_cannot_deadlock():
