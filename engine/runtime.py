@@ -504,10 +504,10 @@ class Pipeline:
         saved for backward, the peak of live activations and the global gradient norm, and checks
         every forward output for NaN/inf (other steps check the loss and the gradients, and replay
         the forward of a step whose loss is non-finite to name the stage where it began).
-        ``measure_memory`` (default: the
-        first two steps and every ``memory_every`` steps when ``memory_every`` > 0; implies
-        ``diagnose``) measures this rank's peak with torch's MemTracker (``engine.memtrack``)
-        into ``stats["memory_measured"]``: a diagnostic that slows the step several-fold."""
+        ``measure_memory`` (default: the first two steps and every ``memory_every`` steps when
+        ``memory_every`` > 0; implies ``diagnose``) measures this rank's peak with torch's
+        MemTracker (``engine.memtrack``) into ``stats["memory_measured"]``: a diagnostic that
+        slows the step several-fold."""
         if measure_memory is None:
             k, n = self.step_count, self.memory_every
             measure_memory = n > 0 and (k < 2 or k % n == 0)
