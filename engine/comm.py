@@ -194,6 +194,10 @@ class P2P:
         self.wait_s = 0.0
         self.issue_s = 0.0
         self.bytes_sent = 0
+        self.in_specs: dict[int, Spec] = {}          # receiving chunk -> spec of its input
+        self.out_specs: dict[int, Spec] = {}         # sending chunk -> spec of its output
+        self._prev_in_specs: dict[int, Spec] = {}    # the same, as of each channel's last step
+        self._prev_out_specs: dict[int, Spec] = {}
         self.new_step()
 
     def new_step(self, *, speculate: bool = True) -> None:
@@ -203,16 +207,14 @@ class P2P:
         (generation's prefill and decode rounds), and after a failed step."""
         # both ends of a channel keep the spec of the last step that used it (the same one at
         # either end, since the receiver learnt it from the sender's header)
-        prev_in: dict[int, Spec] = {}
-        prev_out: dict[int, Spec] = {}
         if speculate:
-            prev_in = {**getattr(self, "_prev_in_specs", {}), **getattr(self, "in_specs", {})}
-            prev_out = {**getattr(self, "_prev_out_specs", {}), **getattr(self, "out_specs", {})}
-        self._prev_in_specs, self._prev_out_specs = prev_in, prev_out
+            self._prev_in_specs = {**self._prev_in_specs, **self.in_specs}
+            self._prev_out_specs = {**self._prev_out_specs, **self.out_specs}
+        else:
+            self._prev_in_specs, self._prev_out_specs = {}, {}
         self._sent_header: set[int] = set()          # F channels (by sending chunk) this step
         self._recv_header: set[int] = set()          # F channels (by receiving chunk) posted
-        self.in_specs: dict[int, Spec] = {}          # receiving chunk -> spec of its input
-        self.out_specs: dict[int, Spec] = {}         # sending chunk -> spec of its output
+        self.in_specs, self.out_specs = {}, {}
 
     def _group(self, direction: str) -> Any:
         return self.mesh.p2p_forward_group if direction == "F" else self.mesh.p2p_backward_group

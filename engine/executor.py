@@ -69,6 +69,12 @@ def mean_loss(losses: Sequence[Tensor]) -> Tensor:
     return torch.stack(list(losses)).float().mean().double()
 
 
+def _loss_flag(mean: Tensor) -> Tensor:
+    """The last chunk's flag: its output is the loss, so 1.0 (float64) iff the mean loss is
+    NaN/inf."""
+    return (~torch.isfinite(mean)).double()
+
+
 def _any_nonfinite(flags: list[Tensor]) -> Tensor:
     """1.0 (float64) iff one of ``flags`` is NaN/inf: one stack for the step, not an add per
     microbatch."""
@@ -94,8 +100,8 @@ class Executor:
         """Run ``program``; returns the step's figures (see ``Pipeline.train_step``) and, under
         private keys, the last chunk's losses (``_losses``), when training the step's verdict
         (``_verdict``, see the module docstring; not yet summed over replicas), and with
-        ``check`` each of this rank's non-last chunks' flag (``_flags``: 1.0 if one of its
-        forward outputs held a NaN/inf). Every rank of the pipeline must pass the same
+        ``check`` each of this rank's chunks' flag (``_flags``: 1.0 if one of its forward
+        outputs, or the last chunk's loss, held a NaN/inf). Every rank of the pipeline must pass the same
         ``train`` and ``check`` (they decide which messages carry a note)."""
         step = _Step(self, program, x_mbs, y_mbs, optimizer, train, diagnose, check)
         self.p2p.new_step()
@@ -126,7 +132,7 @@ class Executor:
                "bytes_sent": self.p2p.bytes_sent - sent0,
                "pipeline_rank": self.rank, "replica": self.p2p.mesh.replica,
                "stages": sorted(self.chunks), "_losses": step.losses, "_verdict": step.verdict,
-               "_flags": {s: _any_nonfinite(f) for s, f in step.flags.items()}}
+               "_flags": step.chunk_flags()}
         if diagnose and train:
             out["peak_activation_bytes"] = step.peak
         return out
@@ -263,7 +269,7 @@ class _Step:
             v = torch.zeros(ex.last + 2, dtype=torch.float64, device=ex.p2p.device)
         if s == ex.last:
             v[0] = mean_loss(self.losses)
-            v[1 + s] = (~torch.isfinite(v[0])).double()
+            v[1 + s] = _loss_flag(v[0])
             self.verdict = v
             return
         if s in self.flags:
@@ -272,6 +278,16 @@ class _Step:
             self.verdict_in[s + 1] = v
         else:
             self.verdict_out[s] = v
+
+    def chunk_flags(self) -> dict[int, Tensor]:
+        """On a checked run, each of this rank's chunks' flag (1.0 if a forward output, or the
+        last chunk's loss, held a NaN/inf); empty otherwise."""
+        if not self.check:
+            return {}
+        flags = {s: _any_nonfinite(f) for s, f in self.flags.items()}
+        if self.losses:
+            flags[self.ex.last] = _loss_flag(mean_loss(self.losses))
+        return flags
 
     def _backward(self, it: Any) -> None:
         ex, s, i = self.ex, it.stage, it.microbatch

@@ -577,8 +577,6 @@ class Pipeline:
         bad = torch.zeros(last + 1, dtype=torch.float64, device=self.device)
         for s, flag in stats["_flags"].items():
             bad[s] = flag
-        if stats["_losses"]:
-            bad[last] = (~torch.isfinite(mean_loss(stats["_losses"]))).double()
         if self.mesh.distributed and self.mesh.world_size > 1:
             dist.all_reduce(bad)
         found = [s for s, b in enumerate(bad.cpu().tolist()) if b != 0]
