@@ -1,20 +1,25 @@
 """Point-to-point transfer of activations and gradients between pipeline ranks.
 
 Activations (direction ``"F"``) travel as a tensor or a flat tuple of tensors. The first
-activation message of a step on each channel (chunk ``s`` -> ``s + 1``) is preceded by a compact
-int64 header (tuple-ness, and per tensor dtype, requires_grad and shape); later microbatches of the
-same step reuse it, because all microbatches of a step have equal shapes. Gradients (direction
-``"B"``) never need a header: they have the shapes of the activations the receiver sent itself,
-one per float tensor that required grad.
+activation message of a step on each channel (chunk ``s`` -> ``s + 1``) carries a compact int64
+header (tuple-ness, and per tensor dtype, requires_grad and shape); later microbatches of the same
+step reuse it, because all microbatches of a step have equal shapes. Gradients (direction ``"B"``)
+never need a header: they have the shapes of the activations the receiver sent itself, one per
+float tensor that required grad.
 
-On gloo the receiver posts the step's first data together with its header, with the shapes of
-the channel's previous step (both ends keep them): when they hold, as in training, the data does
-not wait for the header's round trip (gloo moves data only once its receive is posted). When
-they changed, the sender first sends zeros of the old shapes to those receives (same tags,
-matched in order), then the header's shapes (:meth:`P2P.new_step` ``speculate``).
+On gloo both ends of a channel keep the shapes of its previous step, and the step's first message
+is the header and the first microbatch's data packed into one buffer (:func:`packed_size` of those
+shapes): the receiver posts one receive of that size with the header's tag and views the data in
+it, so in training, where shapes hold, the header costs no message of its own and the data does not
+wait for the header's round trip (gloo moves data only once its receive is posted). When the
+shapes changed, the packed buffer holds the new header followed by zeros, and the data follows
+in its own messages, which the receiver posts on reading the header. A channel's first step (and
+every step after a failed one, or with ``speculate=False``: :meth:`P2P.new_step`) sends the
+header alone, then the data. NCCL, which matches in order, always sends the header alone.
 
-A message can carry a ``note``: a small float64 tensor sent right after its data (its own tag),
-which the receiver asks for with ``note_len`` and reads from :attr:`Recv.note`. The executor uses
+A message can carry a ``note``: a small float64 tensor sent after its data, which the receiver
+asks for with ``note_len`` and reads from :attr:`Recv.note`. On gloo a gradient message with a note
+is one buffer, the gradients then the note; elsewhere the note is a message of its own. The executor uses
 it for the step's verdict (loss and non-finite flags), which rides the last microbatch's messages
 down the pipeline and back instead of needing a collective.
 
@@ -47,6 +52,7 @@ Example::
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -59,14 +65,16 @@ from torch import Tensor
 from engine.mesh import Mesh
 
 __all__ = ["P2P", "Recv", "Spec", "CommError", "spec_of", "flatten", "unflatten", "HEADER_LEN",
-           "MAX_TENSORS"]
+           "MAX_TENSORS", "packed_size"]
 
 HEADER_LEN = 256
+_ALIGN = 64  # each tensor of a packed message starts on a 64-byte boundary
 MAX_TENSORS = 62  # per boundary value: tag slots 1..62 (0: the header, 63: a note)
 _NOTE_IDX = 63
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+_ELEMENT_SIZE = {d: torch.empty((), dtype=d).element_size() for d in _DTYPES}
 
 
 class CommError(RuntimeError):
@@ -118,6 +126,48 @@ def unflatten(is_tuple: bool, tensors: Sequence[Tensor]) -> Any:
     return tuple(tensors) if is_tuple else tensors[0]
 
 
+Layout = Sequence[tuple[tuple[int, ...], torch.dtype]]  # a packed message's parts, in order
+_HEADER_PART = ((HEADER_LEN,), torch.int64)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _layout_bytes(layout: Layout) -> int:
+    return sum(_aligned(math.prod(s) * _ELEMENT_SIZE[d]) for s, d in layout)
+
+
+def packed_size(spec: Spec) -> int:
+    """Bytes of a step's first activation message on gloo: the header, then each tensor of
+    ``spec``, each part starting on a 64-byte boundary."""
+    return _layout_bytes([_HEADER_PART, *((s, d) for s, d, _ in spec.tensors)])
+
+
+def _views(buf: Tensor, layout: Layout) -> list[Tensor]:
+    """The parts of a packed uint8 buffer, as tensors viewing it."""
+    out, off = [], 0
+    for shape, dtype in layout:
+        n = math.prod(shape) * _ELEMENT_SIZE[dtype]
+        out.append(buf[off:off + n].view(dtype).view(shape))
+        off += _aligned(n)
+    return out
+
+
+def _pack(parts: Sequence[Tensor], size: int | None, device: Any) -> Tensor:
+    """A uint8 buffer of ``size`` bytes (default: just enough) holding ``parts`` one after
+    another (aligned); bytes past the last part are zeros."""
+    layout = [(tuple(t.shape), t.dtype) for t in parts]
+    end = _layout_bytes(layout)
+    size = end if size is None else size
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    for view, t in zip(_views(buf, layout), parts):
+        view.copy_(t.detach())
+    if end < size:
+        buf[end:].zero_()
+    return buf
+
+
 def spec_of(value: Any) -> Spec:
     is_tuple, ts = flatten(value)
     if len(ts) > MAX_TENSORS:
@@ -147,6 +197,7 @@ class Recv:
         self.note_len = note_len
         self.note: Tensor | None = None  # the message's note (float64), once posted
         self.header: tuple[Tensor, Any] | None = None
+        self.packed: Spec | None = None  # the shapes the header's buffer was posted packed with
         self.spec: Spec | None = None
         self.bufs: list[Tensor] = []
         self.works: list[Any] = []
@@ -164,7 +215,7 @@ class Recv:
             return self.value
         if self.header is not None:
             self.p2p._wait(self.header[1], self)
-            self.p2p._on_header(self, Spec.decode(self.header[0]))
+            self.p2p._on_header(self)
         for w in self.works:
             self.p2p._wait(w, self)
         self.works = []
@@ -202,9 +253,10 @@ class P2P:
 
     def new_step(self, *, speculate: bool = True) -> None:
         """Start a step's handshakes (shapes may change between steps). With ``speculate`` (gloo),
-        a channel's first receive of the step also posts its data with the shapes that channel had
-        in its previous step (see :meth:`post`); pass False where shapes change every time
-        (generation's prefill and decode rounds), and after a failed step."""
+        a channel's first message of the step is its header packed with the first data, sized by
+        the shapes that channel had in its previous step (module docstring); pass False where
+        shapes change every time (generation's prefill and decode rounds), and after a failed
+        step."""
         # both ends of a channel keep the spec of the last step that used it (the same one at
         # either end, since the receiver learnt it from the sender's header)
         if speculate:
@@ -265,19 +317,14 @@ class P2P:
         if direction == "F":
             _, ts = flatten(value)
             if stage not in self._sent_header:  # the spec only for the step's first message
-                spec = spec_of(value)
-                self._sent_header.add(stage)
-                self.out_specs[stage] = spec
-                h = spec.encode().to(self.device)
-                self._track(self._issue(dist.isend, h, peer, "F", _tag("F", stage, microbatch, 0)),
-                            h, ("the header of", stage, microbatch, peer))
-                prev = self._prev_out_specs.get(stage)
-                if prev is not None and prev != spec and not self.nccl:
-                    self._fill_speculation(prev, stage, microbatch, peer)
+                ts = self._send_header(stage, microbatch, value, ts, peer)
         else:
             ts = list(value)
         boundary = stage if direction == "F" else stage - 1
         what = ("activations of" if direction == "F" else "gradients of", stage, microbatch, peer)
+        if note is not None and direction == "B" and not self.nccl:
+            self._send_with_note(stage, microbatch, ts, note, peer)
+            return
         for i, t in enumerate(ts):
             if t.numel() == 0:
                 continue
@@ -290,15 +337,33 @@ class P2P:
                                     _tag(direction, boundary, microbatch, _NOTE_IDX)), note,
                         ("the note after", stage, microbatch, peer))
 
-    def _fill_speculation(self, prev: Spec, stage: int, microbatch: int, peer: int) -> None:
-        """The receiver posted this channel's first data with last step's shapes ``prev`` (post):
-        they changed, so those receives get zeros first (same tags, so they match in order)."""
-        for i, (shape, dtype, _) in enumerate(prev.tensors):
-            z = torch.zeros(shape, dtype=dtype, device=self.device)
-            if z.numel():
-                self._track(self._issue(dist.isend, z, peer, "F",
-                                        _tag("F", stage, microbatch, i + 1)),
-                            z, ("the stale shapes of", stage, microbatch, peer))
+    def _send_with_note(self, stage: int, microbatch: int, ts: list[Tensor], note: Tensor,
+                        peer: int) -> None:
+        """gloo: gradients and their note as one message, the note last (see ``_post_data``)."""
+        buf = _pack([*ts, note], None, self.device)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in ts)
+        self._track(self._issue(dist.isend, buf, peer, "B",
+                                _tag("B", stage - 1, microbatch, _NOTE_IDX)),
+                    buf, ("the gradients and the note of", stage, microbatch, peer))
+
+    def _send_header(self, stage: int, microbatch: int, value: Any, ts: list[Tensor],
+                     peer: int) -> list[Tensor]:
+        """Send the step's header on channel ``stage``; returns the tensors still to send (none
+        when they went packed with it: the receiver posted last step's shapes, and they hold)."""
+        spec = spec_of(value)
+        self._sent_header.add(stage)
+        self.out_specs[stage] = spec
+        h = spec.encode().to(self.device)
+        prev = None if self.nccl else self._prev_out_specs.get(stage)
+        if prev is not None:  # the header and last step's shapes of data: zeros if they changed
+            same = prev == spec
+            h = _pack([h, *ts] if same else [h], packed_size(prev), self.device)
+            if same:
+                self.bytes_sent += sum(t.numel() * t.element_size() for t in ts)
+                ts = []
+        self._track(self._issue(dist.isend, h, peer, "F", _tag("F", stage, microbatch, 0)),
+                    h, ("the header of", stage, microbatch, peer))
+        return ts
 
     def _track(self, work: Any, tensor: Tensor, what: tuple[str, int, int, int]) -> None:
         # ``what`` is formatted only if the send fails (_send_what): not once per message
@@ -327,15 +392,15 @@ class P2P:
                 self._post_data(r, self.in_specs[stage])
             elif stage not in self._recv_header:
                 self._recv_header.add(stage)
-                h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                r.packed = None if self.nccl else self._prev_in_specs.get(stage)
+                if r.packed is None:
+                    h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                else:  # the header and last step's shapes of data, in one message (send)
+                    h = torch.empty(packed_size(r.packed), dtype=torch.uint8, device=self.device)
                 r.header = (h, self._issue(dist.irecv, h, peer, "F",
                                            _tag("F", stage - 1, microbatch, 0)))
-                prev = self._prev_in_specs.get(stage)
-                if prev is not None and not self.nccl:
-                    # speculation: last step's shapes posted with the header, so the data need
-                    # not wait for the header's round trip (gloo's rendezvous: ~0.2 ms a cut
-                    # while the pipeline fills); the sender fills them if its shapes changed
-                    self._post_data(r, prev)
+                if r.packed is not None:
+                    self._post_note(r)  # else posted with the data, once the header is read
             else:
                 raise CommError(f"internal: receive of chunk {stage} posted before its header "
                                 "arrived")
@@ -347,16 +412,17 @@ class P2P:
             self._post_data(r, Spec(True, tuple((s, d, False) for s, d in shapes)))
         return r
 
-    def _on_header(self, r: Recv, spec: Spec) -> None:
+    def _on_header(self, r: Recv) -> None:
+        buf = r.header[0]
+        spec = Spec.decode(buf[:HEADER_LEN * 8].view(torch.int64) if r.packed else buf)
         self.in_specs[r.stage] = spec
         r.header = None
-        if r.spec is None:
+        if r.packed is None:
             self._post_data(r, spec)
-        elif r.spec != spec:  # speculated wrong: the sender filled those receives first (send)
-            stale = sum(1 for b in r.bufs if b.numel())
-            for w in r.works[:stale]:
-                self._wait(w, r)
-            r.works, r.bufs = r.works[stale:], []   # the note's receive, if any, stays
+        elif r.packed == spec:
+            r.spec = spec
+            r.bufs = _views(buf, [_HEADER_PART, *((s, d) for s, d, _ in spec.tensors)])[1:]
+        else:  # the shapes changed: the data follows in its own messages (send)
             self._post_data(r, spec, note=False)
         self.flush()
 
@@ -365,18 +431,30 @@ class P2P:
         receive reports completion only once waited, so there this posts nothing."""
         if r.header is not None and r.header[1].is_completed():
             self._wait(r.header[1], r)
-            self._on_header(r, Spec.decode(r.header[0]))
+            self._on_header(r)
 
     def _post_data(self, r: Recv, spec: Spec, note: bool = True) -> None:
         r.spec = spec
         boundary = r.stage - 1 if r.direction == "F" else r.stage
+        if r.note_len and r.direction == "B" and not self.nccl:  # one message: _send_with_note
+            layout = [*((s, d) for s, d, _ in spec.tensors), ((r.note_len,), torch.float64)]
+            buf = torch.empty(_layout_bytes(layout), dtype=torch.uint8, device=self.device)
+            *r.bufs, r.note = _views(buf, layout)
+            r.works.append(self._issue(dist.irecv, buf, r.peer, "B",
+                                       _tag("B", boundary, r.microbatch, _NOTE_IDX)))
+            return
         for i, (shape, dtype, _) in enumerate(spec.tensors):
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             r.bufs.append(buf)
             if buf.numel():
                 r.works.append(self._issue(dist.irecv, buf, r.peer, r.direction,
                                            _tag(r.direction, boundary, r.microbatch, i + 1)))
-        if r.note_len and note:
+        if note:
+            self._post_note(r)
+
+    def _post_note(self, r: Recv) -> None:
+        if r.note_len:
+            boundary = r.stage - 1 if r.direction == "F" else r.stage
             r.note = torch.empty(r.note_len, dtype=torch.float64, device=self.device)
             r.works.append(self._issue(dist.irecv, r.note, r.peer, r.direction,
                                        _tag(r.direction, boundary, r.microbatch, _NOTE_IDX)))

@@ -57,8 +57,9 @@ _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate l
 # per-step costs of both runtime modes, sends waited at the step's end and, under SCHED_BATCH,
 # before each compute; 8: a third mode, yielding to sends in flight, measured on
 # interleaved-1f1b; one layer per chunk; 9: a step's first data posted with its header; 10: forward
-# outputs checked for NaN/inf on diagnostic steps only, the partial verdict sent down only then).
-_RUNTIME_VERSION = 10
+# outputs checked for NaN/inf on diagnostic steps only, the partial verdict sent down only then;
+# 11: on gloo a step's header travels packed with its first data, one message where shapes hold).
+_RUNTIME_VERSION = 11
 
 
 def cache_path() -> Path:
