@@ -23,12 +23,12 @@ from typing import Any, Callable, Sequence
 
 from experiments.bench.deepspeed_pp import run_deepspeed
 from experiments.bench.pipeshard_pp import run_pipeshard
-from experiments.bench.single import SINGLE_MODES, run_single
+from experiments.bench.single import SINGLE_MODES, SPLIT_MODE, run_single
 from experiments.bench.spec import BenchSpec
 from experiments.bench.torch_pp import TORCH_SCHEDULES, run_torch_pipelining
 from experiments.wiring import schedule_chunks
 
-__all__ = ["SYSTEMS", "SINGLE_MODES", "Job", "check_systems", "pipeshard_key", "job_table", "run_jobs",
+__all__ = ["SYSTEMS", "SINGLE_MODES", "SPLIT_MODE", "Job", "check_systems", "pipeshard_key", "job_table", "run_jobs",
            "error_row", "combine_rounds"]
 
 SYSTEMS = ("single", "pipeshard", "torch-pipelining", "deepspeed")

@@ -22,10 +22,15 @@ __all__ = ["calibrate", "plan_for", "prediction_fields", "relative_error"]
 
 
 def calibrate(profile: Any, single_step_s: float, microbatches: int,
-              optimizer: str = "sgd") -> tuple[Any, float]:
+              optimizer: str = "sgd", split_step_s: float | None = None) -> tuple[Any, float]:
     """``(profile with every time x k, k)`` with ``k = (single_step_s - update) / (m x sum(f +
     b))``, ``update`` the optimizer's step over every parameter when the profile carries fixed
-    costs (``partitioner.FixedCosts``), else 0."""
+    costs (``partitioner.FixedCosts``), else 0.
+
+    With ``split_step_s`` (the same step with the backward split into I and W, the single
+    process's ``"loaded-split"`` mode), the layers whose split was measured get their I and W
+    scaled by their own factor instead, so that the split step is matched too (the profile's
+    meta says it: ``split_calibration_factor``)."""
     from partitioner import Profile
 
     total = microbatches * sum(c.forward_s + c.backward_s for c in profile.layers)
@@ -38,7 +43,30 @@ def calibrate(profile: Any, single_step_s: float, microbatches: int,
     layers = [c.times_scaled(k) for c in profile.layers]
     meta = dict(profile.meta, calibrated=True, calibration_factor=k,
                 calibration="layer times x k so that m x sum(f + b) = the measured single-process step")
+    ks = _split_factor(layers, split_step_s - update, microbatches) if split_step_s else None
+    if ks is not None:
+        layers = [_split_scaled(c, ks) for c in layers]
+        meta.update(split_calibration_factor=ks * k,
+                    split_calibration="I and W x the split factor so that the split step matches too")
     return Profile(layers, dtype=profile.dtype, meta=meta, fixed=profile.fixed), k
+
+
+def _split_factor(layers: list, split_s: float, m: int) -> float | None:
+    """The factor on the (already calibrated) I and W of the layers whose split was measured that
+    makes ``m`` microbatches of F, I and W (whole backward elsewhere) take ``split_s``."""
+    split = sum(c.input_grad_s + c.weight_grad_s for c in layers if c.input_grad_s is not None)
+    rest = sum(c.forward_s + (c.backward_s if c.input_grad_s is None else 0.0) for c in layers)
+    if split <= 0 or split_s <= m * rest:
+        return None
+    return (split_s - m * rest) / (m * split)
+
+
+def _split_scaled(c: Any, ks: float) -> Any:
+    import dataclasses
+
+    if c.input_grad_s is None:
+        return c
+    return dataclasses.replace(c, input_grad_s=c.input_grad_s * ks, weight_grad_s=c.weight_grad_s * ks)
 
 
 def plan_for(profile: Any, num_stages: int, schedule: str, microbatches: int, *,

@@ -20,8 +20,8 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from engine.schedules import SCHEDULES
-from experiments.bench.jobs import SINGLE_MODES, SYSTEMS, check_systems, job_table, pipeshard_key, run_jobs
+from engine.schedules import SCHEDULE_INFO, SCHEDULES
+from experiments.bench.jobs import SINGLE_MODES, SPLIT_MODE, SYSTEMS, check_systems, job_table, pipeshard_key, run_jobs
 from experiments.bench.report import add_ideal, json_rows, ratios
 from experiments.bench.spec import BenchSpec
 from experiments.bench.torch_pp import TORCH_SCHEDULES
@@ -76,7 +76,7 @@ def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None]
         spec = dataclasses.replace(spec, trace_dir=trace_dir)
     pipeshard, entries = _entries(systems, schedules, methods, spec, raw_plans)
     searched = _search(c, prof, link, timeout, spec, pipeshard, entries, log)
-    jobs = job_table(spec, single_modes=SINGLE_MODES if "single" in systems else (), pipeshard=pipeshard,
+    jobs = job_table(spec, single_modes=_single_modes(systems, schedules), pipeshard=pipeshard,
                      torch_schedules=_torch_names(schedules) if "torch-pipelining" in systems else (),
                      deepspeed="deepspeed" in systems, timeout_s=timeout)
     combined = run_jobs(jobs, spec, rounds=rounds, log=log)
@@ -185,6 +185,15 @@ def _spec_of(spec: BenchSpec, plan: Any) -> BenchSpec:
     return dataclasses.replace(spec, chunk_ranges=tuple(plan.stage_ranges))
 
 
+def _single_modes(systems: Sequence[str], schedules: Sequence[str]) -> tuple[str, ...]:
+    """The single-process rows: the three references, and the split backward's calibration
+    beside a schedule that splits it."""
+    if "single" not in systems:
+        return ()
+    split = any(SCHEDULE_INFO[s].splits_backward for s in schedules if s in SCHEDULE_INFO)
+    return (*SINGLE_MODES, SPLIT_MODE) if split else SINGLE_MODES
+
+
 def _torch_names(schedules: list[str]) -> list[str]:
     return list(dict.fromkeys(t for s in schedules for t in TORCH_FOR_PIPESHARD.get(s, ())))
 
@@ -194,8 +203,8 @@ def _entries(systems: list[str], schedules: list[str], methods: list[str], spec:
     """The pipeshard runs, and the rows: (extra fields, job key, plan key) in report order."""
     pipeshard: list[tuple[str, BenchSpec]] = []
     entries: list[tuple[dict, tuple, str | None]] = []
-    if "single" in systems:
-        entries += [({"section": "systems"}, ("single", mode), None) for mode in SINGLE_MODES]
+    entries += [({"section": "systems"}, ("single", mode), None)
+                for mode in _single_modes(systems, schedules)]
     if "pipeshard" in systems:
         for name in schedules:
             pipeshard.append((name, _spec_of(spec, plans[name])))
@@ -219,9 +228,11 @@ def _calibrated_plans(prof: Any, raw_plans: dict, combined: dict, meta: dict, li
     p, m = meta["stages"], meta["microbatches"]
     alone = combined.get(("single", "microbatched"), {}).get("step_s")
     loaded = combined.get(("single", "loaded"), {}).get("step_s")
+    split = combined.get(("single", SPLIT_MODE), {}).get("step_s") if loaded else None
     single = loaded or alone
-    cal, factor = calibrate(prof, single, m) if single else (prof, None)
+    cal, factor = calibrate(prof, single, m, split_step_s=split) if single else (prof, None)
     meta["calibration_factor"] = factor
+    meta["split_calibration_factor"] = cal.meta.get("split_calibration_factor")
     meta["calibrated_on"] = None if not single else "single loaded" if loaded else "single microbatched"
     meta["load_slowdown"] = loaded / alone if loaded and alone else None
     plans = {}

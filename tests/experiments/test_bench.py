@@ -131,6 +131,9 @@ def test_single_modes_agree(spec: BenchSpec, single_ref: dict) -> None:
     assert loaded["copies"] == min(2, os.cpu_count() or 1) and len(loaded["peak_rss_bytes"]) == loaded["copies"]
     assert loaded["microbatches"] == 4 and loaded["step_s"] > 0
     _assert_same_math(loaded, single_ref)
+    split = run_single(spec, mode="loaded-split", return_params=True)  # the engine's I then W
+    assert split["copies"] == loaded["copies"] and split["step_s"] > 0
+    _assert_same_math(split, single_ref)
 
 
 @pytest.mark.slow

@@ -60,7 +60,7 @@ def test_every_expected_row_with_its_fields(bench: dict) -> None:
     got = {(r["section"], r["system"], r["schedule"], r.get("method")) for r in rows
            if r["section"] not in ("auto", "sweep")}
     want = {("systems", "single", "microbatched", None), ("systems", "single", "full-batch", None),
-            ("systems", "single", "loaded", None),
+            ("systems", "single", "loaded", None), ("systems", "single", "loaded-split", None),
             ("systems", "pipeshard", "1f1b", "optimal"), ("systems", "torch-pipelining", "1f1b", None),
             ("systems", "deepspeed", "1f1b", None), ("systems", "pipeshard", "zbv", "optimal"),
             ("systems", "torch-pipelining", "zbv", None),
@@ -91,6 +91,7 @@ def test_predictions_and_ratios(bench: dict) -> None:
     step = {r["schedule"]: r["step_s"] for r in bench["rows"] if r["system"] == "single"}
     assert bench["meta"]["calibrated_on"] == "single loaded"  # the compute as busy as in the pipeline
     assert bench["meta"]["load_slowdown"] == pytest.approx(step["loaded"] / step["microbatched"])
+    assert bench["meta"]["split_calibration_factor"] is None or bench["meta"]["split_calibration_factor"] > 0
     assert bench["plans"]["1f1b"]["stage_ranges"] == next(
         r["stage_ranges"] for r in bench["rows"] if r["system"] == "pipeshard")
     assert "predicted vs measured" in bench["_stdout"] and "ratios" in bench["_stdout"]
