@@ -4,7 +4,8 @@ Chain: a measured per-layer profile (``experiments.bench.problem.profile_model``
 :func:`calibrate` (optional: one factor on every layer time so that ``m`` microbatches of
 forward + backward through all layers take what the single-process run measured; it absorbs
 what isolated layer timings miss: the optimizer step, cache effects and machine load at run
-time) -> ``partitioner.partition`` (which predicts the step with ``engine.simulate`` on the
+time; with the single process's split step, the measured I and W get a factor of their own) ->
+``partitioner.partition`` (which predicts the step with ``engine.simulate`` on the
 per-stage costs, transfers at the measured link speed) -> compared with the measured row.
 
 Example::
