@@ -1,6 +1,6 @@
 """The single-process reference: the whole model in one fresh process (or p at once), SGD.
 
-Three modes, each a row with ``system="single"``:
+Four modes, each a row with ``system="single"``:
 
 - ``"microbatched"`` (the reference for ``ideal_step_s``): the global batch split into the
   same ``m`` microbatches as the pipelines, forward + backward of ``loss_i / m`` each, gradients
@@ -17,9 +17,10 @@ Three modes, each a row with ``system="single"``:
 - ``"loaded-split"``: ``"loaded"`` with the backward split as zero-bubble schedules run it: layer
   0 is one engine chunk, the rest another (``engine.stage.Chunk``, its own I/W split), and each
   microbatch runs F, then I, the first layer's whole backward, then W. The bench runs it when a
-  benched schedule splits the backward and prices the split with it: per layer I + W timed
-  alone overstates the split against the whole backward (each layer's weights stay hot in a
-  one-layer loop), and one factor cannot correct both.
+  benched schedule splits the backward and prices the split with it: the profile times I and W
+  one layer at a time, and a factor fitted to the plain step need not price the split as the
+  whole model runs it (on the equal-layer MLP the split's own factor came out 1.25-1.27 against
+  1.15-1.18, docs/performance.md).
 
 Example::
 
@@ -61,7 +62,7 @@ def _single_worker(spec: BenchSpec, mode: str, return_params: bool) -> dict[str,
         opt.step()
         return float(total / m)
 
-    result = timed_loop(spec, _split_step(model, opt, spec) if mode == "loaded-split" else step)
+    result = timed_loop(spec, _split_step(model, opt, spec) if mode == SPLIT_MODE else step)
     if return_params:
         result["params"] = named_params([model])
     return result
