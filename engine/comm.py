@@ -138,10 +138,14 @@ def _layout_bytes(layout: Layout) -> int:
     return sum(_aligned(math.prod(s) * _ELEMENT_SIZE[d]) for s, d in layout)
 
 
+def _data_layout(spec: Spec) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    return [(s, d) for s, d, _ in spec.tensors]
+
+
 def packed_size(spec: Spec) -> int:
     """Bytes of a step's first activation message on gloo: the header, then each tensor of
     ``spec``, each part starting on a 64-byte boundary."""
-    return _layout_bytes([_HEADER_PART, *((s, d) for s, d, _ in spec.tensors)])
+    return _layout_bytes([_HEADER_PART, *_data_layout(spec)])
 
 
 def _views(buf: Tensor, layout: Layout) -> list[Tensor]:
@@ -414,14 +418,14 @@ class P2P:
 
     def _on_header(self, r: Recv) -> None:
         buf = r.header[0]
-        spec = Spec.decode(buf[:HEADER_LEN * 8].view(torch.int64) if r.packed else buf)
+        parts = [buf] if r.packed is None else _views(buf, [_HEADER_PART, *_data_layout(r.packed)])
+        spec = Spec.decode(parts[0])
         self.in_specs[r.stage] = spec
         r.header = None
         if r.packed is None:
             self._post_data(r, spec)
         elif r.packed == spec:
-            r.spec = spec
-            r.bufs = _views(buf, [_HEADER_PART, *((s, d) for s, d, _ in spec.tensors)])[1:]
+            r.spec, r.bufs = spec, parts[1:]
         else:  # the shapes changed: the data follows in its own messages (send)
             self._post_data(r, spec, note=False)
         self.flush()
@@ -437,7 +441,7 @@ class P2P:
         r.spec = spec
         boundary = r.stage - 1 if r.direction == "F" else r.stage
         if r.note_len and r.direction == "B" and not self.nccl:  # one message: _send_with_note
-            layout = [*((s, d) for s, d, _ in spec.tensors), ((r.note_len,), torch.float64)]
+            layout = [*_data_layout(spec), ((r.note_len,), torch.float64)]
             buf = torch.empty(_layout_bytes(layout), dtype=torch.uint8, device=self.device)
             *r.bufs, r.note = _views(buf, layout)
             r.works.append(self._issue(dist.irecv, buf, r.peer, "B",
