@@ -87,26 +87,26 @@ def check_stage_ranges(stage_ranges: Sequence[Sequence[int]], num_layers: int,
 def default_recv_lookahead(backend: str, schedule: Any) -> int:
     """How many upcoming receives a rank posts ahead of the compute that needs them, when
     ``recv_lookahead`` is not given. NCCL: 2 (pre-posting is what lets transfers overlap).
-    gloo: 2 for a looped schedule with several chunks per rank (interleaved-1f1b), else 0.
+    gloo: 2 for a schedule with several chunks per rank (interleaved-1f1b, zbv), else 0.
 
     gloo's transfers rendezvous: the data moves only once the receiver has posted its receive.
     With one chunk per rank the next receive is for data the peer is still computing, and an early
-    post only made every later call on the pair slower (overhead benchmark). On a looped schedule
-    with several chunks, the next receive is often for data the peer sent while this rank ran
-    another chunk; posted when needed it costs a round trip on the critical path (interleaved-1f1b,
-    2 ahead against 0 in paired runs: faster in 10 of 10 on the equal-layer MLP, ~15%, and in 4
-    of 5 on the issue's GPT; docs/performance.md).
+    post only made every later call on the pair slower (overhead benchmark). With several chunks
+    per rank the next receive is often for data the peer sent while this rank ran another chunk;
+    posted when needed it costs a round trip on the critical path (paired runs, 2 ahead against 0:
+    interleaved-1f1b ~15% faster on the equal-layer MLP, 4 of 5 on the issue's GPT; zbv 15% faster
+    on the equal-layer MLP, 1-2% on the issue's GPT and the bench preset; docs/performance.md).
 
     >>> from engine.schedules import build_schedule
     >>> [default_recv_lookahead("gloo", build_schedule(n, 2, 4, v)) for n, v in
-    ...  (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2))]
-    [0, 2, 0]
+    ...  (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2), ("zb-h2", 1))]
+    [0, 2, 2, 0]
     >>> default_recv_lookahead("nccl", build_schedule("1f1b", 2, 4))
     2
     """
     if backend == "nccl":
         return 2
-    return 2 if schedule.virtual_stages > 1 and schedule.placement == "loop" else 0
+    return 2 if schedule.virtual_stages > 1 else 0
 
 
 def default_send_wait(backend: str, schedule: Any, transport_threads: str | None,
@@ -239,7 +239,7 @@ class Pipeline:
 
     See docs/contracts.md for the arguments. Extra keyword ``recv_lookahead``: how many upcoming
     receives are posted ahead of the compute that needs them (default:
-    :func:`default_recv_lookahead`, 2 on NCCL; on gloo 2 for interleaved-1f1b, else 0);
+    :func:`default_recv_lookahead`, 2 on NCCL; on gloo 2 for interleaved-1f1b and zbv, else 0);
     ``max_inflight``:
     zb-h2's bound on the microbatches a rank holds. ``transport_threads``: the scheduling policy
     of gloo's transport thread (:mod:`engine.transport`; default: :func:`default_transport_threads`,

@@ -170,8 +170,9 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     # per-chunk recomputation (a plan's stage_recompute): chunk 0 only; zbv: rank 0's chunks
     cases += [dict(schedule="1f1b", p=2, m=4, ckpt=[True, False]),
               dict(schedule="zbv", p=2, v=2, m=4, ckpt=[True, False, False, True])]
-    # interleaved posts receives 2 ahead on gloo by default: also run it posting when needed
-    cases += [dict(schedule="interleaved-1f1b", p=2, v=2, m=4, lookahead=0)]
+    # interleaved and zbv post receives 2 ahead on gloo by default: also run them posting when needed
+    cases += [dict(schedule="interleaved-1f1b", p=2, v=2, m=4, lookahead=0),
+              dict(schedule="zbv", p=2, v=2, m=4, lookahead=0)]
     # sends waited at the end of the step with gloo's default thread policy (the others on gloo
     # wait them before each compute where the schedule allows it: engine.runtime.default_send_wait)
     cases += [dict(schedule=s, p=2, m=4, transport="normal") for s in SCHEDS]
@@ -246,8 +247,8 @@ def test_parity_three_stages():
 
 @pytest.mark.parametrize("name,v,gloo", [("gpipe", 1, 0), ("1f1b", 1, 0), ("zb-h1", 1, 0),
                                          ("zb-h2", 1, 0), ("interleaved-1f1b", 2, 2),
-                                         ("interleaved-1f1b", 3, 2), ("zbv", 2, 0)])
-def test_default_recv_lookahead_posts_ahead_on_gloo_only_for_interleaved(name, v, gloo):
+                                         ("interleaved-1f1b", 3, 2), ("zbv", 2, 2)])
+def test_default_recv_lookahead_posts_ahead_on_gloo_only_with_several_chunks_per_rank(name, v, gloo):
     from engine.runtime import default_recv_lookahead
     from engine.schedules import build_schedule
 
