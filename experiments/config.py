@@ -48,6 +48,7 @@ __all__ = [
     "GradAccumDtype",
     "checkpointing_mode",
     "LoggerMode",
+    "LossKind",
     "MLPProfile",
     "HFArch",
     "Device",
@@ -125,6 +126,7 @@ OptimizerBackend = _choice("OptimizerBackend", BACKENDS)
 Precision = _choice("Precision", PRECISIONS)
 GradAccumDtype = _choice("GradAccumDtype", GRAD_ACCUM_DTYPES)
 LoggerMode = _choice("LoggerMode", ("offline", "online", "disabled"))
+LossKind = _choice("LossKind", ("full", "chunked"))
 MLPProfile = _choice("MLPProfile", ("uniform", "ramp", "hourglass"))
 HFArch = _choice("HFArch", ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox"))
 Device = _choice("Device", ("auto", "cpu", "cuda"))
@@ -153,6 +155,8 @@ class GPTConfig(ModelConfig):
     dropout: float = 0.0  # dropout after embedding, attention and MLP
     mlp_ratio: int = 4  # MLP hidden size = mlp_ratio * dim
     tie_embeddings: bool = False  # share the token embedding with the LM head (summed gradients)
+    loss: LossKind = LossKind["full"]  # LM head + cross-entropy: full ([b, s, V] logits) | chunked (never materialises the fp32 logits)
+    loss_chunk: int = 1024  # chunked loss: tokens per chunk of the fused head + cross-entropy
 
 
 @dataclass
@@ -192,6 +196,8 @@ class HFModelConfig(ModelConfig):
     tie_embeddings: bool = True  # tie input and output embeddings (as the HF models do by default)
     kv_heads: Optional[int] = None  # key/value heads (grouped-query attention; not gpt2/gpt_neox); None = heads
     intermediate: Optional[int] = None  # MLP hidden size (not gpt2); None = 4 * dim
+    loss: LossKind = LossKind["full"]  # LM head + cross-entropy: full ([b, s, V] logits) | chunked (never materialises the fp32 logits)
+    loss_chunk: int = 1024  # chunked loss: tokens per chunk of the fused head + cross-entropy
 
 
 # --------------------------------------------------------------------------- pipeline etc.
@@ -233,6 +239,7 @@ class PartitionerConfig:
     device_spec: Optional[str] = None  # analytic: device preset (partitioner.DEVICE_PRESETS, e.g. h100); null = this CPU
     attention: Optional[AttentionBackend] = None  # analytic: SDPA kernel attention is costed through: flash | efficient | math; null = the device spec's (flash)
     link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs; null = free transfers
+    calibrate: bool = False  # analytic: time a fixed kernel set on the device at hand, fit the device model, cache it per device name
     fixed_costs: bool = True  # measure: charge the runtime's fixed costs (per action, message, step) measured on this machine (cached; CPU runs)
     search: SearchConfig = field(default_factory=SearchConfig)  # pipeline.schedule=auto / microbatches=auto
 
