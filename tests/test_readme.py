@@ -24,6 +24,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 APPS = {"train": "config", "partition": "config", "bench": "config", "generate": "config",
         "export_hf": "export_hf"}
 _SHELL_BLOCK = re.compile(r"^```(?:bash|sh|shell|console)\n(.*?)^```", re.S | re.M)
+_PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
 def readme_commands(text: str) -> list[tuple[str, bool, list[str]]]:
@@ -69,7 +70,9 @@ def _compose(app: str, overrides: list[str]):
         return compose(config_name=APPS[app], overrides=overrides)
 
 
-COMMANDS = readme_commands(README.read_text(encoding="utf-8"))
+TEXT = README.read_text(encoding="utf-8")
+COMMANDS = readme_commands(TEXT)
+PYTHON_EXAMPLES = _PYTHON_BLOCK.findall(TEXT)
 
 
 def test_the_readme_shows_every_task():
@@ -90,6 +93,12 @@ def test_readme_command_composes(app, multirun, overrides):
         cfg = _compose(app, point)
         if APPS[app] == "config" and not any(o.startswith("model.pretrained=") for o in point):
             validate_config(cfg)
+
+
+@pytest.mark.parametrize("index", range(len(PYTHON_EXAMPLES)))
+def test_readme_python_example_compiles(index):
+    """The README's Python examples are valid Python (compiled, not run: they start processes)."""
+    compile(PYTHON_EXAMPLES[index], f"README.md, python block {index}", "exec")
 
 
 def test_a_bad_override_fails_here():
