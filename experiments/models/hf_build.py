@@ -16,7 +16,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from experiments.fields import get_field as _field
 from experiments.models.gpt import lm_spec
 from experiments.models.hf import build_hf_layer, config_from_json, hf_config, meta_reference
 from experiments.models.hf_cache import HFCachedChunk
@@ -36,8 +35,11 @@ def build_hf(cfg: Any) -> ModelSpec:
     Fields: pretrained, arch, layers, dim, heads, vocab, seq_len, dropout, tie_embeddings,
     kv_heads, intermediate (the size fields are ignored with `pretrained`, which brings its own).
     """
-    pretrained = _field(cfg, "pretrained", None)
-    seq_len = int(_field(cfg, "seq_len", 128))
+    from experiments.config import HFModelConfig, model_config
+
+    cfg = model_config(cfg, HFModelConfig)
+    pretrained = cfg.pretrained
+    seq_len = int(cfg.seq_len)
     if pretrained:
         from experiments.models.hf_load import load_hf_layer, pretrained_config_json
 
@@ -51,7 +53,7 @@ def build_hf(cfg: Any) -> ModelSpec:
         config_json = config.to_json_string(use_diff=False)
         _, lay = meta_reference(config_json)
         factories = [partial(build_hf_layer, lay.model_type, config_json, i) for i in range(lay.num_layers + 2)]
-        name = f"hf-{lay.model_type}-L{lay.num_layers}-d{_field(cfg, 'dim', 128)}"
+        name = f"hf-{lay.model_type}-L{lay.num_layers}-d{cfg.dim}"
     n = lay.num_layers
     ties = [_tie_pair(n)] if getattr(config, "tie_word_embeddings", False) else []
     spec = lm_spec(factories, ties, seq_len=seq_len, vocab=config.vocab_size, name=name,
