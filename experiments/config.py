@@ -270,9 +270,7 @@ class OptimConfig:
     zero_stage: int = 0  # DeepSpeed ZeRO stage over the data-parallel group: 0, 1 or 2
     backend: OptimizerBackend = OptimizerBackend["auto"]  # auto | torch | deepspeed (auto: deepspeed iff zero_stage > 0 or 16-bit weights)
     grad_accum_dtype: GradAccumDtype = GradAccumDtype["fp32"]  # gradients accumulated over microbatches in: fp32 | bf16 | fp16 (= the 16-bit weights')
-    # torch backend with data_parallel > 1: all-reduce gradient buckets over the replicas during the
-    # last backward, as soon as each is final (DDP's overlap); false: one reduction after the schedule
-    overlap_grad_reduce: bool = True
+    overlap_grad_reduce: bool = True  # torch backend, data_parallel > 1: all-reduce each gradient bucket over the replicas during the last backward, as soon as it is final (DDP's overlap); false: one reduction after the schedule
     grad_bucket_mb: float = GRAD_BUCKET_MB  # size of a data-parallel all-reduce bucket (DDP's bucket_cap_mb)
 
 
@@ -415,14 +413,14 @@ class Config:
 
     model: ModelConfig = MISSING  # model group: gpt | mlp | hf_gpt2 | hf_llama
     data: DataConfig = MISSING  # data group: text | synthetic | hf
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)
-    optimizer: OptimConfig = field(default_factory=OptimConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    bench: BenchConfig = field(default_factory=BenchConfig)
-    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # how the model is pipelined and replicated
+    partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)  # how layers are profiled and split
+    optimizer: OptimConfig = field(default_factory=OptimConfig)  # optimizer group: adamw | adam | sgd
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # Weights & Biases and the console
+    train: TrainConfig = field(default_factory=TrainConfig)  # the training loop
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoints and resuming
+    bench: BenchConfig = field(default_factory=BenchConfig)  # python -m experiments.bench
+    generate: GenerateConfig = field(default_factory=GenerateConfig)  # python -m experiments.generate
     precision: Precision = Precision["fp32"]  # fp32 | bf16 | fp16 (16-bit weights, fp32 masters in the optimizer) | bf16-autocast | fp16-autocast (fp32 weights)
     name: str = "default"  # experiment name (run directory, W&B run name)
 
@@ -587,14 +585,15 @@ def as_config(cfg: Any) -> Config:
     return _typed(Config, cfg, "")
 
 
-def model_config(model: Any) -> ModelConfig:
-    """The typed `model` group (`GPTConfig`, `MLPConfig` or `HFModelConfig`, chosen by `name`) of
-    a `DictConfig`, a dataclass or a plain dict (a checkpoint's manifest, a test's).
+def model_config(model: Any, schema: type[ModelConfig] = ModelConfig) -> ModelConfig:
+    """The typed `model` group (`GPTConfig`, `MLPConfig` or `HFModelConfig`, chosen by `name`, or
+    the given `schema`) of a `DictConfig`, a dataclass or a plain dict (a checkpoint's manifest, a
+    test's); a mapping's missing fields take the schema's defaults.
 
-    >>> model_config({"name": "mlp", "depth": 3}).depth
-    3
+    >>> model_config({"name": "mlp", "depth": 3}).depth, model_config({"layers": 2}, GPTConfig).dim
+    (3, 128)
     """
-    return _typed(ModelConfig, model, "model")
+    return _typed(schema, model, "model")
 
 
 def _typed(cls: type, value: Any, where: str) -> Any:
