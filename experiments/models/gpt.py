@@ -6,7 +6,8 @@ the LM head producing logits `[b, t, vocab]`. With a large vocabulary the first 
 cost much more than a block, which is what makes the choice of split matter.
 
 Example:
-    >>> spec = build_gpt({"layers": 2, "dim": 32, "heads": 2, "vocab": 256, "seq_len": 16})
+    >>> from experiments.config import GPTConfig
+    >>> spec = build_gpt(GPTConfig(layers=2, dim=32, heads=2, vocab=256, seq_len=16))
     >>> model = compose(spec.layers)
     >>> logits = model(spec.example_input(3))
     >>> spec.loss_fn(logits, spec.example_target(3)).ndim
@@ -113,14 +114,11 @@ def random_tokens(batch: int, *, seq_len: int, vocab: int, seed: int = 0) -> tor
 
 
 def build_gpt(cfg: Any) -> ModelSpec:
-    """Build the GPT layer factories from a model config (`experiments.config.GPTConfig` or a mapping).
+    """Build the GPT layer factories from the typed model group (`experiments.config.GPTConfig`;
+    `experiments.models.build_model` types a mapping).
 
-    Fields: layers, dim, heads, vocab, seq_len, dropout, mlp_ratio, tie_embeddings (a mapping's
-    missing fields take `GPTConfig`'s defaults).
+    Fields: layers, dim, heads, vocab, seq_len, dropout, mlp_ratio, tie_embeddings.
     """
-    from experiments.config import GPTConfig, model_config
-
-    cfg = model_config(cfg, GPTConfig)
     layers = int(cfg.layers)
     dim = int(cfg.dim)
     heads = int(cfg.heads)

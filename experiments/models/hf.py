@@ -381,14 +381,14 @@ def layers_from_hf(model: nn.Module) -> list[nn.Module]:
 def hf_config(cfg: Any) -> Any:
     """The transformers config of a random model of family `cfg.arch` (`HFModelConfig` fields).
 
-    >>> hf_config({"arch": "gpt2", "layers": 2, "dim": 32, "heads": 2, "vocab": 300, "seq_len": 16}).n_layer
+    >>> from experiments.config import HFModelConfig
+    >>> hf_config(HFModelConfig(arch="gpt2", layers=2, dim=32, heads=2, vocab=300, seq_len=16)).n_layer
     2
     """
     from transformers import AutoConfig
 
-    from experiments.config import HFModelConfig, choice_text, model_config
+    from experiments.fields import choice_text
 
-    cfg = model_config(cfg, HFModelConfig)
     arch = choice_text(cfg.arch)
     if arch not in ARCHS:
         raise ValueError(f"model.arch={arch!r}; choose one of {ARCHS} (or give model.pretrained=<dir>)")

@@ -5,8 +5,9 @@ per-layer loading from a `save_pretrained` directory (`hf_load`) and the cached 
 generation (`hf_cache`) below it, so that none of them imports another in a circle.
 
 Example:
-    >>> spec = build_hf({"arch": "llama", "layers": 2, "dim": 32, "heads": 4, "vocab": 300,
-    ...                  "seq_len": 16})                              # doctest: +SKIP
+    >>> from experiments.config import HFModelConfig
+    >>> spec = build_hf(HFModelConfig(arch="llama", layers=2, dim=32, heads=4, vocab=300,
+    ...                               seq_len=16))                    # doctest: +SKIP
     >>> len(spec.layers)                                              # doctest: +SKIP
     4
 """
@@ -35,9 +36,6 @@ def build_hf(cfg: Any) -> ModelSpec:
     Fields: pretrained, arch, layers, dim, heads, vocab, seq_len, dropout, tie_embeddings,
     kv_heads, intermediate (the size fields are ignored with `pretrained`, which brings its own).
     """
-    from experiments.config import HFModelConfig, model_config
-
-    cfg = model_config(cfg, HFModelConfig)
     pretrained = cfg.pretrained
     seq_len = int(cfg.seq_len)
     if pretrained:

@@ -11,7 +11,8 @@ Profiles (hidden width of block i of n, base width w, ratio r):
 An explicit `widths` list overrides the profile.
 
 Example:
-    >>> spec = build_mlp({"depth": 4, "dim": 32, "width": 16, "profile": "ramp", "in_dim": 8, "classes": 4})
+    >>> from experiments.config import MLPConfig
+    >>> spec = build_mlp(MLPConfig(depth=4, dim=32, width=16, profile="ramp", in_dim=8, classes=4))
     >>> compose(spec.layers)(spec.example_input(2)).shape
     torch.Size([2, 4])
 """
@@ -100,14 +101,11 @@ def random_labels(batch: int, *, classes: int, seed: int = 1) -> torch.Tensor:
 
 
 def build_mlp(cfg: Any) -> ModelSpec:
-    """Build the residual-MLP layer factories from a model config (`experiments.config.MLPConfig` or a mapping).
+    """Build the residual-MLP layer factories from the typed model group (`experiments.config.MLPConfig`;
+    `experiments.models.build_model` types a mapping).
 
-    Fields: depth, dim, width, profile, ratio, widths (optional list), in_dim, classes, dropout
-    (a mapping's missing fields take `MLPConfig`'s defaults).
+    Fields: depth, dim, width, profile, ratio, widths (optional list), in_dim, classes, dropout.
     """
-    from experiments.config import MLPConfig, model_config
-
-    cfg = model_config(cfg, MLPConfig)
     dim = int(cfg.dim)
     in_dim = int(cfg.in_dim)
     classes = int(cfg.classes)
