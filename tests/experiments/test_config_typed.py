@@ -79,3 +79,47 @@ def test_plain_dicts_take_the_schema_defaults_and_refuse_unknown_keys():
 def test_the_default_run_reads_no_hydra_node(compose_cfg):
     """Hydra's own `hydra` node is not part of the experiment config (HydraConfig holds it)."""
     assert "hydra" not in to_plain_dict(as_config(compose_cfg()))
+
+
+_SCHEMA_OF = {"model/gpt": "GPTConfig", "model/mlp": "MLPConfig", "model/hf": "HFModelConfig",
+              "model/hf_gpt2": "HFModelConfig", "model/hf_llama": "HFModelConfig", "data/text": "TextDataConfig",
+              "data/synthetic": "SyntheticDataConfig", "data/hf": "HFDataConfig", "pipeline/default": "PipelineConfig",
+              "partitioner/default": "PartitionerConfig", "optimizer/adamw": "OptimConfig",
+              "optimizer/adam": "OptimConfig", "optimizer/sgd": "OptimConfig", "logger/wandb": "LoggerConfig",
+              "generate/default": "GenerateConfig"}
+
+
+def _leaves(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+@pytest.mark.parametrize("option", sorted(_SCHEMA_OF))
+def test_group_yaml_sets_only_what_differs_from_the_dataclass(option):
+    """Defaults live in the dataclass fields alone: a group option's YAML holds only its preset
+    (values that differ, or Hydra interpolations), never a copy of a default that could drift."""
+    from omegaconf import OmegaConf
+
+    from experiments import config as schema
+
+    raw = OmegaConf.to_container(OmegaConf.load(schema.CONF_DIR / f"{option}.yaml"), resolve=False)
+    defaults = to_plain_dict(getattr(schema, _SCHEMA_OF[option])())
+    for key, value in _leaves({k: v for k, v in (raw or {}).items() if k != "defaults"}).items():
+        node = defaults
+        for part in key.split("."):
+            node = node[part]
+        assert (isinstance(value, str) and value.startswith("${")) or value != node, \
+            f"conf/{option}.yaml repeats the default {key}={value!r}; remove it (the dataclass holds it)"
+
+
+def test_the_primary_yaml_holds_no_defaults():
+    from omegaconf import OmegaConf
+
+    from experiments.config import CONF_DIR
+
+    assert set(OmegaConf.load(CONF_DIR / "config.yaml").keys()) <= {"defaults", "hydra"}
