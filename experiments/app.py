@@ -33,17 +33,19 @@ def refuse_bad_input() -> Iterator[None]:
 
 def hydra_entry(task: Callable[[Any, str], Any]) -> None:
     """Run ``task(cfg, run_dir)`` as a Hydra app on ``conf/`` (overrides from the command
-    line), turning bad input into ``error: ...`` and exit status 2."""
+    line), turning bad input into ``error: ...`` and exit status 2. ``cfg`` is the typed
+    `experiments.config.Config` (the composed config turned into the schema's dataclasses once;
+    Hydra's own ``hydra`` node stays in `HydraConfig`); the task validates it (`validate_config`)."""
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from experiments.config import CONF_DIR, register_configs
+    from experiments.config import CONF_DIR, as_config, register_configs
 
     register_configs()
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
     def _task(cfg: Any) -> None:
         with refuse_bad_input():
-            task(cfg, HydraConfig.get().runtime.output_dir)
+            task(as_config(cfg), HydraConfig.get().runtime.output_dir)
 
     _task()

@@ -1,17 +1,22 @@
 """Structured configuration for pipeshard experiments (Hydra + OmegaConf).
 
 Every config group under `conf/` is backed by a dataclass registered in Hydra's ConfigStore, so
-a misspelt key, a wrong type or an unknown choice fails when Hydra composes the config. Checks
-that span several fields live in `validate_config`, which entry points call before any worker
-starts.
+a misspelt key, a wrong type or an unknown choice fails when Hydra composes the config. The
+composed config is then turned into these dataclasses once (`as_config`, `OmegaConf.to_object`),
+checked across fields by `validate_config`, and the typed `Config` is what every entry point,
+worker and helper of experiments/ is handed and reads by attribute (`cfg.pipeline.stages`).
+Defaults live only in the field declarations below; `docs/configuration.md` is generated from
+them (`python -m experiments.config_doc`).
 
 Example:
     >>> from hydra import compose, initialize_config_dir
-    >>> from experiments.config import CONF_DIR, register_configs, validate_config
+    >>> from experiments.config import CONF_DIR, as_config, register_configs, validate_config
     >>> register_configs()
     >>> with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-    ...     cfg = compose("config", overrides=["pipeline.stages=2", "optimizer=sgd"])
-    >>> validate_config(cfg)
+    ...     composed = compose("config", overrides=["pipeline.stages=2", "optimizer=sgd"])
+    >>> cfg = validate_config(as_config(composed))
+    >>> cfg.pipeline.stages, cfg.optimizer.name
+    (2, <OptimizerName.sgd: 'sgd'>)
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from engine.choices import BACKENDS, GRAD_ACCUM_DTYPES, NONFINITE, OPTIMIZERS, PRECISIONS
 from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULES
-from experiments.fields import choice_text, get_field
+from experiments.fields import choice_text
 from partitioner.devices import ATTENTION_BACKENDS
 from partitioner.planner import METHODS
 from partitioner.planner import checkpointing_mode as _recompute_mode
@@ -79,8 +84,12 @@ __all__ = [
     "parse_memory_limit",
     "count_pipeline_layers",
     "to_plain_dict",
-    "get_field",
     "choice_text",
+    "as_config",
+    "model_config",
+    "load_config",
+    "MODEL_SCHEMAS",
+    "DATA_SCHEMAS",
     "optimizer_kwargs",
     "searches",
     "configured_microbatches",
@@ -252,18 +261,16 @@ class OptimConfig:
     lr: float = 3e-3  # peak learning rate
     momentum: float = 0.0  # sgd momentum
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # adam / adamw (beta1, beta2)
-    weight_decay: float = 0.0  # decoupled for adamw, L2 for sgd / adam
+    weight_decay: float = 0.1  # decoupled for adamw, L2 for sgd / adam
     eps: float = 1e-8  # adam / adamw epsilon
-    warmup_steps: int = 0  # linear warm-up from 0 to lr over this many steps
-    decay_steps: Optional[int] = None  # cosine decay to min_lr_ratio * lr over this many steps; null = constant
+    warmup_steps: int = 20  # linear warm-up from 0 to lr over this many steps
+    decay_steps: Optional[int] = None  # cosine decay to min_lr_ratio * lr over this many steps; null = constant (the optimizer options set ${train.steps})
     min_lr_ratio: float = 0.1  # floor of the cosine decay, as a fraction of lr
-    grad_clip: Optional[float] = None  # clip the global gradient norm (whole pipeline); null = off
+    grad_clip: Optional[float] = 1.0  # clip the global gradient norm (whole pipeline); null = off
     zero_stage: int = 0  # DeepSpeed ZeRO stage over the data-parallel group: 0, 1 or 2
     backend: OptimizerBackend = OptimizerBackend["auto"]  # auto | torch | deepspeed (auto: deepspeed iff zero_stage > 0 or 16-bit weights)
     grad_accum_dtype: GradAccumDtype = GradAccumDtype["fp32"]  # gradients accumulated over microbatches in: fp32 | bf16 | fp16 (= the 16-bit weights')
-    # torch backend with data_parallel > 1: all-reduce gradient buckets over the replicas during the
-    # last backward, as soon as each is final (DDP's overlap); false: one reduction after the schedule
-    overlap_grad_reduce: bool = True
+    overlap_grad_reduce: bool = True  # torch backend, data_parallel > 1: all-reduce each gradient bucket over the replicas during the last backward, as soon as it is final (DDP's overlap); false: one reduction after the schedule
     grad_bucket_mb: float = GRAD_BUCKET_MB  # size of a data-parallel all-reduce bucket (DDP's bucket_cap_mb)
 
 
@@ -328,7 +335,7 @@ class LoggerConfig:
 class TrainConfig:
     """`train`: the training loop."""
 
-    steps: int = 400  # optimizer steps
+    steps: int = 800  # optimizer steps (the default job trains ~100 s on 2 idle CPU cores)
     batch_size: int = 16  # global batch (all replicas, all microbatches)
     seed: int = 0  # model init (layer i under seed + i) and the data stream
     log_every: int = 10  # console / progress refresh interval in steps (metrics.jsonl gets every step)
@@ -406,14 +413,14 @@ class Config:
 
     model: ModelConfig = MISSING  # model group: gpt | mlp | hf_gpt2 | hf_llama
     data: DataConfig = MISSING  # data group: text | synthetic | hf
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)
-    optimizer: OptimConfig = field(default_factory=OptimConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    bench: BenchConfig = field(default_factory=BenchConfig)
-    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # how the model is pipelined and replicated
+    partitioner: PartitionerConfig = field(default_factory=PartitionerConfig)  # how layers are profiled and split
+    optimizer: OptimConfig = field(default_factory=OptimConfig)  # optimizer group: adamw | adam | sgd
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # Weights & Biases and the console
+    train: TrainConfig = field(default_factory=TrainConfig)  # the training loop
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoints and resuming
+    bench: BenchConfig = field(default_factory=BenchConfig)  # python -m experiments.bench
+    generate: GenerateConfig = field(default_factory=GenerateConfig)  # python -m experiments.generate
     precision: Precision = Precision["fp32"]  # fp32 | bf16 | fp16 (16-bit weights, fp32 masters in the optimizer) | bf16-autocast | fp16-autocast (fp32 weights)
     name: str = "default"  # experiment name (run directory, W&B run name)
 
@@ -434,10 +441,20 @@ def compose_config(*overrides: str) -> Any:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides))
     try:  # a bool-or-"auto" field: the one value OmegaConf's types cannot hold to its choices
-        checkpointing_mode(_get(cfg, "pipeline.activation_checkpointing", False))
+        checkpointing_mode(cfg.pipeline.activation_checkpointing)
     except ConfigError as err:
         raise ConfigCompositionException(str(err)) from None
     return cfg
+
+
+def load_config(*overrides: str) -> Config:
+    """`compose_config`, turned into the typed `Config` once (`as_config`) and validated
+    (`validate_config`): what every entry point runs on.
+
+    >>> load_config("pipeline.stages=4", "experiment=smoke").pipeline.stages   # doctest: +SKIP
+    4
+    """
+    return validate_config(as_config(compose_config(*overrides)))
 
 
 def register_configs() -> None:
@@ -516,47 +533,137 @@ def parse_memory_limit(value: Any) -> int | list[int] | None:
     return parse_size(value)
 
 
-_get = get_field
-
-
 def count_pipeline_layers(model: Any) -> int:
     """Pipeline layers of a model config without building it (embedding + blocks + head).
 
     >>> count_pipeline_layers({"name": "gpt", "layers": 4})
     6
     """
-    name = choice_text(_get(model, "name"))
-    if name == "mlp":
-        widths = _get(model, "widths")
-        return (len(widths) if widths else int(_get(model, "depth"))) + 2
+    model = model_config(model)
+    if isinstance(model, MLPConfig):
+        return (len(model.widths) if model.widths else int(model.depth)) + 2
     facts = pretrained_facts(model)
     if facts is not None:
         return facts["num_layers"] + 2
-    return int(_get(model, "layers")) + 2
+    return int(model.layers) + 2
 
 
 def pretrained_facts(model: Any) -> dict | None:
     """For a Hugging Face model config with `pretrained` set: the directory's facts
     (`num_layers`, `vocab`, `tie`, `model_type`, `learned_positions`), read from its
     config.json without loading weights; None for other models. A bad directory is a ConfigError."""
-    if choice_text(_get(model, "name")) not in HF_MODELS or not _get(model, "pretrained"):
+    model = model_config(model)
+    if not isinstance(model, HFModelConfig) or not model.pretrained:
         return None
     from experiments.models.hf_load import pretrained_facts as facts
 
     try:
-        return facts(str(_get(model, "pretrained")))
+        return facts(str(model.pretrained))
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"model.pretrained: {exc}") from None
 
 
 HF_MODELS = ("hf", "hf_gpt2", "hf_llama")
 
+MODEL_SCHEMAS: dict[str, type[ModelConfig]] = {"gpt": GPTConfig, "mlp": MLPConfig,
+                                               **{name: HFModelConfig for name in HF_MODELS}}
+"""The schema of each `model` option, by `model.name`."""
+DATA_SCHEMAS: dict[str, type[DataConfig]] = {"text": TextDataConfig, "synthetic": SyntheticDataConfig,
+                                             "hf": HFDataConfig}
+"""The schema of each `data` option, by `data.name`."""
+
+
+# --------------------------------------------------------------------------- the typed object
+def as_config(cfg: Any) -> Config:
+    """The typed `Config`: a composed `DictConfig` turned into the schema's dataclasses once
+    (`OmegaConf.to_object`), a `Config` as it is, or nested plain dicts (a saved config, a test's)
+    built into the dataclasses (groups missing from them get the schema's defaults).
+
+    >>> as_config({"model": {"name": "gpt", "layers": 2}, "data": {"name": "text"}}).model.layers
+    2
+    """
+    return _typed(Config, cfg, "")
+
+
+def model_config(model: Any, schema: type[ModelConfig] = ModelConfig) -> ModelConfig:
+    """The typed `model` group (`GPTConfig`, `MLPConfig` or `HFModelConfig`, chosen by `name`, or
+    the given `schema`) of a `DictConfig`, a dataclass or a plain dict (a checkpoint's manifest, a
+    test's); a mapping's missing fields take the schema's defaults.
+
+    >>> model_config({"name": "mlp", "depth": 3}).depth, model_config({"layers": 2}, GPTConfig).dim
+    (3, 128)
+    """
+    return _typed(schema, model, "model")
+
+
+def _typed(cls: type, value: Any, where: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_object(value)
+        if isinstance(value, cls):
+            return value
+    return _build(cls, value, where)
+
+
+def _build(cls: type, mapping: Any, where: str) -> Any:
+    """`cls(**mapping)` with nested groups built too, choices made members where they name one
+    (an unknown one is left for `validate_config` to name), and unknown keys refused."""
+    import typing
+    from collections.abc import Mapping
+
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"{where or 'the config'} must be a mapping of keys, got {mapping!r}")
+    schemas = {ModelConfig: MODEL_SCHEMAS, DataConfig: DATA_SCHEMAS}.get(cls)
+    if schemas is not None:  # the option's schema, by its name
+        name = choice_text(mapping.get("name"))
+        if name not in schemas:
+            raise ConfigError(f"unknown {where}={name!r}; choose one of {sorted(schemas)}")
+        cls = schemas[name]
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(mapping) - set(hints))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(f'{where}.{k}'.lstrip('.') for k in unknown)}; "
+                          f"{where or 'the config'} has {', '.join(sorted(hints))}")
+    return cls(**{k: _member(hints[k], v, f"{where}.{k}".lstrip(".")) for k, v in mapping.items()})
+
+
+def _member(hint: Any, value: Any, where: str) -> Any:
+    import dataclasses
+    import typing
+
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    for kind in kinds:
+        if dataclasses.is_dataclass(kind) and not isinstance(value, kind) and value is not None:
+            return _typed(kind, value, where)
+        if isinstance(kind, type) and issubclass(kind, Choice) and isinstance(value, str):
+            return kind(value) if value in kind._value2member_map_ else value
+    return value
+
+
+def _plain(value: Any) -> Any:
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Enum):
+        return choice_text(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
 
 def to_plain_dict(cfg: Any) -> dict:
-    """The resolved config as plain Python (choices as strings): for W&B, JSON and workers."""
+    """The resolved config as plain Python (choices as strings): for W&B, JSON and `plan.json`.
+
+    >>> to_plain_dict(PipelineConfig())["schedule"]
+    '1f1b'
+    """
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)  # type: ignore[return-value]
+    return _plain(cfg)
 
 
 def optimizer_kwargs(cfg: Any) -> dict:
@@ -565,21 +672,24 @@ def optimizer_kwargs(cfg: Any) -> dict:
     >>> optimizer_kwargs({"name": "sgd", "lr": 0.1})["name"]
     'sgd'
     """
-    opt = _get(cfg, "optimizer") if _get(cfg, "optimizer") is not None else cfg
-    plain = to_plain_dict(opt) if isinstance(opt, DictConfig) else dict(opt)
-    out = {k: (choice_text(v) if isinstance(v, Enum) else v) for k, v in plain.items()}
-    if "betas" in out and out["betas"] is not None:
-        out["betas"] = tuple(float(b) for b in out["betas"])
-    return out
+    if isinstance(cfg, OptimConfig):
+        opt = cfg
+    elif isinstance(cfg, Config) or (isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is Config):
+        opt = as_config(cfg).optimizer  # the whole config
+    else:
+        opt = _typed(OptimConfig, cfg, "optimizer")
+    return {**_plain(opt), "betas": None if opt.betas is None else tuple(float(b) for b in opt.betas)}
 
 
-def validate_config(cfg: Any) -> None:
+def validate_config(cfg: Any) -> Config:
     """Cross-field checks run before any worker starts; raises `ConfigError` saying how to fix it.
 
-    Works on a composed `DictConfig`, a `Config` dataclass or a nested dict. The schedule,
-    precision, optimizer and ZeRO rules are the engine's (`engine.schedules`, `engine.choices`);
-    this function names the config keys that break them.
+    Takes the typed `Config` (a composed `DictConfig` or nested dicts are turned into it first,
+    `as_config`) and returns it. The schedule, precision, optimizer and ZeRO rules are the
+    engine's (`engine.schedules`, `engine.choices`); this function names the config keys that
+    break them.
     """
+    cfg = as_config(cfg)
     _check_counts(cfg)
     _check_batch(cfg)
     _check_schedule(cfg)
@@ -590,25 +700,29 @@ def validate_config(cfg: Any) -> None:
     _check_checkpointing(cfg)
     _check_model_and_data(cfg)
     _check_intervals(cfg)
+    return cfg
 
 
-def _check_intervals(cfg: Any) -> None:
-    for key in ("train.log_every", "train.eval_every", "checkpoint.every_steps", "train.max_restarts"):
-        value = _get(cfg, key)
+def _check_intervals(cfg: Config) -> None:
+    train = cfg.train
+    for key, value in (("train.log_every", train.log_every), ("train.eval_every", train.eval_every),
+                       ("checkpoint.every_steps", cfg.checkpoint.every_steps),
+                       ("train.max_restarts", train.max_restarts)):
         if value is not None and int(value) < 0:
             raise ConfigError(f"{key}={value}; it must be >= 0 (0 turns it off)")
-    if int(_get(cfg, "train.max_restarts", 0) or 0) > 0 and not int(_get(cfg, "checkpoint.every_steps") or 0):
-        raise ConfigError(f"train.max_restarts={_get(cfg, 'train.max_restarts')} restarts a failed job from its newest "
+    if int(train.max_restarts or 0) > 0 and not int(cfg.checkpoint.every_steps or 0):
+        raise ConfigError(f"train.max_restarts={train.max_restarts} restarts a failed job from its newest "
                           "checkpoint, but checkpoint.every_steps=0 writes none; set checkpoint.every_steps (e.g. 50)")
 
 
 def configured_microbatches(cfg: Any) -> int | None:
     """`pipeline.microbatches` as a count, or None for `auto` (the planner chooses).
 
-    >>> configured_microbatches({"pipeline": {"microbatches": "auto"}}), configured_microbatches({"pipeline": {"microbatches": 8}})
-    (None, 8)
+    >>> configured_microbatches(Config(pipeline=PipelineConfig(microbatches="auto")))
+    >>> configured_microbatches(Config(pipeline=PipelineConfig(microbatches=8)))
+    8
     """
-    value = _get(cfg, "pipeline.microbatches")
+    value = as_config(cfg).pipeline.microbatches
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().lstrip("-").isdigit():
@@ -620,29 +734,29 @@ def configured_microbatches(cfg: Any) -> int | None:
 def searches(cfg: Any) -> bool:
     """Whether the planner chooses the layout: `pipeline.schedule=auto` or `pipeline.microbatches=auto`
     (`partitioner.search`)."""
-    return choice_text(_get(cfg, "pipeline.schedule")) == AUTO or configured_microbatches(cfg) is None
+    cfg = as_config(cfg)
+    return choice_text(cfg.pipeline.schedule) == AUTO or configured_microbatches(cfg) is None
 
 
-def _layout(cfg: Any) -> tuple[int, int | None, int, int]:
+def _layout(cfg: Config) -> tuple[int, int | None, int, int]:
     """(stages, microbatches or None for auto, virtual stages, replicas) of `pipeline`."""
-    p = _get(cfg, "pipeline")
-    return (int(_get(p, "stages")), configured_microbatches(cfg), int(_get(p, "virtual_stages", 1)),
-            int(_get(p, "data_parallel", 1)))
+    p = cfg.pipeline
+    return int(p.stages), configured_microbatches(cfg), int(p.virtual_stages), int(p.data_parallel)
 
 
-def _check_counts(cfg: Any) -> None:
+def _check_counts(cfg: Config) -> None:
     stages, micro, virtual, dp = _layout(cfg)
     for key, value in (("pipeline.stages", stages), ("pipeline.microbatches", 1 if micro is None else micro),
                        ("pipeline.virtual_stages", virtual), ("pipeline.data_parallel", dp),
-                       ("train.batch_size", int(_get(cfg, "train.batch_size"))),
-                       ("train.steps", int(_get(cfg, "train.steps", 1)))):
+                       ("train.batch_size", int(cfg.train.batch_size)),
+                       ("train.steps", int(cfg.train.steps))):
         if value < 1:
             raise ConfigError(f"{key}={value}; it must be at least 1")
 
 
-def _check_batch(cfg: Any) -> None:
+def _check_batch(cfg: Config) -> None:
     stages, micro, _, dp = _layout(cfg)
-    batch = int(_get(cfg, "train.batch_size"))
+    batch = int(cfg.train.batch_size)
     if micro is None:  # auto: the batch per replica must hold at least one microbatch per stage
         if batch % dp or batch // dp < stages:
             fixed = dp * stages * max(1, -(-batch // (dp * stages)))
@@ -661,15 +775,15 @@ def _check_batch(cfg: Any) -> None:
         )
 
 
-def _check_schedule(cfg: Any) -> None:
+def _check_schedule(cfg: Config) -> None:
     """The schedule's own rules (`engine.schedules.build_schedule`), with the config keys named."""
     from engine.schedules import SCHEDULES, build_schedule
 
     stages, micro, virtual, _ = _layout(cfg)
-    schedule = choice_text(_get(cfg, "pipeline.schedule"))
+    schedule = choice_text(cfg.pipeline.schedule)
     if schedule not in (*SCHEDULES, AUTO):
         raise ConfigError(f"pipeline.schedule={schedule!r}; choose one of {list(SCHEDULES)} or {AUTO!r}")
-    cap = _get(cfg, "pipeline.max_inflight")
+    cap = cfg.pipeline.max_inflight
     _check_search(cfg, schedule, cap, stages)
     if schedule == AUTO:
         return
@@ -683,15 +797,15 @@ def _check_schedule(cfg: Any) -> None:
             + ("" if cap is None else f", pipeline.max_inflight={cap}") + f": {err}") from None
 
 
-def _check_search(cfg: Any, schedule: str, cap: Any, stages: int) -> None:
+def _check_search(cfg: Config, schedule: str, cap: Any, stages: int) -> None:
     """`partitioner.search` (read only when the planner chooses), and `pipeline.max_inflight` under auto."""
     from engine.schedules import SCHEDULE_INFO, build_schedule
 
-    listed = _get(cfg, "partitioner.search.schedules")
+    listed = cfg.partitioner.search.schedules
     unknown = sorted(set(map(choice_text, listed or ())) - set(SCHEDULES))
     if unknown:
         raise ConfigError(f"partitioner.search.schedules has unknown schedules {unknown}; choose from {list(SCHEDULES)}")
-    if int(_get(cfg, "partitioner.search.max_virtual_stages", 4)) < 2:
+    if int(cfg.partitioner.search.max_virtual_stages) < 2:
         raise ConfigError("partitioner.search.max_virtual_stages must be >= 2 (interleaved-1f1b runs 2 or more "
                           "chunks per rank)")
     if schedule != AUTO or cap is None:
@@ -706,11 +820,11 @@ def _check_search(cfg: Any, schedule: str, cap: Any, stages: int) -> None:
         raise ConfigError(f"pipeline.max_inflight={cap}: {err}") from None
 
 
-def _check_layers(cfg: Any) -> None:
+def _check_layers(cfg: Config) -> None:
     stages, _, virtual, _ = _layout(cfg)
-    if choice_text(_get(cfg, "pipeline.schedule")) == AUTO:
+    if choice_text(cfg.pipeline.schedule) == AUTO:
         virtual = 1  # chosen by the search, which needs one layer per chunk of the layouts it tries
-    layers, chunks = count_pipeline_layers(_get(cfg, "model")), stages * virtual
+    layers, chunks = count_pipeline_layers(cfg.model), stages * virtual
     if layers < chunks:
         raise ConfigError(
             f"the model has {layers} pipeline layers but pipeline.stages x pipeline.virtual_stages = {chunks} "
@@ -719,20 +833,20 @@ def _check_layers(cfg: Any) -> None:
         )
 
 
-def _check_precision(cfg: Any) -> None:
+def _check_precision(cfg: Config) -> None:
     from engine.choices import PRECISIONS, precision_problem
 
-    precision = choice_text(_get(cfg, "precision", "fp32"))
+    precision = choice_text(cfg.precision)
     problem = precision_problem(precision)
     if problem is not None:
         raise ConfigError(f"precision={precision!r}; choose exactly one of {list(PRECISIONS)} "
                           f"(e.g. precision=bf16); {problem}")
 
 
-def _check_memory_limit(cfg: Any) -> None:
+def _check_memory_limit(cfg: Config) -> None:
     stages = _layout(cfg)[0]
     try:
-        limit = parse_memory_limit(_get(cfg, "partitioner.memory_limit"))
+        limit = parse_memory_limit(cfg.partitioner.memory_limit)
     except ConfigError as err:
         raise ConfigError(f"partitioner.memory_limit: {err}") from None
     if isinstance(limit, list) and len(limit) != stages:
@@ -742,23 +856,23 @@ def _check_memory_limit(cfg: Any) -> None:
         )
 
 
-def _check_optimizer(cfg: Any) -> None:
+def _check_optimizer(cfg: Config) -> None:
     from engine.choices import ZERO_STAGES, check_grad_accum_dtype, resolve_backend
 
-    zero = int(_get(cfg, "optimizer.zero_stage", 0))
+    zero = int(cfg.optimizer.zero_stage)
     if zero not in ZERO_STAGES:
         raise ConfigError(f"optimizer.zero_stage={zero}; choose 0 (off), 1 (optimizer state) or 2 (+ gradients)")
-    if float(_get(cfg, "optimizer.lr", 1.0)) <= 0:
+    if float(cfg.optimizer.lr) <= 0:
         raise ConfigError("optimizer.lr must be positive, e.g. optimizer.lr=3e-3")
-    precision = choice_text(_get(cfg, "precision", "fp32"))
-    backend = choice_text(_get(cfg, "optimizer.backend", "auto"))
+    precision = choice_text(cfg.precision)
+    backend = choice_text(cfg.optimizer.backend)
     if backend == "torch" and zero > 0:
         raise ConfigError(
             f"optimizer.zero_stage={zero} needs DeepSpeed; set optimizer.backend=auto (or deepspeed), "
             "or optimizer.zero_stage=0")
     try:
         resolve_backend(backend, zero, precision)
-        check_grad_accum_dtype(choice_text(_get(cfg, "optimizer.grad_accum_dtype", "fp32")), precision)
+        check_grad_accum_dtype(choice_text(cfg.optimizer.grad_accum_dtype), precision)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -779,25 +893,25 @@ def checkpointing_mode(value: Any) -> bool | str:
     return {"off": False, "on": True}.get(mode, mode)
 
 
-def _check_checkpointing(cfg: Any) -> None:
-    checkpointing_mode(_get(cfg, "pipeline.activation_checkpointing", False))
-    if int(_get(cfg, "train.memory_every", 0) or 0) < 0:
+def _check_checkpointing(cfg: Config) -> None:
+    checkpointing_mode(cfg.pipeline.activation_checkpointing)
+    if int(cfg.train.memory_every or 0) < 0:
         raise ConfigError("train.memory_every must be >= 0 (0 turns the memory measurement off)")
 
 
-def _check_model_and_data(cfg: Any) -> None:
-    model, stages = _get(cfg, "model"), _layout(cfg)[0]
-    model_name = choice_text(_get(model, "name"))
+def _check_model_and_data(cfg: Config) -> None:
+    model, stages = cfg.model, _layout(cfg)[0]
+    model_name = choice_text(model.name)
     facts = pretrained_facts(model)
-    tied = facts["tie"] if facts else bool(_get(model, "tie_embeddings", model_name in HF_MODELS))
-    if int(_get(cfg, "optimizer.zero_stage", 0)) == 2 and tied and stages > 1:
+    tied = facts["tie"] if facts else (not isinstance(model, MLPConfig) and bool(model.tie_embeddings))
+    if int(cfg.optimizer.zero_stage) == 2 and tied and stages > 1:
         raise ConfigError(
             f"optimizer.zero_stage=2 cannot be used with model.tie_embeddings=true over pipeline.stages={stages}: "
             "the embedding (first stage) and the head (last stage) share a weight whose gradients are summed "
             "between stages, but ZeRO-2 shards gradients during backward; set optimizer.zero_stage=1, or "
             "model.tie_embeddings=false"
         )
-    data_name = choice_text(_get(cfg, "data.name"))
+    data_name = choice_text(cfg.data.name)
     if model_name == "mlp" and data_name != "synthetic":
         raise ConfigError(f"model=mlp takes feature vectors, not text; use data=synthetic (got data={data_name})")
     if data_name == "hf":
@@ -805,47 +919,47 @@ def _check_model_and_data(cfg: Any) -> None:
     if facts is not None:
         _check_pretrained(model, facts, data_name)
     elif model_name in ("gpt", *HF_MODELS):
-        vocab = int(_get(model, "vocab"))
+        vocab = int(model.vocab)
         if data_name == "text" and vocab < 256:
             raise ConfigError(f"data=text is byte-level (256 symbols) but model.vocab={vocab}; set model.vocab>=256")
-        dim, heads = int(_get(model, "dim")), int(_get(model, "heads"))
+        dim, heads = int(model.dim), int(model.heads)
         if dim % heads:
             raise ConfigError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
 
 
-def _check_hf_data(cfg: Any) -> None:
+def _check_hf_data(cfg: Config) -> None:
     """`data=hf` settings that need no file access (the files are checked by `hfdata.prepare`)."""
     from experiments.hfdata.layout import DataError, Holdout, ShardLayout
     from experiments.hfdata.tokens import tokenizer_dir
 
-    data = _get(cfg, "data")
-    if _get(data, "files") in (None, "", []):
+    data = cfg.data
+    if data.files in (None, "", []):
         raise ConfigError("data=hf needs data.files: a file, directory or glob of your text, e.g. "
                           "data.files='corpus/*.jsonl' (or a list: data.files=[a.txt,b.jsonl])")
-    dp = int(_get(cfg, "pipeline.data_parallel", 1))
-    shards = _get(data, "shards")
+    dp = int(cfg.pipeline.data_parallel)
+    shards = data.shards
     try:
-        tokenizer_dir(_get(data, "tokenizer"), _get(cfg, "model.pretrained"))
-        Holdout(float(_get(data, "eval_fraction", 0.05)))
-        ShardLayout(int(shards) if shards is not None else dp, int(_get(cfg, "train.batch_size")), dp)
+        tokenizer_dir(data.tokenizer, (cfg.model.pretrained if isinstance(cfg.model, HFModelConfig) else None))
+        Holdout(float(data.eval_fraction))
+        ShardLayout(int(shards) if shards is not None else dp, int(cfg.train.batch_size), dp)
     except DataError as err:
         raise ConfigError(str(err)) from None
-    if bool(_get(data, "streaming", False)) and bool(_get(data, "shuffle", False)):
+    if bool(data.streaming) and bool(data.shuffle):
         raise ConfigError("data.shuffle=true cannot be used with data.streaming=true (streaming reads the "
                           "files in order); shuffle the files beforehand, or set data.streaming=false")
-    if int(_get(data, "prefetch", 2)) < 1:
-        raise ConfigError(f"data.prefetch={_get(data, 'prefetch')}; it must be at least 1")
+    if int(data.prefetch) < 1:
+        raise ConfigError(f"data.prefetch={data.prefetch}; it must be at least 1")
 
 
-def _check_pretrained(model: Any, facts: dict, data_name: str) -> None:
+def _check_pretrained(model: HFModelConfig, facts: dict, data_name: str) -> None:
     """A pretrained model against the data and sequence length."""
-    where = f"the model in model.pretrained={_get(model, 'pretrained')}"
+    where = f"the model in model.pretrained={model.pretrained}"
     if data_name == "text" and facts["vocab"] < 256:
         raise ConfigError(f"data=text is byte-level (256 symbols) but {where} has a vocabulary of {facts['vocab']}")
-    if data_name == "synthetic" and int(_get(model, "vocab")) > facts["vocab"]:
-        raise ConfigError(f"data=synthetic draws tokens below model.vocab={_get(model, 'vocab')} but {where} has a "
+    if data_name == "synthetic" and int(model.vocab) > facts["vocab"]:
+        raise ConfigError(f"data=synthetic draws tokens below model.vocab={model.vocab} but {where} has a "
                           f"vocabulary of {facts['vocab']}; set model.vocab={facts['vocab']}")
     learned = facts["learned_positions"]
-    if learned is not None and int(_get(model, "seq_len")) > learned:
-        raise ConfigError(f"model.seq_len={_get(model, 'seq_len')} exceeds the {learned} positions of {where}; "
+    if learned is not None and int(model.seq_len) > learned:
+        raise ConfigError(f"model.seq_len={model.seq_len} exceeds the {learned} positions of {where}; "
                           f"set model.seq_len<={learned}")

@@ -27,7 +27,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from experiments.fields import get_field as _get
 
 __all__ = ["Dataset", "TextDataset", "SyntheticTokens", "SyntheticFeatures", "make_dataset", "read_corpus"]
 
@@ -168,43 +167,35 @@ class SyntheticFeatures:
         return self._batch(self.seed + self.offset, _EVAL, index, batch_size)
 
 
-def make_dataset(cfg: Any, *, replica: int = 0) -> Dataset:
-    """The dataset for a whole experiment config (`data`, `model` and `train.seed` are used).
+def make_dataset(cfg: Any, *, replica: int = 0, prepared: dict | None = None) -> Dataset:
+    """The dataset for a whole experiment config (`data`, `model` and `train.seed` are used;
+    the typed `Config`, or what `experiments.config.as_config` takes).
 
     `replica`: the data-parallel replica this process trains (data=hf reads only its shards;
-    the other datasets are pure functions of the step and ignore it).
+    the other datasets are pure functions of the step and ignore it). `prepared`: data=hf's
+    settings as `experiments.hfdata.prepare` resolved them (the job's `data`).
 
     >>> ds = make_dataset({"data": {"name": "synthetic"}, "model": {"name": "gpt", "seq_len": 8, "vocab": 50},
     ...                    "train": {"seed": 0}})
     >>> ds.train_batch(0, 2)[0].shape
     torch.Size([2, 8])
     """
-    data, model, train = _get(cfg, "data"), _get(cfg, "model"), _get(cfg, "train")
-    name = str(getattr(_get(data, "name"), "value", _get(data, "name")))
-    model_name = str(getattr(_get(model, "name"), "value", _get(model, "name")))
-    seed = int(_get(train, "seed", 0)) if train is not None else 0
-    if name == "text":
-        if model_name == "mlp":
+    from experiments.config import HFDataConfig, MLPConfig, SyntheticDataConfig, TextDataConfig, as_config
+
+    cfg = as_config(cfg)
+    data, model, seed = cfg.data, cfg.model, int(cfg.train.seed)
+    if isinstance(data, TextDataConfig):
+        if isinstance(model, MLPConfig):
             raise ValueError("data=text needs a language model; use data=synthetic with model=mlp")
-        return TextDataset(
-            int(_get(model, "seq_len")),
-            seed=seed,
-            root=_get(data, "root"),
-            suffix=str(_get(data, "suffix", ".py")),
-            max_bytes=int(_get(data, "max_bytes", 8_000_000)),
-            holdout_fraction=float(_get(data, "holdout_fraction", 0.05)),
-        )
-    if name == "synthetic":
-        offset = int(_get(data, "holdout_seed_offset", 1_000_003))
-        if model_name == "mlp":
-            return SyntheticFeatures(
-                int(_get(model, "in_dim")), int(_get(model, "classes")), seed=seed, holdout_seed_offset=offset
-            )
-        return SyntheticTokens(
-            int(_get(model, "seq_len")), int(_get(model, "vocab")), seed=seed, holdout_seed_offset=offset
-        )
-    if name == "hf":
+        return TextDataset(int(model.seq_len), seed=seed, root=data.root, suffix=str(data.suffix),
+                           max_bytes=int(data.max_bytes), holdout_fraction=float(data.holdout_fraction))
+    if isinstance(data, SyntheticDataConfig):
+        offset = int(data.holdout_seed_offset)
+        if isinstance(model, MLPConfig):
+            return SyntheticFeatures(int(model.in_dim), int(model.classes), seed=seed, holdout_seed_offset=offset)
+        return SyntheticTokens(int(model.seq_len), int(model.vocab), seed=seed, holdout_seed_offset=offset)
+    if isinstance(data, HFDataConfig):
         from experiments.hfdata import HFTextData, spec_of
 
-        return HFTextData(spec_of(cfg), replica=replica)
-    raise ValueError(f"unknown data={name!r}; choose data=text, data=synthetic or data=hf")
+        return HFTextData(spec_of(cfg, prepared), replica=replica)
+    raise ValueError(f"unknown data={data.name!r}; choose data=text, data=synthetic or data=hf")

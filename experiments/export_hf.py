@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from experiments.config import HF_MODELS, ConfigError
+from experiments.config import HF_MODELS, ConfigError, HFModelConfig, model_config
 
 __all__ = ["resolve_checkpoint", "read_checkpoint", "hf_model_from_layers", "export", "main"]
 
@@ -58,24 +58,30 @@ def read_checkpoint(path: str | Path) -> tuple[dict, dict[int, dict[str, Any]]]:
     return ckpt.meta, ckpt.layers
 
 
-def _config_json(model_cfg: Mapping[str, Any]) -> str:
+def _hf_model(model_cfg: Any) -> HFModelConfig:
+    """The typed model group of a checkpoint's manifest (or a run's config); Hugging Face models only."""
+    model = model_config(model_cfg)
+    if not isinstance(model, HFModelConfig):
+        raise ConfigError(f"the checkpoint is of model={model.name}; only Hugging Face models "
+                          f"({', '.join(HF_MODELS)}) export to a Hugging Face directory")
+    return model
+
+
+def _config_json(model_cfg: Any) -> str:
     from experiments.models.hf import hf_config
 
-    name = str(model_cfg.get("name"))
-    if name not in HF_MODELS:
-        raise ConfigError(f"the checkpoint is of model={name}; only Hugging Face models ({', '.join(HF_MODELS)}) "
-                          "export to a Hugging Face directory")
-    if model_cfg.get("pretrained"):
+    model = _hf_model(model_cfg)
+    if model.pretrained:
         from experiments.models.hf_load import pretrained_config_json
 
         try:
-            return pretrained_config_json(str(model_cfg["pretrained"]))
+            return pretrained_config_json(str(model.pretrained))
         except OSError as exc:
             raise ConfigError(f"the checkpoint's model.pretrained directory is needed for its config: {exc}") from None
-    return hf_config(model_cfg).to_json_string(use_diff=False)
+    return hf_config(model).to_json_string(use_diff=False)
 
 
-def hf_model_from_layers(model_cfg: Mapping[str, Any], layers: Mapping[int, Mapping[str, Any]]) -> Any:
+def hf_model_from_layers(model_cfg: Any, layers: Mapping[int, Mapping[str, Any]]) -> Any:
     """The transformers model (on the CPU) holding these pipeline layers' tensors."""
     import torch
 
@@ -137,7 +143,7 @@ def export(checkpoint: str | Path, out: str | Path, *, max_shard_size: str | int
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
-    source = model_cfg.get("pretrained")
+    source = _hf_model(model_cfg).pretrained
     if source:
         for f in Path(source).iterdir():  # tokenizer, generation config, ...
             if f.is_file() and f.name not in _NOT_COPIED and f.suffix not in (".safetensors", ".bin"):
@@ -151,15 +157,22 @@ def main() -> None:
     """The Hydra entry point (`conf/export_hf.yaml`)."""
     import hydra
 
-    from experiments.config import CONF_DIR, register_configs
+    from omegaconf import MissingMandatoryValue, OmegaConf
+
     from experiments.app import refuse_bad_input
+    from experiments.config import CONF_DIR, ExportConfig, register_configs
 
     register_configs()
 
     @hydra.main(config_path=str(CONF_DIR), config_name="export_hf", version_base="1.3")
-    def _task(cfg: Any) -> None:
+    def _task(composed: Any) -> None:
         with refuse_bad_input():
-            out = export(cfg.checkpoint, cfg.out, max_shard_size=cfg.max_shard_size, dtype=cfg.get("dtype"))
+            try:
+                cfg: ExportConfig = OmegaConf.to_object(composed)  # type: ignore[assignment]
+            except MissingMandatoryValue as err:
+                raise ConfigError(f"{err.full_key} is required: python -m experiments.export_hf "
+                                  "checkpoint=<checkpoint, checkpoint root or run dir> out=<dir>") from None
+            out = export(cfg.checkpoint, cfg.out, max_shard_size=cfg.max_shard_size, dtype=cfg.dtype)
             print(f"exported {resolve_checkpoint(cfg.checkpoint)} -> {out} "
                   "(load it with AutoModelForCausalLM.from_pretrained)", flush=True)
 

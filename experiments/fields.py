@@ -1,7 +1,9 @@
-"""Reading a config field, whatever the config is: a composed `DictConfig`, a dataclass or plain dicts.
+"""`choice_text` (a choice as plain text), and the old dotted-path reader `get_field`.
 
-The one config reader of experiments/ (config validation, the wiring, models and data use it).
-No dependencies, so a model or dataset built from plain dicts imports nothing of Hydra.
+experiments/ reads the typed `experiments.config.Config` by attribute (`cfg.pipeline.stages`);
+`get_field` is kept only so that code written before the typed config still imports while it is
+converted: tests/experiments/test_config_reads.py fails on any use of it in engine/,
+partitioner/ or experiments/.
 
 Example:
     >>> get_field({"pipeline": {"stages": 2}}, "pipeline.stages")

@@ -32,8 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from experiments.config import HF_MODELS, ConfigError, count_pipeline_layers, to_plain_dict
-from experiments.fields import get_field as _get
+from experiments.config import Config, ConfigError, HFModelConfig, as_config, count_pipeline_layers
 
 __all__ = ["GenerateJob", "read_prompts", "stage_split", "token_ids", "generate_worker",
            "single_process_generate", "run", "main"]
@@ -41,9 +40,9 @@ __all__ = ["GenerateJob", "read_prompts", "stage_split", "token_ids", "generate_
 
 @dataclass
 class GenerateJob:
-    """What every rank needs (plain data)."""
+    """What every rank needs (picklable): the typed config, the prompts, the split and the ids."""
 
-    config: dict
+    config: Config
     prompts: list
     stage_ranges: list
     eos_token_id: Any
@@ -110,9 +109,9 @@ def token_ids(cfg: Any, spec: Any) -> tuple[Any, int]:
     gen_file = Path(pretrained) / "generation_config.json" if pretrained else None
     if gen_file is not None and gen_file.is_file():
         config = {**config, **{k: v for k, v in json.loads(gen_file.read_text()).items() if v is not None}}
-    eos = _get(cfg, "generate.eos_token_id")
+    eos = cfg.generate.eos_token_id
     eos = config.get("eos_token_id") if eos is None else (None if int(eos) < 0 else int(eos))
-    pad = _get(cfg, "generate.pad_token_id")
+    pad = cfg.generate.pad_token_id
     if pad is None:
         pad = config.get("pad_token_id")
     if pad is None:
@@ -120,12 +119,12 @@ def token_ids(cfg: Any, spec: Any) -> tuple[Any, int]:
     return eos, int(pad) if pad is not None else 0
 
 
-def _sampling(cfg: dict) -> Any:
+def _sampling(cfg: Config) -> Any:
     from engine.generate import SamplingConfig
 
-    g = cfg["generate"]
-    return SamplingConfig(do_sample=bool(g["do_sample"]), temperature=float(g["temperature"]),
-                          top_k=int(g["top_k"]), top_p=float(g["top_p"]), seed=int(g["seed"]))
+    g = cfg.generate
+    return SamplingConfig(do_sample=bool(g.do_sample), temperature=float(g.temperature),
+                          top_k=int(g.top_k), top_p=float(g.top_p), seed=int(g.seed))
 
 
 def generate_worker(job: GenerateJob) -> dict:
@@ -137,24 +136,24 @@ def generate_worker(job: GenerateJob) -> dict:
 
     torch.set_num_threads(1)
     cfg = job.config
-    spec = build_model(cfg["model"])
-    device = None if cfg["train"].get("device", "auto") == "auto" else cfg["train"]["device"]
-    gen = Generator(spec.layers, job.stage_ranges, chunk=spec.cached_chunk, seed=int(cfg["train"]["seed"]),
-                    device=device, ties=spec.ties, comm_timeout_s=float(cfg["pipeline"]["comm_timeout_s"]))
-    res = gen.generate(job.prompts, int(cfg["generate"]["max_new_tokens"]), sampling=_sampling(cfg),
-                       microbatches=cfg["generate"].get("microbatches"), pad_token_id=job.pad_token_id,
+    spec = build_model(cfg.model)
+    device = None if cfg.train.device == "auto" else str(cfg.train.device)
+    gen = Generator(spec.layers, job.stage_ranges, chunk=spec.cached_chunk, seed=int(cfg.train.seed),
+                    device=device, ties=spec.ties, comm_timeout_s=float(cfg.pipeline.comm_timeout_s))
+    res = gen.generate(job.prompts, int(cfg.generate.max_new_tokens), sampling=_sampling(cfg),
+                       microbatches=cfg.generate.microbatches, pad_token_id=job.pad_token_id,
                        eos_token_id=job.eos_token_id)
     return {"tokens": res.tokens, "wall_s": res.wall_s, "tokens_per_s": res.tokens_per_s,
             "new_tokens": res.new_tokens, "microbatches": res.microbatches, "stats": res.stats}
 
 
-def _reference_model(cfg: dict, spec: Any) -> Any:
+def _reference_model(cfg: Config, spec: Any) -> Any:
     """The whole model as a transformers model, with the weights the pipeline used."""
     import torch
 
     from experiments.export_hf import hf_model_from_layers
 
-    pretrained = cfg["model"].get("pretrained")
+    pretrained = cfg.model.pretrained
     if pretrained:
         from transformers import AutoModelForCausalLM
 
@@ -162,35 +161,36 @@ def _reference_model(cfg: dict, spec: Any) -> Any:
                                                     attn_implementation="sdpa").eval()
     from experiments.models import compose
 
-    layers = {i: dict(m.state_dict()) for i, m in enumerate(compose(spec.layers, int(cfg["train"]["seed"])))}
+    layers = {i: dict(m.state_dict()) for i, m in enumerate(compose(spec.layers, int(cfg.train.seed)))}
     for a, b in spec.ties:  # tied: the pipeline's second copy holds the first's value
         (la, _, na), (lb, _, nb) = a.partition("."), b.partition(".")
         layers[int(lb)][nb] = layers[int(la)][na]
-    return hf_model_from_layers(cfg["model"], layers)
+    return hf_model_from_layers(cfg.model, layers)
 
 
-def single_process_generate(cfg: dict, spec: Any, prompts: Sequence[Sequence[int]], eos: Any, pad: int) -> dict:
+def single_process_generate(cfg: Config, spec: Any, prompts: Sequence[Sequence[int]], eos: Any, pad: int) -> dict:
     """transformers' `model.generate` on all prompts in one batch, one process, one thread (on
     `train.device`, like the pipeline)."""
     import torch
 
     from engine.generate import left_pad, trim_at_eos
 
-    g = cfg["generate"]
-    device = cfg["train"].get("device", "auto")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    from experiments.wiring import resolve_device
+
+    g = cfg.generate
+    device = resolve_device(cfg)
     model = _reference_model(cfg, spec).to(device)
     ids, mask = (t.to(device) for t in left_pad(prompts, pad))
-    kwargs: dict[str, Any] = {"do_sample": bool(g["do_sample"])}
-    if g["do_sample"]:
-        kwargs.update(temperature=float(g["temperature"]), top_k=int(g["top_k"]), top_p=float(g["top_p"]))
-        torch.manual_seed(int(g["seed"]))
+    kwargs: dict[str, Any] = {"do_sample": bool(g.do_sample)}
+    if g.do_sample:
+        kwargs.update(temperature=float(g.temperature), top_k=int(g.top_k), top_p=float(g.top_p))
+        torch.manual_seed(int(g.seed))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=int(g["max_new_tokens"]), use_cache=True,
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=int(g.max_new_tokens), use_cache=True,
                                  eos_token_id=eos, pad_token_id=pad, **kwargs)
         wall = time.perf_counter() - t0
     finally:
@@ -200,14 +200,14 @@ def single_process_generate(cfg: dict, spec: Any, prompts: Sequence[Sequence[int
             "new_tokens": int(new.numel()), "tokens_per_s": new.numel() / wall}
 
 
-def _report(run_dir: Path, prompts: list, res: dict, single: dict | None, cfg: dict, ranges: list) -> dict:
+def _report(run_dir: Path, prompts: list, res: dict, single: dict | None, cfg: Config, ranges: list) -> dict:
     with open(run_dir / "generations.jsonl", "w") as f:
         for p, t in zip(prompts, res["tokens"]):
             f.write(json.dumps({"prompt": p, "tokens": t}) + "\n")
     report: dict[str, Any] = {
         "stages": len(ranges), "stage_ranges": [list(r) for r in ranges], "microbatches": res["microbatches"],
-        "prompts": len(prompts), "max_new_tokens": int(cfg["generate"]["max_new_tokens"]),
-        "do_sample": bool(cfg["generate"]["do_sample"]), "threads_per_process": 1,
+        "prompts": len(prompts), "max_new_tokens": int(cfg.generate.max_new_tokens),
+        "do_sample": bool(cfg.generate.do_sample), "threads_per_process": 1,
         "pipelined_tokens_per_s": res["tokens_per_s"], "pipelined_wall_s": res["wall_s"],
         "pipelined_new_tokens": res["new_tokens"], "per_rank": res["per_rank"]}
     if single is not None:
@@ -233,37 +233,37 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
     from experiments.config import pretrained_facts
     from experiments.models import build_model
 
-    plain = to_plain_dict(cfg)
-    if plain["model"]["name"] not in HF_MODELS:
-        raise ConfigError(f"model={plain['model']['name']} cannot generate; use model=hf (model.pretrained=DIR)")
-    stages = int(plain["pipeline"]["stages"])
-    layers = count_pipeline_layers(plain["model"])  # also checks model.pretrained
+    cfg = as_config(cfg)
+    if not isinstance(cfg.model, HFModelConfig):
+        raise ConfigError(f"model={cfg.model.name} cannot generate; use model=hf (model.pretrained=DIR)")
+    stages = int(cfg.pipeline.stages)
+    layers = count_pipeline_layers(cfg.model)  # also checks model.pretrained
     if not 1 <= stages <= layers:
         raise ConfigError(f"pipeline.stages={stages}; generation needs 1 <= stages <= {layers} (the model's "
                           "pipeline layers)")
-    prompts = read_prompts(_get(cfg, "generate.prompts"))
-    spec = build_model(plain["model"])
-    facts = pretrained_facts(plain["model"])
-    learned = facts["learned_positions"] if facts else (int(plain["model"]["seq_len"])
+    prompts = read_prompts(cfg.generate.prompts)
+    spec = build_model(cfg.model)
+    facts = pretrained_facts(cfg.model)
+    learned = facts["learned_positions"] if facts else (int(cfg.model.seq_len)
                                                         if spec.extra.get("arch") == "gpt2" else None)
     try:
-        check_prompts(prompts, int(plain["generate"]["max_new_tokens"]), vocab=int(spec.extra["vocab"]),
+        check_prompts(prompts, int(cfg.generate.max_new_tokens), vocab=int(spec.extra["vocab"]),
                       max_positions=learned)
-        _sampling(plain).check()
+        _sampling(cfg).check()
     except ValueError as exc:
         raise ConfigError(f"generate: {exc}") from None
     ranges = stage_split(spec, stages)
     eos, pad = token_ids(cfg, spec)
-    job = GenerateJob(plain, prompts, [list(r) for r in ranges], eos, pad)
+    job = GenerateJob(cfg, prompts, [list(r) for r in ranges], eos, pad)
     results = engine.launch(generate_worker, len(ranges), job)
     mine = [r for r in results if r is not None]
     if "RANK" in os.environ and int(os.environ["RANK"]) != 0:
         return None
     res = dict(mine[-1], per_rank=[r["stats"] for r in results if r is not None])
-    single = single_process_generate(plain, spec, prompts, eos, pad) if plain["generate"]["compare"] else None
+    single = single_process_generate(cfg, spec, prompts, eos, pad) if cfg.generate.compare else None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return _report(run_dir, prompts, res, single, plain, ranges)
+    return _report(run_dir, prompts, res, single, cfg, ranges)
 
 
 def main() -> None:

@@ -24,9 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.config import ConfigError, searches, to_plain_dict
-from experiments.fields import choice_text
-from experiments.fields import get_field as _get
+from experiments.config import Config, ConfigError, HFDataConfig, searches, to_plain_dict
 from experiments.wiring import (check_checkpoint_model, checkpoint_root, make_plan, plan_matches, resolve_layout,
                                 resume_checkpoint, run_name, world_size)
 
@@ -37,25 +35,33 @@ __all__ = ["Job", "prepare_job", "under_torchrun", "check_restartable_run_dir"]
 class Job:
     """Everything a rank needs; picklable (it crosses to the workers).
 
-    config: the resolved experiment config as plain dicts (`experiments.config.to_plain_dict`), with
-        the planner's layout written in when it chose one (`pipeline.schedule=auto`).
+    config: the typed experiment config (`experiments.config.Config`), with the planner's layout
+        written in when it chose one (`pipeline.schedule=auto`).
     plan: the `partitioner.Plan` being run (its stage ranges, and the predictions for the metrics).
     run_dir: the shared run directory (metrics.jsonl, W&B, pictures).
     checkpoint_root: where checkpoints go (`<run_dir>/checkpoints` by default).
     resume_from: a complete checkpoint directory to start from, or None for a fresh start.
     run_name: the W&B run name.
+    data: with data=hf, the data settings `experiments.hfdata.prepare` resolved (files, tokenizer,
+        shards, the tokenized cache's files); None otherwise.
     """
 
-    config: dict
+    config: Config
     plan: Any
     run_dir: str
     checkpoint_root: str
     resume_from: str | None = None
     run_name: str = "run"
+    data: dict | None = None
 
     @property
     def stage_ranges(self) -> list[tuple[int, int]]:
         return list(self.plan.stage_ranges)
+
+    def plain_config(self) -> dict:
+        """The config as plain Python for W&B (`data` as prepared, with data=hf)."""
+        plain = to_plain_dict(self.config)
+        return plain if self.data is None else {**plain, "data": self.data}
 
 
 def under_torchrun() -> bool:
@@ -83,7 +89,10 @@ def check_restartable_run_dir() -> None:
 
 
 def prepare_job(cfg: Any, run_dir: Path) -> Job:
-    """The job for `cfg` in `run_dir` (see the module docstring)."""
+    """The job for the typed `cfg` in `run_dir` (see the module docstring)."""
+    from experiments.config import as_config
+
+    cfg = as_config(cfg)
     if not under_torchrun():
         return _prepare(cfg, run_dir)
     check_restartable_run_dir()
@@ -106,11 +115,11 @@ def _plan_for(cfg: Any, spec: Any, run_dir: Path, resume: Path | None) -> Any:
     return plan
 
 
-def _prepare(cfg: Any, run_dir: Path) -> Job:
+def _prepare(cfg: Config, run_dir: Path) -> Job:
     """Model, resume point, plan (printed and saved)."""
     from experiments.models import build_model
 
-    spec = build_model(_get(cfg, "model"))
+    spec = build_model(cfg.model)
     resume = resume_checkpoint(cfg, run_dir)
     if resume is not None:
         check_checkpoint_model(resume, spec)
@@ -120,23 +129,21 @@ def _prepare(cfg: Any, run_dir: Path) -> Job:
     print(plan.summary(), flush=True)
     if resume is not None:
         print(f"resuming from {resume}", flush=True)
-    config = to_plain_dict(cfg)
+    config = cfg
     if searches(cfg):
-        config = resolve_layout(config, plan)
+        config = resolve_layout(cfg, plan)
         print(f"the planner chose {plan.schedule}, {plan.microbatches} microbatches"
               + (f", {plan.virtual_stages} chunks per rank" if plan.virtual_stages > 1 else "")
               + (f", max_inflight {plan.max_inflight}" if plan.max_inflight is not None else "")
               + (f", recompute on chunks {[c for c, r in enumerate(plan.stage_recompute) if r]}"
                  if any(plan.stage_recompute) else ""), flush=True)
-    if data is not None:
-        config["data"] = data
     return Job(config=config, plan=plan, run_dir=str(run_dir), checkpoint_root=str(checkpoint_root(cfg, run_dir)),
-               resume_from=str(resume) if resume else None, run_name=run_name(config))
+               resume_from=str(resume) if resume else None, run_name=run_name(config), data=data)
 
 
-def _prepare_data(cfg: Any, resume: Path | None) -> dict | None:
+def _prepare_data(cfg: Config, resume: Path | None) -> dict | None:
     """data=hf: check (and tokenize) the files before launch; the resolved `data` for the workers."""
-    if choice_text(_get(cfg, "data.name")) != "hf":
+    if not isinstance(cfg.data, HFDataConfig):
         return None
     import json
 

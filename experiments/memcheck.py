@@ -90,7 +90,7 @@ def smallest_limit(prof: Any, kwargs: dict[str, Any], checkpointing: str) -> int
 
 def _prepare(layout: Layout, base: Sequence[str]) -> dict[str, Any]:
     """The resolved config and plan of a layout (profiled here, as `experiments.train` does)."""
-    from experiments.config import compose_config, to_plain_dict
+    from experiments.config import as_config, compose_config
     from experiments.models import build_model
     from experiments.wiring import make_plan, partition_kwargs, profile_model, world_size
 
@@ -101,7 +101,7 @@ def _prepare(layout: Layout, base: Sequence[str]) -> dict[str, Any]:
         limit = int(smallest_limit(prof, partition_kwargs(cfg), "off") * layout.limit_fraction)
         cfg = compose_config(*base, *layout.overrides, f"partitioner.memory_limit={limit}B")
     plan = make_plan(cfg, spec, prof)
-    return {"name": layout.name, "config": to_plain_dict(cfg), "plan": plan, "world": world_size(cfg)}
+    return {"name": layout.name, "config": as_config(cfg), "plan": plan, "world": world_size(cfg)}
 
 
 def _worker(jobs: list[dict], steps: int) -> list[dict]:
@@ -120,12 +120,12 @@ def _worker(jobs: list[dict], steps: int) -> list[dict]:
     out = []
     for job in jobs:
         cfg, plan = job["config"], job["plan"]
-        spec = build_model(cfg["model"])
+        spec = build_model(cfg.model)
         pipe = Pipeline(spec.layers, loss_fn=spec.loss_fn,
                         optimizer=OptimizerConfig(**engine_optimizer_kwargs(cfg)),
                         **pipeline_kwargs(cfg, plan.stage_ranges, ties=spec.ties,
                                           recompute=plan.stage_recompute or None))
-        data, batch = make_dataset(cfg), int(cfg["train"]["batch_size"])
+        data, batch = make_dataset(cfg), int(cfg.train.batch_size)
         peaks, kinds, losses = [], [], []
         for step in range(steps):
             x, y = data.train_batch(step, batch)

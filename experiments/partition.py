@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from experiments.app import hydra_entry
-from experiments.config import searches, to_plain_dict, validate_config
+from experiments.config import as_config, searches, validate_config
 from experiments.fields import choice_text as _text
-from experiments.fields import get_field as _get
-from experiments.wiring import make_plan, profile_model, profiles_by_size, resolve_layout, search_layout
+from experiments.wiring import (make_plan, microbatch_size, profile_model, profiles_by_size, resolve_layout,
+                                search_layout)
 
 __all__ = ["compare_plans", "comparison_rows", "format_comparison", "run", "main", "COMPARISON_FILE"]
 
@@ -48,7 +48,8 @@ def compare_plans(cfg: Any, spec: Any = None, prof: Any = None) -> dict[str, Any
 
     from experiments.models import build_model
 
-    spec = spec if spec is not None else build_model(_get(cfg, "model"))
+    cfg = as_config(cfg)
+    spec = spec if spec is not None else build_model(cfg.model)
     prof = prof if prof is not None else profile_model(cfg, spec)
     out: dict[str, Any] = {}
     for method in partitioner.METHODS:
@@ -122,11 +123,11 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
 
     from experiments.models import build_model
 
-    validate_config(cfg)
+    cfg = validate_config(cfg)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    spec = build_model(_get(cfg, "model"))
-    method = _text(_get(cfg, "partitioner.method"))
+    spec = build_model(cfg.model)
+    method = _text(cfg.partitioner.method)
     cfg, prof, searched = _layout(cfg, spec)
     prof.to_json(run_dir / "profile.json")
     plans = compare_plans(cfg, spec, prof)
@@ -134,7 +135,7 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
         plans[method] = searched  # the same split, with the search's record
     chosen = plans[method]
     print(f"model {spec.name}: {len(spec.layers)} pipeline layers, {spec.num_params:,} parameters; "
-          f"profile: {_text(_get(cfg, 'partitioner.profile'))}", flush=True)
+          f"profile: {_text(cfg.partitioner.profile)}", flush=True)
     if not isinstance(chosen, str):
         print(chosen.summary(), flush=True)
         chosen.to_json(run_dir / "plan.json")
@@ -158,9 +159,8 @@ def _layout(cfg: Any, spec: Any) -> tuple[Any, Any, Any]:
         return cfg, profile_model(cfg, spec), None
     profiles = profiles_by_size(cfg, spec)
     plan = search_layout(cfg, spec, profiles).plan
-    resolved = resolve_layout(to_plain_dict(cfg), plan)
-    return resolved, profiles(int(_get(resolved, "train.batch_size")) // int(_get(resolved, "pipeline.data_parallel"))
-                              // plan.microbatches), plan
+    resolved = resolve_layout(cfg, plan)
+    return resolved, profiles(microbatch_size(resolved)), plan
 
 
 def main() -> None:

@@ -91,15 +91,15 @@ def announce(event: dict[str, Any]) -> None:
           f"{lost_text}" + (f"; it followed: {cause}" if cause else ""), flush=True)
 
 
-def make_checkpointer(ccfg: dict, root: str, num_layers: int) -> Any:
+def make_checkpointer(ccfg: Any, root: str, num_layers: int) -> Any:
     """The job's `engine.checkpoint.Checkpointer` (collective: every rank, same point), or None
     when `checkpoint.every_steps` is 0."""
-    if not int(ccfg.get("every_steps") or 0):
+    if not int(ccfg.every_steps or 0):
         return None
     from engine.checkpoint import Checkpointer
 
-    return Checkpointer(root, num_layers=num_layers, keep_last=int(ccfg.get("keep_last") or 0) or None,
-                        async_save=bool(ccfg.get("async_save", True)))
+    return Checkpointer(root, num_layers=num_layers, keep_last=int(ccfg.keep_last or 0) or None,
+                        async_save=bool(ccfg.async_save))
 
 
 def checkpoint_event(saved: Any) -> dict[str, Any]:

@@ -50,17 +50,22 @@ def run_worker(job: Job) -> dict:
     return Trainer(job).run()
 
 
-def checkpoint_meta(step: int, scalars: dict, cfg: dict, stage_ranges: list,
+_META_LAYOUT = ("stages", "schedule", "microbatches", "virtual_stages", "data_parallel")
+
+
+def checkpoint_meta(step: int, scalars: dict, cfg: Any, stage_ranges: list,
                     data_state: dict | None = None) -> dict:
     """The JSON run state stored with a checkpoint (rank 0's copy is kept in the manifest).
 
     `data_position` is the step whose batch comes next; `data` (data=hf) the readers' place
     behind it: the shard count and, when streaming, each shard's position in the files."""
+    from experiments.config import as_config, to_plain_dict
+
+    cfg = as_config(cfg)
     meta = {"step": int(step), "data_position": int(step), "optimizer": scalars,
             "stage_ranges": [list(r) for r in stage_ranges],
-            "pipeline": {k: cfg["pipeline"][k] for k in ("stages", "schedule", "microbatches",
-                                                           "virtual_stages", "data_parallel")},
-            "model": cfg["model"], "seed": cfg["train"]["seed"]}
+            "pipeline": {k: v for k, v in to_plain_dict(cfg.pipeline).items() if k in _META_LAYOUT},
+            "model": to_plain_dict(cfg.model), "seed": int(cfg.train.seed)}
     if data_state is not None:
         meta["data"] = data_state
     return meta
@@ -142,11 +147,11 @@ class Trainer:
     def __init__(self, job: Job) -> None:
         self.job, self.cfg = job, job.config
         self.plan = job.plan
-        self.tcfg, self.lcfg, self.ccfg = self.cfg["train"], self.cfg["logger"], self.cfg["checkpoint"]
-        self.total_steps = int(self.tcfg["steps"])
-        self.batch = int(self.tcfg["batch_size"])
-        self.log_every = max(1, int(self.tcfg.get("log_every") or 1))
-        self.every = int(self.ccfg.get("every_steps") or 0)
+        self.tcfg, self.lcfg, self.ccfg = self.cfg.train, self.cfg.logger, self.cfg.checkpoint
+        self.total_steps = int(self.tcfg.steps)
+        self.batch = int(self.tcfg.batch_size)
+        self.log_every = max(1, int(self.tcfg.log_every or 1))
+        self.every = int(self.ccfg.every_steps or 0)
         self.start = 0
         self.losses: list[float] = []
         self.times: list[float] = []
@@ -165,8 +170,8 @@ class Trainer:
         from experiments.wiring import engine_optimizer_kwargs, pipeline_kwargs
 
         torch.set_num_threads(1)
-        self.spec = build_model(self.cfg["model"])
-        device = None if self.tcfg.get("device", "auto") == "auto" else self.tcfg["device"]
+        self.spec = build_model(self.cfg.model)
+        device = None if self.tcfg.device == "auto" else str(self.tcfg.device)
         self.pipe = Pipeline(self.spec.layers, loss_fn=self.spec.loss_fn,
                              optimizer=OptimizerConfig(**engine_optimizer_kwargs(self.cfg)),
                              **pipeline_kwargs(self.cfg, self.job.stage_ranges, ties=self.spec.ties,
@@ -177,7 +182,8 @@ class Trainer:
         self.owner = self.rank == self.p - 1  # last stage of replica 0 owns the loss
         self.last = self.pipe.schedule.num_chunks - 1
         needs_data = 0 in self.pipe.chunks or self.last in self.pipe.chunks
-        self.data = make_dataset(self.cfg, replica=self.pipe.mesh.replica) if needs_data else None
+        self.data = (make_dataset(self.cfg, replica=self.pipe.mesh.replica, prepared=self.job.data)
+                     if needs_data else None)
         self.data_time = 0.0
         self.measured_f = [0.0] * self.p
         self.measured_b = [0.0] * self.p
@@ -201,18 +207,18 @@ class Trainer:
         lcfg, plan = self.lcfg, self.plan
         run_dir = Path(self.job.run_dir)
         self.tracker = Tracker(
-            run_dir, config={**self.cfg, "plan": {k: getattr(plan, k) for k in (
+            run_dir, config={**self.job.plain_config(), "plan": {k: getattr(plan, k) for k in (
                 "stage_ranges", "step_s", "bubble_fraction", "method", "predicted_by", "stage_recompute")}},
-            mode=lcfg["mode"], project=lcfg["project"], name=self.job.run_name, entity=lcfg.get("entity"),
-            group=lcfg.get("group"), tags=lcfg.get("tags") or (), enabled=self.owner)
-        self.show_bar = self.owner and bool(lcfg.get("progress", True))
+            mode=lcfg.mode, project=lcfg.project, name=self.job.run_name, entity=lcfg.entity,
+            group=lcfg.group, tags=lcfg.tags or (), enabled=self.owner)
+        self.show_bar = self.owner and bool(lcfg.progress)
         self.bar = ProgressBar(self.total_steps, enabled=self.show_bar, description=self.job.run_name)
         self.bar.update(self.start)
         if not self.owner:
             return
         self.tracker.log_plan(plan, step=self.start)
         self.tracker.summary({"resumed_from_step": self.start} if self.start else {})
-        if lcfg.get("timeline", True):
+        if lcfg.timeline:
             png = run_dir / "timeline_predicted.png"
             plan.simulate().to_png(png, title=f"predicted ({plan.schedule}, p={self.p}, m={plan.microbatches})")
             self.tracker.log_image("timeline/predicted", png, caption="plan's predicted schedule", step=self.start)
@@ -259,7 +265,7 @@ class Trainer:
     def _measured(self, step: int) -> bool:
         """Whether step `step` (0-based) measures each rank's peak memory: the first two steps
         of the run (or of a resumed run) and every `train.memory_every` steps."""
-        every = int(self.tcfg.get("memory_every") or 0)
+        every = int(self.tcfg.memory_every or 0)
         return every > 0 and (step - self.start < 2 or step % every == 0)
 
     def step(self, step: int) -> Any:
@@ -278,7 +284,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         """The held-out loss over `train.eval_batches` batches (every rank joins)."""
-        n = max(1, int(self.tcfg.get("eval_batches", 1)))
+        n = max(1, int(self.tcfg.eval_batches))
         return sum(self.pipe.eval_step(*self._batch_of(i, True)) for i in range(n)) / n
 
     # --------------------------------------------------------------------------------- record
@@ -331,7 +337,7 @@ class Trainer:
         if self._logged(done) or "memory_measured" in res.stats:
             ranks, more = self._gather(res, done)
             extra.update(more)
-        eval_every = int(self.tcfg.get("eval_every") or 0)
+        eval_every = int(self.tcfg.eval_every or 0)
         if (eval_every and done % eval_every == 0) or done == self.total_steps:
             extra["eval_loss"] = self.evaluate()
         tokens = int(self.spec.tokens_per_sample)
@@ -370,7 +376,7 @@ class Trainer:
         """data=hf: every replica's reader position, merged (collective: every rank calls it)."""
         import torch.distributed as dist
 
-        if self.cfg["data"].get("name") != "hf":
+        if self.job.data is None:  # data=hf alone has reader positions
             return None
         from experiments.hfdata import merge_states
 
@@ -454,7 +460,7 @@ class Trainer:
 
     def _measured_timeline(self, step: int) -> None:
         """The plan's schedule re-simulated with the measured per-chunk compute times."""
-        if not (self.lcfg.get("timeline", True) and self.n_gathered):
+        if not (self.lcfg.timeline and self.n_gathered):
             return
         plan = self.plan
         per = self.n_gathered * plan.microbatches * plan.virtual_stages

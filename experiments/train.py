@@ -26,7 +26,6 @@ from typing import Any
 
 from experiments.app import hydra_entry
 from experiments.config import validate_config
-from experiments.fields import get_field as _get
 from experiments.job import prepare_job, under_torchrun
 from experiments.wiring import checkpoint_root, world_size
 
@@ -39,19 +38,19 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any] | None:
     import engine
     from experiments.runner import run_worker
 
-    validate_config(cfg)
+    cfg = validate_config(cfg)
     job = prepare_job(cfg, Path(run_dir).resolve())
     run_dir = Path(job.run_dir)
-    timeout = _get(cfg, "train.timeout_s")
+    timeout = cfg.train.timeout_s
     try:  # engine.launch owns SIGINT / SIGTERM while the workers run
         results = engine.launch(run_worker, world_size(cfg), job, timeout_s=float(timeout) if timeout else None,
-                                max_restarts=int(_get(cfg, "train.max_restarts", 0) or 0))
+                                max_restarts=int(cfg.train.max_restarts or 0))
     except KeyboardInterrupt:
         _print_stopped(cfg, run_dir)
         return None
     if under_torchrun():
         _close_process_group()
-    owner = int(_get(cfg, "pipeline.stages")) - 1  # the last stage of replica 0 owns the loss
+    owner = int(cfg.pipeline.stages) - 1  # the last stage of replica 0 owns the loss
     summary = results[owner] if len(results) > owner else None
     if under_torchrun() and any(r.get("stopped_at") for r in results if r is not None):
         if int(os.environ["RANK"]) == 0:

@@ -1,6 +1,7 @@
 """The experiment config turned into what the engine and the partitioner take.
 
-Pure functions of a config (a composed `DictConfig`, a `Config` dataclass or plain dicts): the
+Pure functions of the typed config (`experiments.config.Config`; a composed `DictConfig` or
+plain dicts are turned into it first, `as_config`): the
 keyword arguments of `partitioner.profile`, `partitioner.partition`, `engine.Pipeline` and
 `engine.OptimizerConfig`, the job's sizes and names, where checkpoints go and which one a job
 resumes from, and the profile + plan of a configured model. Used by the entry points
@@ -28,11 +29,9 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine.footprint import GRAD_BUCKET_MB
-from experiments.config import (ConfigError, checkpointing_mode, configured_microbatches, optimizer_kwargs,
-                                parse_memory_limit, searches, validate_config)
+from experiments.config import (Config, ConfigError, as_config, checkpointing_mode, configured_microbatches,
+                                optimizer_kwargs, parse_memory_limit, searches, validate_config)
 from experiments.fields import choice_text as _text
-from experiments.fields import get_field as _get
 from partitioner.planner import recompute_follows
 
 __all__ = [
@@ -53,27 +52,29 @@ def microbatch_size(cfg: Any) -> int:
 
 
 def _batch_per_replica(cfg: Any) -> int:
-    return int(_get(cfg, "train.batch_size")) // int(_get(cfg, "pipeline.data_parallel"))
+    cfg = as_config(cfg)
+    return int(cfg.train.batch_size) // int(cfg.pipeline.data_parallel)
 
 
 def world_size(cfg: Any) -> int:
     """Processes the job needs: `pipeline.stages * pipeline.data_parallel`."""
-    return int(_get(cfg, "pipeline.stages")) * int(_get(cfg, "pipeline.data_parallel"))
+    p = as_config(cfg).pipeline
+    return int(p.stages) * int(p.data_parallel)
 
 
 def run_name(cfg: Any) -> str:
     """`logger.run_name`, or `<name>-<schedule>-p<stages>` (with `-d<replicas>` when replicated)."""
-    explicit = _get(cfg, "logger.run_name")
-    if explicit:
-        return str(explicit)
-    name = f"{_get(cfg, 'name', 'run')}-{_text(_get(cfg, 'pipeline.schedule'))}-p{_get(cfg, 'pipeline.stages')}"
-    dp = int(_get(cfg, "pipeline.data_parallel", 1))
+    cfg = as_config(cfg)
+    if cfg.logger.run_name:
+        return str(cfg.logger.run_name)
+    name = f"{cfg.name}-{_text(cfg.pipeline.schedule)}-p{cfg.pipeline.stages}"
+    dp = int(cfg.pipeline.data_parallel)
     return name + (f"-d{dp}" if dp > 1 else "")
 
 
 def resolve_device(cfg: Any) -> str:
     """`train.device`, with `auto` meaning cuda when available, else cpu."""
-    device = _text(_get(cfg, "train.device", "auto"))
+    device = _text(as_config(cfg).train.device)
     if device != "auto":
         return device
     import torch
@@ -88,7 +89,7 @@ def torch_dtype(cfg: Any) -> Any:
 
     from engine.choices import compute_name
 
-    name = compute_name(_text(_get(cfg, "precision")))
+    name = compute_name(_text(as_config(cfg).precision))
     return {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
@@ -108,49 +109,50 @@ def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:
 
     The example input should be one microbatch: `spec.example_input(microbatch_size(cfg))`.
     """
-    part = _get(cfg, "partitioner")
-    mode = _text(_get(part, "profile"))
+    cfg = as_config(cfg)
+    part = cfg.partitioner
+    mode = _text(part.profile)
     out: dict[str, Any] = {"mode": mode, "dtype": torch_dtype(cfg)}
     if mode == "measure":
-        out.update(device=device or resolve_device(cfg), repeats=int(_get(part, "repeats")),
-                   warmup=int(_get(part, "warmup")), sweeps=int(_get(part, "sweeps", 1)))
+        out.update(device=device or resolve_device(cfg), repeats=int(part.repeats),
+                   warmup=int(part.warmup), sweeps=int(part.sweeps))
     else:
-        out["device_spec"] = _get(part, "device_spec")
-        attention = _get(part, "attention", None)
-        out["attention"] = _text(attention) if attention is not None else None
+        out.update(device_spec=part.device_spec,
+                   attention=_text(part.attention) if part.attention is not None else None)
     return out
 
 
-def _planner_kwargs(cfg: Any) -> dict[str, Any]:
+def _planner_kwargs(cfg: Config) -> dict[str, Any]:
     """What `partitioner.partition` and `partitioner.search` both take from the config."""
-    p, opt, part = _get(cfg, "pipeline"), _get(cfg, "optimizer"), _get(cfg, "partitioner")
-    link = _get(part, "link_bytes_per_s")
+    p, opt, part = cfg.pipeline, cfg.optimizer, cfg.partitioner
+    link = part.link_bytes_per_s
     return {
-        "data_parallel": int(_get(p, "data_parallel")),
-        "zero_stage": int(_get(opt, "zero_stage")),
-        "optimizer": _text(_get(opt, "name")),
-        "memory_limit_bytes": parse_memory_limit(_get(part, "memory_limit")),
-        "method": _text(_get(part, "method")),
+        "data_parallel": int(p.data_parallel),
+        "zero_stage": int(opt.zero_stage),
+        "optimizer": _text(opt.name),
+        "memory_limit_bytes": parse_memory_limit(part.memory_limit),
+        "method": _text(part.method),
         "link_bytes_per_s": float(link) if link is not None else None,
-        "activation_checkpointing": checkpointing_mode(_get(p, "activation_checkpointing")),
-        "precision": _text(_get(cfg, "precision")),
-        "momentum": float(_get(opt, "momentum", 0.0) or 0.0),
-        "grad_accum_dtype": _text(_get(opt, "grad_accum_dtype", "fp32")),
-        "backend": _text(_get(opt, "backend", "auto")),
-        "overlap_grad_reduce": bool(_get(opt, "overlap_grad_reduce", True)),
-        "grad_bucket_mb": float(_get(opt, "grad_bucket_mb", GRAD_BUCKET_MB)),
+        "activation_checkpointing": checkpointing_mode(p.activation_checkpointing),
+        "precision": _text(cfg.precision),
+        "momentum": float(opt.momentum or 0.0),
+        "grad_accum_dtype": _text(opt.grad_accum_dtype),
+        "backend": _text(opt.backend),
+        "overlap_grad_reduce": bool(opt.overlap_grad_reduce),
+        "grad_bucket_mb": float(opt.grad_bucket_mb),
     }
 
 
 def partition_kwargs(cfg: Any) -> dict[str, Any]:
     """Keyword arguments for `partitioner.partition(profile, **kwargs)` (num_stages included)."""
-    p = _get(cfg, "pipeline")
+    cfg = as_config(cfg)
+    p = cfg.pipeline
     return {
-        "num_stages": int(_get(p, "stages")),
-        "schedule": _text(_get(p, "schedule")),
-        "microbatches": int(_get(p, "microbatches")),
-        "virtual_stages": int(_get(p, "virtual_stages")),
-        "max_inflight": _optional_int(_get(p, "max_inflight")),
+        "num_stages": int(p.stages),
+        "schedule": _text(p.schedule),
+        "microbatches": int(p.microbatches),
+        "virtual_stages": int(p.virtual_stages),
+        "max_inflight": _optional_int(p.max_inflight),
         **_planner_kwargs(cfg),
     }
 
@@ -166,21 +168,22 @@ def search_kwargs(cfg: Any) -> dict[str, Any]:
     `pipeline.activation_checkpointing` follows the partitioner's one rule
     (`partitioner.planner.CHECKPOINTING`): false, only layouts that fit without recomputation;
     true, every chunk recomputes; auto, per chunk where the memory limit needs it."""
-    p, sc = _get(cfg, "pipeline"), _get(cfg, "partitioner.search")
-    schedule, listed = _text(_get(p, "schedule")), _get(sc, "schedules")
+    cfg = as_config(cfg)
+    p, sc = cfg.pipeline, cfg.partitioner.search
+    schedule, listed = _text(p.schedule), sc.schedules
     if schedule != "auto":
         schedules = [schedule]
     else:
         schedules = [_text(x) for x in listed] if listed else None
-    cap = _optional_int(_get(p, "max_inflight"))
+    cap = _optional_int(p.max_inflight)
     return {
-        "num_stages": int(_get(p, "stages")), "batch_per_replica": _batch_per_replica(cfg),
+        "num_stages": int(p.stages), "batch_per_replica": _batch_per_replica(cfg),
         "schedules": schedules, "microbatches": configured_microbatches(cfg),
-        "max_microbatches": _optional_int(_get(sc, "max_microbatches")),
-        "max_virtual_stages": int(_get(sc, "max_virtual_stages")),
-        "virtual_stages": [int(_get(p, "virtual_stages"))] if schedule == "interleaved-1f1b" else None,
+        "max_microbatches": _optional_int(sc.max_microbatches),
+        "max_virtual_stages": int(sc.max_virtual_stages),
+        "virtual_stages": [int(p.virtual_stages)] if schedule == "interleaved-1f1b" else None,
         "max_inflight": None if cap is None else [cap],
-        "top": int(_get(sc, "top")),
+        "top": int(sc.top),
         **_planner_kwargs(cfg),
     }
 
@@ -200,9 +203,9 @@ def pipeline_kwargs(cfg: Any, stage_ranges: Sequence[Sequence[int]], *, ties: Se
     every chunk agrees, else one per chunk; without it the config's true / false applies to every
     chunk.
     """
-    validate_config(cfg)
-    p = _get(cfg, "pipeline")
-    mode = checkpointing_mode(_get(p, "activation_checkpointing"))
+    cfg = validate_config(cfg)
+    p = cfg.pipeline
+    mode = checkpointing_mode(p.activation_checkpointing)
     if not recompute and mode == "auto":
         raise ConfigError("pipeline.activation_checkpointing=auto needs the plan's per-chunk choice: pass "
                           "recompute=plan.stage_recompute")
@@ -211,26 +214,26 @@ def pipeline_kwargs(cfg: Any, stage_ranges: Sequence[Sequence[int]], *, ties: Se
         ckpt = bool(recompute[0]) if len(set(map(bool, recompute))) == 1 else [bool(x) for x in recompute]
     return {
         "stage_ranges": [tuple(int(x) for x in r) for r in stage_ranges],
-        "schedule": _text(_get(p, "schedule")),
-        "microbatches": int(_get(p, "microbatches")),
-        "virtual_stages": int(_get(p, "virtual_stages")),
-        "max_inflight": _optional_int(_get(p, "max_inflight")),
-        "data_parallel": int(_get(p, "data_parallel")),
-        "precision": _text(_get(cfg, "precision")),
+        "schedule": _text(p.schedule),
+        "microbatches": int(p.microbatches),
+        "virtual_stages": int(p.virtual_stages),
+        "max_inflight": _optional_int(p.max_inflight),
+        "data_parallel": int(p.data_parallel),
+        "precision": _text(cfg.precision),
         "activation_checkpointing": ckpt,
-        "memory_every": int(_get(cfg, "train.memory_every", 0) or 0),
-        "seed": int(_get(cfg, "train.seed")),
+        "memory_every": int(cfg.train.memory_every or 0),
+        "seed": int(cfg.train.seed),
         "device": device,
         "ties": [tuple(t) for t in ties],
-        "nonfinite": _text(_get(p, "nonfinite", "raise")),
-        "comm_timeout_s": float(_get(p, "comm_timeout_s", 60.0)),
+        "nonfinite": _text(p.nonfinite),
+        "comm_timeout_s": float(p.comm_timeout_s),
     }
 
 
 # --------------------------------------------------------------------------- checkpoints
 def checkpoint_root(cfg: Any, run_dir: str | os.PathLike) -> Path:
     """Where checkpoints go: `checkpoint.dir`, or `<run dir>/checkpoints`."""
-    explicit = _get(cfg, "checkpoint.dir")
+    explicit = as_config(cfg).checkpoint.dir
     return Path(explicit) if explicit else Path(run_dir) / "checkpoints"
 
 
@@ -247,7 +250,8 @@ def resume_checkpoint(cfg: Any, run_dir: str | os.PathLike) -> Path | None:
     """
     from engine.checkpoint import MANIFEST, latest_checkpoint
 
-    value = _get(cfg, "checkpoint.resume")
+    cfg = as_config(cfg)
+    value = cfg.checkpoint.resume
     text = "false" if value is None else str(value).strip()
     if text.lower() in _NO:
         return None
@@ -304,12 +308,13 @@ def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
     import partitioner
     from engine.optim import compute_dtype
 
+    cfg = as_config(cfg)
     kwargs = profile_kwargs(cfg)
-    compute = compute_dtype(_text(_get(cfg, "precision")))
+    compute = compute_dtype(_text(cfg.precision))
     ctx: Any = contextlib.nullcontext()
     if kwargs["mode"] == "measure" and compute is not None:
         from engine.choices import weight_bytes
-        if weight_bytes(_text(_get(cfg, "precision"))) == 4:
+        if weight_bytes(_text(cfg.precision)) == 4:
             kwargs["dtype"] = torch.float32
         ctx = torch.autocast(torch.device(kwargs["device"]).type, dtype=compute)
     size = microbatch_size(cfg) if microbatch is None else int(microbatch)
@@ -340,9 +345,9 @@ def with_fixed_costs(cfg: Any, prof: Any) -> Any:
 
     from partitioner import FixedCosts
 
-    part = _get(cfg, "partitioner")
-    measured_here = _text(_get(part, "profile")) == "measure" and resolve_device(cfg) == "cpu"
-    if not (measured_here and bool(_get(part, "fixed_costs", True))):
+    part = as_config(cfg).partitioner
+    measured_here = _text(part.profile) == "measure" and resolve_device(cfg) == "cpu"
+    if not (measured_here and bool(part.fixed_costs)):
         return prof
     from engine.overhead import measure_fixed_costs
 
@@ -380,16 +385,19 @@ def search_layout(cfg: Any, spec: Any, profiles: Any = None, *, method: str | No
     return partitioner.search(profiles, **kwargs, **extra)
 
 
-def resolve_layout(config: dict, plan: Any) -> dict:
-    """The plain `config` with the layout `plan` runs written into `pipeline` (schedule,
+def resolve_layout(config: Any, plan: Any) -> Config:
+    """The typed `config` with the layout `plan` runs written into `pipeline` (schedule,
     microbatches, virtual stages, max_inflight): after the planner chose, everything downstream
     (workers, data, checkpoints, names) reads a plain layout."""
-    import copy
+    import dataclasses
 
-    out = copy.deepcopy(config)
-    out["pipeline"].update(schedule=plan.schedule, microbatches=int(plan.microbatches),
-                           virtual_stages=int(plan.virtual_stages), max_inflight=plan.max_inflight)
-    return out
+    from experiments.config import ScheduleName
+
+    config = as_config(config)
+    pipeline = dataclasses.replace(config.pipeline, schedule=ScheduleName(plan.schedule),
+                                   microbatches=int(plan.microbatches), virtual_stages=int(plan.virtual_stages),
+                                   max_inflight=plan.max_inflight)
+    return dataclasses.replace(config, pipeline=pipeline)
 
 
 def plan_matches(plan: Any, cfg: Any, num_layers: int) -> bool:
@@ -397,11 +405,12 @@ def plan_matches(plan: Any, cfg: Any, num_layers: int) -> bool:
     method), precision and checkpointing (`pipeline.activation_checkpointing`: false / true,
     no chunk / every chunk recomputes; auto, any); under `auto` layouts, a searched plan whose
     layout the search could choose."""
-    mode = checkpointing_mode(_get(cfg, "pipeline.activation_checkpointing"))
-    same = (plan.num_layers == num_layers and plan.num_stages == int(_get(cfg, "pipeline.stages"))
-            and plan.data_parallel == int(_get(cfg, "pipeline.data_parallel"))
-            and plan.method == _text(_get(cfg, "partitioner.method"))
-            and plan.precision == _text(_get(cfg, "precision"))
+    cfg = as_config(cfg)
+    mode = checkpointing_mode(cfg.pipeline.activation_checkpointing)
+    same = (plan.num_layers == num_layers and plan.num_stages == int(cfg.pipeline.stages)
+            and plan.data_parallel == int(cfg.pipeline.data_parallel)
+            and plan.method == _text(cfg.partitioner.method)
+            and plan.precision == _text(cfg.precision)
             and len(plan.stage_recompute or []) == plan.num_chunks
             and recompute_follows(mode, plan.stage_recompute))
     if searches(cfg):

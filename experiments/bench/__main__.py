@@ -72,10 +72,10 @@ def run(cfg: Any, run_dir: str) -> dict:
     from experiments.bench.report import format_prediction_table, format_rank_times, format_table
     from experiments.bench.run import run_bench
 
-    validate_config(cfg)
-    if bool(cfg.bench.get("overhead", False)):
+    cfg = validate_config(cfg)
+    if cfg.bench.overhead:
         return _run_overhead(cfg, run_dir)
-    trace = bool(cfg.bench.get("trace", False))
+    trace = bool(cfg.bench.trace)
     result = run_bench(cfg, trace_dir=str(Path(run_dir) / "traces") if trace else None)
     result["meta"]["command"] = " ".join(["python -m experiments.bench", *sys.argv[1:]])
     paths = write_outputs(result, Path(run_dir))
@@ -113,7 +113,7 @@ def _run_overhead(cfg: Any, run_dir: str) -> dict:
     systems = [s for s in b.systems if s != "single"]
     rows = run_overhead(rounds=int(b.rounds), steps=int(b.steps), warmup=int(b.warmup_steps),
                         systems=systems, timeout_s=float(b.timeout_s))
-    blocks = int(b.get("overhead_blocks", 0) or 0)
+    blocks = int(b.overhead_blocks or 0)
     if blocks > 0 and {"pipeshard", "torch-pipelining"} <= set(systems):
         rows += run_paired_overhead(blocks=blocks, block_steps=int(b.steps), warmup=int(b.warmup_steps),
                                     timeout_s=float(b.timeout_s))

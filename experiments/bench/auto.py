@@ -24,7 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import io
 from typing import Any, Callable
@@ -36,29 +35,30 @@ __all__ = ["search_layouts", "layout_runs", "sweep_comparison", "comparison_line
            "confirm_layouts", "confirmation_line"]
 
 
-def _profile_at(c: dict, fixed: Any, timeout_s: float) -> Callable[[int], Any]:
+def _profile_at(c: Any, fixed: Any, timeout_s: float) -> Callable[[int], Any]:
     """`size -> Profile` measured like the bench's own profile, with the bench's fixed costs."""
     from experiments.bench.problem import profile_model
 
-    batch = int(c["train"]["batch_size"])
+    batch = int(c.train.batch_size)
 
     def at(size: int) -> Any:
-        c2 = copy.deepcopy(c)
-        c2["pipeline"]["microbatches"] = batch // size
+        c2 = dataclasses.replace(c, pipeline=dataclasses.replace(c.pipeline, microbatches=batch // size))
         return dataclasses.replace(profile_model(c2, timeout_s=timeout_s), fixed=fixed)
 
     return at
 
 
-def search_layouts(c: dict, prof: Any, *, link: float | None, timeout_s: float, sweep: bool = False,
+def search_layouts(c: Any, prof: Any, *, link: float | None, timeout_s: float, sweep: bool = False,
                    log: Callable[[str], None] | None = print) -> Any:
     """`partitioner.search` for the bench problem (see the module docstring); `prof` is the
     bench's profile at the configured microbatch size (reused for that size). With `sweep`,
     every layout is solved (no pruning)."""
     import partitioner
+    from experiments.config import as_config
     from experiments.wiring import search_kwargs
 
-    batch, m = int(c["train"]["batch_size"]), int(c["pipeline"]["microbatches"])
+    c = as_config(c)
+    batch, m = int(c.train.batch_size), int(c.pipeline.microbatches)
     measure = _profile_at(c, prof.fixed, timeout_s)
 
     def profiles(size: int) -> Any:
@@ -68,7 +68,7 @@ def search_layouts(c: dict, prof: Any, *, link: float | None, timeout_s: float, 
             log(f"[bench] profiling layers at microbatch size {size} for the search ...")
         return measure(size)
 
-    listed = (c["partitioner"].get("search") or {}).get("schedules")
+    listed = c.partitioner.search.schedules
     kw = search_kwargs(c)
     kw.update(batch_per_replica=batch, schedules=list(listed) if listed else None, microbatches=None,
               virtual_stages=None, max_inflight=None, optimizer="sgd", zero_stage=0, data_parallel=1,

@@ -30,22 +30,14 @@ from torch import Tensor, nn
 from experiments.bench.measure import launch_fresh
 from experiments.bench.spec import BenchSpec, uniform_ranges
 
-__all__ = ["DatasetBatches", "bench_spec", "profile_model", "measure_link", "LossLayer",
-           "plain_config"]
-
-
-def plain_config(cfg: Any) -> dict:
-    """A composed config as plain Python (choices as strings), picklable into workers."""
-    from experiments.config import to_plain_dict
-
-    return cfg if isinstance(cfg, dict) else to_plain_dict(cfg)
+__all__ = ["DatasetBatches", "bench_spec", "profile_model", "measure_link", "LossLayer"]
 
 
 class DatasetBatches:
     """``batches(step)`` of a BenchSpec from the config's dataset (built lazily in each worker,
     so a text corpus is read there instead of being pickled)."""
 
-    def __init__(self, cfg: dict, batch: int) -> None:
+    def __init__(self, cfg: Any, batch: int) -> None:
         self.cfg, self.batch = cfg, batch
         self._ds: Any = None
 
@@ -67,18 +59,20 @@ def bench_spec(cfg: Any, stage_ranges: Sequence[tuple[int, int]] | None = None,
     default to equal layer counts."""
     from experiments.models import build_model
 
-    c = plain_config(cfg)
-    model = build_model(c["model"])
+    from experiments.config import as_config
+
+    c = as_config(cfg)
+    model = build_model(c.model)
     n = len(model.layers)
-    p = int(c["pipeline"]["stages"])
+    p = int(c.pipeline.stages)
     return BenchSpec(
         layers=list(model.layers), loss_fn=model.loss_fn,
-        batches=DatasetBatches(c, int(c["train"]["batch_size"])),
+        batches=DatasetBatches(c, int(c.train.batch_size)),
         stage_ranges=tuple(tuple(r) for r in (stage_ranges or uniform_ranges(n, p))),
         chunk_ranges=None if chunk_ranges is None else tuple(tuple(r) for r in chunk_ranges),
-        microbatches=int(c["pipeline"]["microbatches"]), steps=int(c["bench"]["steps"]),
-        warmup=int(c["bench"]["warmup_steps"]), seed=int(c["train"]["seed"]),
-        lr=float(c["optimizer"]["lr"]), name=model.name)
+        microbatches=int(c.pipeline.microbatches), steps=int(c.bench.steps),
+        warmup=int(c.bench.warmup_steps), seed=int(c.train.seed),
+        lr=float(c.optimizer.lr), name=model.name)
 
 
 class LossLayer(nn.Module):
@@ -93,13 +87,13 @@ class LossLayer(nn.Module):
         return self.loss_fn(x, self.target)
 
 
-def _profile_worker(cfg: dict, repeats: int, warmup: int, sweeps: int = 1) -> Any:
+def _profile_worker(cfg: Any, repeats: int, warmup: int, sweeps: int = 1) -> Any:
     import partitioner
     from experiments.models import build_model
     from partitioner import LayerCost, Profile
 
-    model = build_model(cfg["model"])
-    mb = int(cfg["train"]["batch_size"]) // int(cfg["pipeline"]["microbatches"])
+    model = build_model(cfg.model)
+    mb = int(cfg.train.batch_size) // int(cfg.pipeline.microbatches)
     x, y = DatasetBatches(cfg, mb)(0)
     layers = list(model.layers) + [functools.partial(LossLayer, model.loss_fn, y)]
     prof = partitioner.profile(layers, x, mode="measure", repeats=repeats, warmup=warmup, sweeps=sweeps)
@@ -119,11 +113,12 @@ def profile_model(cfg: Any, *, repeats: int | None = None, warmup: int | None = 
                   timeout_s: float = 600.0) -> Any:
     """``partitioner.Profile`` of the configured model at the microbatch size, measured in one
     fresh single-threaded process (``partitioner.repeats`` / ``warmup`` by default)."""
-    c = plain_config(cfg)
-    part = c.get("partitioner", {})
-    return launch_fresh(_profile_worker, 1, c, int(repeats or part.get("repeats", 5)),
-                        int(warmup if warmup is not None else part.get("warmup", 2)),
-                        int(part.get("sweeps", 1)),
+    from experiments.config import as_config
+
+    c = as_config(cfg)
+    part = c.partitioner
+    return launch_fresh(_profile_worker, 1, c, int(repeats or part.repeats),
+                        int(warmup if warmup is not None else part.warmup), int(part.sweeps),
                         timeout_s=timeout_s)[0]
 
 

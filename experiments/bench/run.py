@@ -57,15 +57,16 @@ def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None]
               trace_dir: str | None = None) -> dict[str, Any]:
     """The whole ``python -m experiments.bench`` run (see the module docstring); returns
     ``{"rows", "ratios", "prediction", "meta", "plans", "profile"}``."""
-    from experiments.bench.problem import bench_spec, plain_config
+    from experiments.bench.problem import bench_spec
+    from experiments.config import as_config
 
-    c = plain_config(cfg)
-    bc = c["bench"]
-    systems = check_systems(bc["systems"])
-    schedules = [str(s) for s in bc["schedules"]]
-    methods = [str(x) for x in (bc.get("methods") or ())]
-    rounds = max(1, int(rounds if rounds is not None else bc.get("rounds", 1)))
-    timeout = float(bc["timeout_s"])
+    c = as_config(cfg)
+    bc = c.bench
+    systems = check_systems(bc.systems)
+    schedules = [str(s) for s in bc.schedules]
+    methods = [str(x) for x in (bc.methods or ())]
+    rounds = max(1, int(rounds if rounds is not None else bc.rounds))
+    timeout = float(bc.timeout_s)
     meta = _meta(c, rounds)
     prof, link = _profile_and_link(c, meta, timeout, log)
     spec0 = bench_spec(c)
@@ -97,54 +98,58 @@ def run_bench(cfg: Any, *, rounds: int | None = None, log: Callable[[str], None]
     return out
 
 
-def _confirm(bc: dict, entries: list, combined: dict, jobs: dict, spec: BenchSpec, rounds: int,
+def _confirm(bc: Any, entries: list, combined: dict, jobs: dict, spec: BenchSpec, rounds: int,
              log: Callable[[str], None] | None) -> dict[str, Any] | None:
     """With `bench.sweep` and `bench.sweep_confirm` > 0: auto's choice and the sweep's fastest
     layouts measured again head to head (`experiments.bench.auto.confirm_layouts`)."""
-    top = int(bc.get("sweep_confirm") or 0)
-    if not (bc.get("sweep") and top > 0):
+    top = int(bc.sweep_confirm or 0)
+    if not (bc.sweep and top > 0):
         return None
     from experiments.bench.auto import confirm_layouts
 
     return confirm_layouts(entries, combined, jobs, spec, top=top, rounds=rounds, log=log)
 
 
-def _search(c: dict, prof: Any, link: Any, timeout: float, spec: BenchSpec, pipeshard: list, entries: list,
+def _search(c: Any, prof: Any, link: Any, timeout: float, spec: BenchSpec, pipeshard: list, entries: list,
             log: Callable[[str], None] | None) -> Any:
     """With `bench.auto` / `bench.sweep`: the planner's search, its choice (and the sweep) added
     to the pipeshard runs and the rows; the `SearchResult`, or None."""
-    bc = c["bench"]
-    if not (bc.get("auto") or bc.get("sweep")):
+    bc = c.bench
+    if not (bc.auto or bc.sweep):
         return None
     from experiments.bench.auto import layout_runs, search_layouts
 
-    searched = search_layouts(c, prof, link=link, timeout_s=timeout, sweep=bool(bc.get("sweep")), log=log)
-    runs, more = layout_runs(searched, spec, sweep=bool(bc.get("sweep")), sweep_max=bc.get("sweep_max"))
+    searched = search_layouts(c, prof, link=link, timeout_s=timeout, sweep=bool(bc.sweep), log=log)
+    runs, more = layout_runs(searched, spec, sweep=bool(bc.sweep), sweep_max=bc.sweep_max)
     pipeshard.extend(runs)
     entries.extend(more)
     return searched
 
 
-def _meta(c: dict, rounds: int) -> dict[str, Any]:
+def _meta(c: Any, rounds: int) -> dict[str, Any]:
+    from experiments.config import to_plain_dict
+
     return {"load_avg_start": list(os.getloadavg()), "cpus": os.cpu_count(),
-            "stages": int(c["pipeline"]["stages"]), "microbatches": int(c["pipeline"]["microbatches"]),
-            "rounds": rounds, "batch_size": int(c["train"]["batch_size"]), "model": c["model"],
+            "stages": int(c.pipeline.stages), "microbatches": int(c.pipeline.microbatches),
+            "rounds": rounds, "batch_size": int(c.train.batch_size), "model": to_plain_dict(c.model),
             "torch_threads_per_rank": 1, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def _profile_and_link(c: dict, meta: dict, timeout: float, log: Callable[[str], None] | None) -> tuple[Any, Any]:
+def _profile_and_link(c: Any, meta: dict, timeout: float, log: Callable[[str], None] | None) -> tuple[Any, Any]:
     """The measured profile, and the link speed (configured, or measured at the boundary's size)."""
     from experiments.bench.problem import measure_link, profile_model
 
     if log:
         log("[bench] profiling layers (one process, one thread) ...")
     prof = profile_model(c, timeout_s=timeout)
-    if c["partitioner"].get("fixed_costs", True):
+    if c.partitioner.fixed_costs:
+        from experiments.config import Device
         from experiments.wiring import with_fixed_costs
 
-        prof = with_fixed_costs(dict(c, train=dict(c["train"], device="cpu")), prof)
+        on_cpu = dataclasses.replace(c, train=dataclasses.replace(c.train, device=Device["cpu"]))
+        prof = with_fixed_costs(on_cpu, prof)
         meta["fixed_costs"] = dataclasses.asdict(prof.fixed) if prof.fixed is not None else None
-    link = c["partitioner"].get("link_bytes_per_s")
+    link = c.partitioner.link_bytes_per_s
     if link is None and meta["stages"] > 1 and prof.fixed is None:  # else the fixed costs' link
         nbytes = max(layer.output_bytes for layer in prof.layers[:-1])
         link = measure_link(nbytes)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from experiments.fields import choice_text, get_field
+from experiments.fields import choice_text
 from experiments.hfdata.files import iter_texts, load_documents, resolve_files
 from experiments.hfdata.layout import DataError, Holdout, ShardLayout
 from experiments.hfdata.packed import PackedShard, TokenTable, assign_documents, blocks_in
@@ -66,27 +66,36 @@ class HFDataSpec:
                               streaming=streaming, cache_dir=self.cache_dir)
 
 
-def spec_of(cfg: Any, data: Any = None) -> HFDataSpec:
-    """The spec of a whole experiment config; `data` (default `cfg.data`) as `prepare` returned it."""
-    data = get_field(cfg, "data") if data is None else data
-    shards = get_field(data, "shards")
-    files = get_field(data, "files")
-    return HFDataSpec(
+def spec_of(cfg: Any, prepared: dict | None = None) -> HFDataSpec:
+    """The spec of a whole experiment config (the typed `Config`, or what `as_config` takes);
+    `prepared`: the `data` settings as `prepare` resolved them (they replace the config's)."""
+    import dataclasses
+
+    from experiments.config import as_config
+
+    cfg = as_config(cfg)
+    data, dp = cfg.data, int(cfg.pipeline.data_parallel)
+    files = data.files
+    spec = HFDataSpec(
         files=tuple([files] if isinstance(files, str) else list(files or ())),
-        tokenizer=tokenizer_dir(get_field(data, "tokenizer"), get_field(cfg, "model.pretrained")),
-        text_field=str(get_field(data, "text_field", "text")),
-        sample_by=choice_text(get_field(data, "sample_by", "line")),
-        eval_fraction=float(get_field(data, "eval_fraction", 0.05)),
-        streaming=bool(get_field(data, "streaming", False)),
-        shards=int(shards) if shards is not None else int(get_field(cfg, "pipeline.data_parallel", 1)),
-        shuffle=bool(get_field(data, "shuffle", False)),
-        prefetch=int(get_field(data, "prefetch", 2)),
-        cache_dir=get_field(data, "cache_dir"),
-        tokenized=tuple(get_field(data, "tokenized") or ()),
-        seq_len=int(get_field(cfg, "model.seq_len")),
-        batch_size=int(get_field(cfg, "train.batch_size")),
-        replicas=int(get_field(cfg, "pipeline.data_parallel", 1)),
-        seed=int(get_field(cfg, "train.seed", 0)))
+        tokenizer=tokenizer_dir(data.tokenizer, _pretrained(cfg)),
+        text_field=str(data.text_field), sample_by=choice_text(data.sample_by),
+        eval_fraction=float(data.eval_fraction), streaming=bool(data.streaming),
+        shards=int(data.shards) if data.shards is not None else dp, shuffle=bool(data.shuffle),
+        prefetch=int(data.prefetch), cache_dir=data.cache_dir, seq_len=int(cfg.model.seq_len),
+        batch_size=int(cfg.train.batch_size), replicas=dp, seed=int(cfg.train.seed))
+    if not prepared:
+        return spec
+    known = {f.name for f in dataclasses.fields(HFDataSpec)}
+    return dataclasses.replace(spec, **{k: tuple(v) if isinstance(v, list) else v
+                                        for k, v in prepared.items() if k in known and v is not None})
+
+
+def _pretrained(cfg: Any) -> str | None:
+    """`model.pretrained` of a Hugging Face model (its tokenizer is data=hf's default)."""
+    from experiments.config import HFModelConfig
+
+    return cfg.model.pretrained if isinstance(cfg.model, HFModelConfig) else None
 
 
 class HFTextData:
@@ -228,14 +237,13 @@ def merge_states(states: list[dict | None]) -> dict | None:
 
 
 def _model_vocab(cfg: Any) -> tuple[int | None, str]:
-    from experiments.config import pretrained_facts
+    from experiments.config import MLPConfig, pretrained_facts
 
-    model = get_field(cfg, "model")
-    facts = pretrained_facts(model)
+    facts = pretrained_facts(cfg.model)
     if facts is not None:
         return int(facts["vocab"]), ("use the model's own tokenizer (leave data.tokenizer unset) or "
                                      "one made for this model")
-    vocab = get_field(model, "vocab")
+    vocab = None if isinstance(cfg.model, MLPConfig) else cfg.model.vocab
     return (int(vocab) if vocab is not None else None), "raise model.vocab or use a smaller tokenizer"
 
 
@@ -244,20 +252,18 @@ def prepare(cfg: Any, resumed: dict | None = None, *, echo: Callable[[str], None
 
     `resumed`: the `data` entry of the checkpoint being resumed (its `shards` is kept when
     `data.shards` is unset)."""
-    from experiments.config import to_plain_dict
+    from experiments.config import as_config, to_plain_dict
 
-    data = get_field(cfg, "data")
-    plain = dict(to_plain_dict(data)) if not isinstance(data, dict) else dict(data)
-    plain["files"] = resolve_files(get_field(data, "files"))
-    plain["tokenizer"] = tokenizer_dir(get_field(data, "tokenizer"), get_field(cfg, "model.pretrained"))
-    d = int(get_field(cfg, "pipeline.data_parallel", 1))
-    if plain.get("shards") is None:
-        saved = int(resumed["shards"]) if resumed and resumed.get("shards") else None
-        plain["shards"] = saved if saved and saved % d == 0 else d
-    if resumed and resumed.get("shards") and int(resumed["shards"]) != int(plain["shards"]):
-        raise DataError(f"the checkpoint being resumed read its data in data.shards={resumed['shards']} shards, "
-                        f"this run in {plain['shards']}: the batches would differ; set data.shards="
-                        f"{resumed['shards']} (pipeline.data_parallel must divide it) to continue its data "
+    cfg = as_config(cfg)
+    data, d = cfg.data, int(cfg.pipeline.data_parallel)
+    saved = int(resumed["shards"]) if resumed and resumed.get("shards") else None
+    shards = data.shards if data.shards is not None else (saved if saved and saved % d == 0 else d)
+    plain = {**to_plain_dict(data), "files": resolve_files(data.files),
+             "tokenizer": tokenizer_dir(data.tokenizer, _pretrained(cfg)), "shards": int(shards)}
+    if saved and saved != int(shards):
+        raise DataError(f"the checkpoint being resumed read its data in data.shards={saved} shards, "
+                        f"this run in {shards}: the batches would differ; set data.shards="
+                        f"{saved} (pipeline.data_parallel must divide it) to continue its data "
                         "order exactly, or checkpoint.resume=false to start over")
     spec = spec_of(cfg, plain)
     ShardLayout(spec.shards, spec.batch_size, spec.replicas)

@@ -9,7 +9,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from experiments.models.spec import ModelSpec, compose, count_params
 
@@ -44,9 +44,9 @@ MODEL_BUILDERS: dict[str, Callable[[Any], ModelSpec]] = {
 
 
 def build_model(cfg: Any) -> ModelSpec:
-    """Build the model named by `cfg.name` (`gpt`, `mlp`, `hf`, `hf_gpt2`, `hf_llama`) from its config group."""
-    name = cfg.get("name") if isinstance(cfg, Mapping) else getattr(cfg, "name", None)
-    name = str(getattr(name, "value", name))
-    if name not in MODEL_BUILDERS:
-        raise ValueError(f"unknown model {name!r}; choose model=one of {sorted(MODEL_BUILDERS)}")
-    return MODEL_BUILDERS[name](cfg)
+    """Build the model named by `cfg.name` (`gpt`, `mlp`, `hf`, `hf_gpt2`, `hf_llama`) from its config
+    group: the typed `experiments.config.ModelConfig`, or a mapping (`model_config` types it)."""
+    from experiments.config import model_config
+
+    cfg = model_config(cfg)
+    return MODEL_BUILDERS[str(cfg.name)](cfg)

@@ -6,7 +6,8 @@ the LM head producing logits `[b, t, vocab]`. With a large vocabulary the first 
 cost much more than a block, which is what makes the choice of split matter.
 
 Example:
-    >>> spec = build_gpt({"layers": 2, "dim": 32, "heads": 2, "vocab": 256, "seq_len": 16})
+    >>> from experiments.config import GPTConfig
+    >>> spec = build_gpt(GPTConfig(layers=2, dim=32, heads=2, vocab=256, seq_len=16))
     >>> model = compose(spec.layers)
     >>> logits = model(spec.example_input(3))
     >>> spec.loss_fn(logits, spec.example_target(3)).ndim
@@ -23,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.fields import get_field as _field
 from experiments.models.spec import ModelSpec, compose, count_params
 
 __all__ = ["lm_spec", "GPTEmbedding", "GPTBlock", "GPTHead", "build_gpt", "lm_loss", "random_tokens", "compose"]
@@ -114,18 +114,19 @@ def random_tokens(batch: int, *, seq_len: int, vocab: int, seed: int = 0) -> tor
 
 
 def build_gpt(cfg: Any) -> ModelSpec:
-    """Build the GPT layer factories from a model config (`experiments.config.GPTConfig` or a mapping).
+    """Build the GPT layer factories from the typed model group (`experiments.config.GPTConfig`;
+    `experiments.models.build_model` types a mapping).
 
-    Fields: layers, dim, heads, vocab, seq_len, dropout, mlp_ratio (4), tie_embeddings (False).
+    Fields: layers, dim, heads, vocab, seq_len, dropout, mlp_ratio, tie_embeddings.
     """
-    layers = int(_field(cfg, "layers", 4))
-    dim = int(_field(cfg, "dim", 128))
-    heads = int(_field(cfg, "heads", 4))
-    vocab = int(_field(cfg, "vocab", 256))
-    seq_len = int(_field(cfg, "seq_len", 128))
-    dropout = float(_field(cfg, "dropout", 0.0))
-    mlp_ratio = int(_field(cfg, "mlp_ratio", 4))
-    tie = bool(_field(cfg, "tie_embeddings", False))
+    layers = int(cfg.layers)
+    dim = int(cfg.dim)
+    heads = int(cfg.heads)
+    vocab = int(cfg.vocab)
+    seq_len = int(cfg.seq_len)
+    dropout = float(cfg.dropout)
+    mlp_ratio = int(cfg.mlp_ratio)
+    tie = bool(cfg.tie_embeddings)
     if dim % heads:
         raise ValueError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
     factories = [partial(GPTEmbedding, vocab, dim, seq_len, dropout)]

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.fields import get_field as _field
 
 __all__ = [
     "ARCHS",
@@ -382,19 +381,22 @@ def layers_from_hf(model: nn.Module) -> list[nn.Module]:
 def hf_config(cfg: Any) -> Any:
     """The transformers config of a random model of family `cfg.arch` (`HFModelConfig` fields).
 
-    >>> hf_config({"arch": "gpt2", "layers": 2, "dim": 32, "heads": 2, "vocab": 300, "seq_len": 16}).n_layer
+    >>> from experiments.config import HFModelConfig
+    >>> hf_config(HFModelConfig(arch="gpt2", layers=2, dim=32, heads=2, vocab=300, seq_len=16)).n_layer
     2
     """
     from transformers import AutoConfig
 
-    arch = str(getattr(_field(cfg, "arch", "gpt2"), "value", _field(cfg, "arch", "gpt2")))
+    from experiments.fields import choice_text
+
+    arch = choice_text(cfg.arch)
     if arch not in ARCHS:
         raise ValueError(f"model.arch={arch!r}; choose one of {ARCHS} (or give model.pretrained=<dir>)")
-    layers, dim = int(_field(cfg, "layers", 2)), int(_field(cfg, "dim", 128))
-    heads, vocab = int(_field(cfg, "heads", 4)), int(_field(cfg, "vocab", 50257))
-    seq_len, dropout = int(_field(cfg, "seq_len", 128)), float(_field(cfg, "dropout", 0.0))
-    tie = bool(_field(cfg, "tie_embeddings", True))
-    kv_heads, intermediate = _field(cfg, "kv_heads", None), _field(cfg, "intermediate", None)
+    layers, dim = int(cfg.layers), int(cfg.dim)
+    heads, vocab = int(cfg.heads), int(cfg.vocab)
+    seq_len, dropout = int(cfg.seq_len), float(cfg.dropout)
+    tie = bool(cfg.tie_embeddings)
+    kv_heads, intermediate = cfg.kv_heads, cfg.intermediate
     if arch == "gpt2":
         kwargs: dict[str, Any] = dict(
             n_positions=seq_len, n_embd=dim, n_layer=layers, n_head=heads, resid_pdrop=dropout,

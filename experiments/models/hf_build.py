@@ -5,8 +5,9 @@ per-layer loading from a `save_pretrained` directory (`hf_load`) and the cached 
 generation (`hf_cache`) below it, so that none of them imports another in a circle.
 
 Example:
-    >>> spec = build_hf({"arch": "llama", "layers": 2, "dim": 32, "heads": 4, "vocab": 300,
-    ...                  "seq_len": 16})                              # doctest: +SKIP
+    >>> from experiments.config import HFModelConfig
+    >>> spec = build_hf(HFModelConfig(arch="llama", layers=2, dim=32, heads=4, vocab=300,
+    ...                               seq_len=16))                    # doctest: +SKIP
     >>> len(spec.layers)                                              # doctest: +SKIP
     4
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from experiments.fields import get_field as _field
 from experiments.models.gpt import lm_spec
 from experiments.models.hf import build_hf_layer, config_from_json, hf_config, meta_reference
 from experiments.models.hf_cache import HFCachedChunk
@@ -36,8 +36,8 @@ def build_hf(cfg: Any) -> ModelSpec:
     Fields: pretrained, arch, layers, dim, heads, vocab, seq_len, dropout, tie_embeddings,
     kv_heads, intermediate (the size fields are ignored with `pretrained`, which brings its own).
     """
-    pretrained = _field(cfg, "pretrained", None)
-    seq_len = int(_field(cfg, "seq_len", 128))
+    pretrained = cfg.pretrained
+    seq_len = int(cfg.seq_len)
     if pretrained:
         from experiments.models.hf_load import load_hf_layer, pretrained_config_json
 
@@ -51,7 +51,7 @@ def build_hf(cfg: Any) -> ModelSpec:
         config_json = config.to_json_string(use_diff=False)
         _, lay = meta_reference(config_json)
         factories = [partial(build_hf_layer, lay.model_type, config_json, i) for i in range(lay.num_layers + 2)]
-        name = f"hf-{lay.model_type}-L{lay.num_layers}-d{_field(cfg, 'dim', 128)}"
+        name = f"hf-{lay.model_type}-L{lay.num_layers}-d{cfg.dim}"
     n = lay.num_layers
     ties = [_tie_pair(n)] if getattr(config, "tie_word_embeddings", False) else []
     spec = lm_spec(factories, ties, seq_len=seq_len, vocab=config.vocab_size, name=name,

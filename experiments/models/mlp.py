@@ -11,7 +11,8 @@ Profiles (hidden width of block i of n, base width w, ratio r):
 An explicit `widths` list overrides the profile.
 
 Example:
-    >>> spec = build_mlp({"depth": 4, "dim": 32, "width": 16, "profile": "ramp", "in_dim": 8, "classes": 4})
+    >>> from experiments.config import MLPConfig
+    >>> spec = build_mlp(MLPConfig(depth=4, dim=32, width=16, profile="ramp", in_dim=8, classes=4))
     >>> compose(spec.layers)(spec.example_input(2)).shape
     torch.Size([2, 4])
 """
@@ -25,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from experiments.fields import get_field as _field
 from experiments.models.spec import ModelSpec, compose, count_params
 
 __all__ = ["MLPBlock", "MLPHead", "build_mlp", "width_profile", "classification_loss", "compose"]
@@ -101,23 +101,24 @@ def random_labels(batch: int, *, classes: int, seed: int = 1) -> torch.Tensor:
 
 
 def build_mlp(cfg: Any) -> ModelSpec:
-    """Build the residual-MLP layer factories from a model config (`experiments.config.MLPConfig` or a mapping).
+    """Build the residual-MLP layer factories from the typed model group (`experiments.config.MLPConfig`;
+    `experiments.models.build_model` types a mapping).
 
     Fields: depth, dim, width, profile, ratio, widths (optional list), in_dim, classes, dropout.
     """
-    dim = int(_field(cfg, "dim", 256))
-    in_dim = int(_field(cfg, "in_dim", 64))
-    classes = int(_field(cfg, "classes", 10))
-    dropout = float(_field(cfg, "dropout", 0.0))
-    widths: Sequence[int] | None = _field(cfg, "widths", None)
+    dim = int(cfg.dim)
+    in_dim = int(cfg.in_dim)
+    classes = int(cfg.classes)
+    dropout = float(cfg.dropout)
+    widths: Sequence[int] | None = cfg.widths
     if widths:
         widths = [int(w) for w in widths]
     else:
         widths = width_profile(
-            int(_field(cfg, "depth", 8)),
-            int(_field(cfg, "width", 256)),
-            str(_field(cfg, "profile", "uniform")),
-            float(_field(cfg, "ratio", 4.0)),
+            int(cfg.depth),
+            int(cfg.width),
+            str(cfg.profile),
+            float(cfg.ratio),
         )
     factories = [partial(nn.Linear, in_dim, dim)]
     factories += [partial(MLPBlock, dim, w, dropout) for w in widths]

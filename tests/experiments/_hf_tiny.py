@@ -20,11 +20,12 @@ VOCAB = 256
 
 def tiny_config(arch: str, *, layers: int = 3, dim: int = 48, heads: int = 4, kv_heads: int = 2,
                 intermediate: int | None = 96, tie: bool | None = None, seq_len: int = 64, **extra: Any) -> Any:
+    from experiments.config import HFModelConfig, model_config
     from experiments.models.hf import hf_config
 
-    cfg = hf_config({"arch": arch, "layers": layers, "dim": dim, "heads": heads, "kv_heads": kv_heads,
-                     "intermediate": intermediate, "vocab": VOCAB, "seq_len": seq_len,
-                     "tie_embeddings": arch in TIED if tie is None else tie})
+    cfg = hf_config(model_config({"arch": arch, "layers": layers, "dim": dim, "heads": heads, "kv_heads": kv_heads,
+                                  "intermediate": intermediate, "vocab": VOCAB, "seq_len": seq_len,
+                                  "tie_embeddings": arch in TIED if tie is None else tie}, HFModelConfig))
     for k, v in extra.items():
         setattr(cfg, k, v)
     return cfg

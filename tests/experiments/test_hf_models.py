@@ -196,6 +196,7 @@ def test_a_layer_reads_only_its_own_tensors(dirs, monkeypatch):
 
 
 def test_random_families_build_each_layer_alone():
+    from experiments.config import model_config
     from experiments.models.hf import hf_config, model_class
 
     for arch in ARCHS:
@@ -207,7 +208,7 @@ def test_random_families_build_each_layer_alone():
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
         loss = spec.loss_fn(model(spec.example_input(2)), spec.example_target(2))
         assert abs(loss.item() - math.log(128)) < 0.5, arch
-        hf = hf_config(cfg)
+        hf = hf_config(model_config(cfg))
         with torch.device("meta"):
             ref = model_class(hf)(hf)
         assert spec.num_params == sum(p.numel() for p in ref.parameters()), arch

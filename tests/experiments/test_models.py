@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from experiments.config import HFModelConfig, model_config
 from experiments.models import build_model, compose
 from experiments.models.mlp import width_profile
 
@@ -139,7 +140,7 @@ def test_hf_layers_match_the_hf_forward(arch):
     from experiments.models.hf import _model_class, hf_config, layers_from_hf
 
     torch.manual_seed(0)
-    hf_model = _model_class(arch)(hf_config({**HF, "arch": arch})).eval()
+    hf_model = _model_class(arch)(hf_config(model_config({**HF, "arch": arch}, HFModelConfig))).eval()
     layers = torch.nn.Sequential(*layers_from_hf(hf_model)).eval()
     assert len(layers) == HF["layers"] + 2
     x = torch.randint(0, 300, (2, 16))
@@ -173,7 +174,7 @@ def _reference_param_count(arch: str) -> int:
     from experiments.models.hf import _model_class, hf_config
 
     with torch.device("meta"):
-        model = _model_class(arch)(hf_config({**HF, "arch": arch}))
+        model = _model_class(arch)(hf_config(model_config({**HF, "arch": arch}, HFModelConfig)))
     return sum(p.numel() for p in model.parameters())  # tied weights appear once
 
 

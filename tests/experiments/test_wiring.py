@@ -138,7 +138,7 @@ def test_search_kwargs_follow_the_config(compose_cfg):
 
 
 def test_auto_plans_resolve_to_a_plain_layout(compose_cfg):
-    from experiments.config import to_plain_dict, validate_config
+    from experiments.config import Config, to_plain_dict, validate_config
     from experiments.wiring import resolve_layout, search_layout
 
     cfg = compose_cfg("experiment=smoke", "pipeline.schedule=auto", "pipeline.microbatches=auto",
@@ -148,10 +148,11 @@ def test_auto_plans_resolve_to_a_plain_layout(compose_cfg):
     assert {c.microbatches for c in res.candidates} == {2, 4, 8}
     plan = make_plan(cfg, spec)
     assert plan.search is not None and plan.search["chosen"]["label"] == res.chosen.label
-    resolved = resolve_layout(to_plain_dict(cfg), plan)
+    resolved = resolve_layout(cfg, plan)
+    assert isinstance(resolved, Config) and resolve_layout(to_plain_dict(cfg), plan) == resolved
     validate_config(resolved)
-    p = resolved["pipeline"]
-    assert (p["schedule"], p["microbatches"], p["virtual_stages"], p["max_inflight"]) == (
+    p = resolved.pipeline
+    assert (p.schedule, p.microbatches, p.virtual_stages, p.max_inflight) == (
         plan.schedule, plan.microbatches, plan.virtual_stages, plan.max_inflight)
     assert microbatch_size(resolved) == 8 // plan.microbatches and run_name(resolved) == f"smoke-{plan.schedule}-p2"
     kwargs = pipeline_kwargs(resolved, plan.stage_ranges, recompute=plan.stage_recompute)
