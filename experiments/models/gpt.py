@@ -146,9 +146,10 @@ def lm_spec(factories: list, ties: list[tuple[str, str]], *, seq_len: int, vocab
     """The ModelSpec of a token-in, logits-out language model (GPT here, Hugging Face adapters).
     `loss="chunked"`: the head layer returns `HeadOutput` and the loss is the chunked
     linear + cross-entropy of `experiments.models.loss` (`loss_chunk` tokens at a time)."""
-    loss_fn = loss_function(loss, loss_chunk)
-    if loss == "chunked":
-        factories = factories[:-1] + [partial(fused_head, factories[-1])]
+    heads = {"full": (factories[-1], loss_function("full")),
+             "chunked": (partial(fused_head, factories[-1]), loss_function("chunked", loss_chunk))}
+    last, loss_fn = heads[loss]
+    factories = factories[:-1] + [last]
     return ModelSpec(
         layers=factories,
         loss_fn=loss_fn,
@@ -158,5 +159,6 @@ def lm_spec(factories: list, ties: list[tuple[str, str]], *, seq_len: int, vocab
         name=name,
         num_params=count_params(factories, ties),
         tokens_per_sample=seq_len,
-        extra={"vocab": vocab, "seq_len": seq_len, "loss": loss, "loss_chunk": loss_chunk, **extra},
+        extra={"vocab": vocab, "seq_len": seq_len, "loss": loss, "loss_chunk": loss_chunk,
+               "loss_heads": heads, **extra},
     )

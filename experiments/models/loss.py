@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any, Callable, NamedTuple
 
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["LOSSES", "HeadOutput", "LinearCrossEntropy", "lm_loss", "chunked_lm_loss",
-           "loss_function", "loss_settings", "fused_head", "IGNORE_INDEX"]
+           "loss_function", "loss_settings", "profile_loss_kwargs", "fused_head", "IGNORE_INDEX"]
 
 LOSSES: tuple[str, ...] = ("full", "chunked")
 IGNORE_INDEX = -100   # F.cross_entropy's default: targets with this value do not count
@@ -102,6 +103,25 @@ def loss_settings(cfg: Any) -> tuple[str, int]:
     return str(getattr(loss, "value", loss)), int(get_field(cfg, "loss_chunk", 1024))
 
 
+def profile_loss_kwargs(spec: Any, microbatch: int) -> dict[str, Any]:
+    """Keyword arguments for ``partitioner.profile`` so that the last layer is profiled with the
+    spec's loss (``loss_fn``, ``example_target`` of one microbatch) and, for a language model,
+    with the other head too (``loss_variants``: the full head's cost under ``model.loss=chunked``
+    and the reverse), so the planner can say when the other head would fit.
+
+    >>> from experiments.models import build_model
+    >>> spec = build_model({"name": "gpt", "layers": 1, "dim": 8, "heads": 2, "vocab": 16, "seq_len": 4})
+    >>> sorted(profile_loss_kwargs(spec, 2)["loss_variants"])
+    ['chunked']
+    """
+    out: dict[str, Any] = {"loss_fn": spec.loss_fn, "example_target": spec.example_target(int(microbatch))}
+    heads = spec.extra.get("loss_heads") or {}
+    variants = {name: head for name, head in heads.items() if name != spec.extra.get("loss")}
+    if variants:
+        out["loss_variants"] = variants
+    return out
+
+
 def fused_head(factory: Callable[[], Any]) -> Any:
     """Build the head layer with ``factory`` and switch it to return :class:`HeadOutput` (its
     ``fused`` attribute; the layer keeps ``logits(x)`` for generation). A picklable factory
@@ -117,9 +137,23 @@ def fused_head(factory: Callable[[], Any]) -> Any:
 def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     """The dtype the head's matmul runs in: autocast's, else the weight's."""
     dev = hidden.device.type
-    if torch.is_autocast_enabled(dev):
+    if _autocast_device(dev) and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return weight.dtype
+
+
+def _autocast_device(dev: str) -> bool:
+    """Whether torch.autocast knows the device type (the meta device of analytic profiles does not)."""
+    try:
+        torch.is_autocast_enabled(dev)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _no_autocast(dev: str) -> Any:
+    """The body runs in the dtypes it chose (autocast off), on any device."""
+    return torch.autocast(dev, enabled=False) if _autocast_device(dev) else contextlib.nullcontext()
 
 
 def _chunk_logits(h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -146,7 +180,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         valid = t != IGNORE_INDEX
-        with torch.autocast(h.device.type, enabled=False):
+        with _no_autocast(h.device.type):
             for s in range(0, h.shape[0], chunk):
                 z = _chunk_logits(h[s:s + chunk].to(cdt), w, b)
                 lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
@@ -172,7 +206,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         gh = torch.empty_like(h) if need_h else None
         gw = torch.zeros_like(weight) if need_w else None
         gb = torch.zeros_like(bias) if need_b and bias is not None else None
-        with torch.autocast(h.device.type, enabled=False):
+        with _no_autocast(h.device.type):
             for s in range(0, h.shape[0], chunk):
                 hc = h[s:s + chunk].to(cdt)
                 tc, vc = t[s:s + chunk], valid[s:s + chunk]
