@@ -315,9 +315,18 @@ def _loss_workspace(layer, x) -> int:
     kept = [p.grad for p in params]
     for p in params:
         p.grad = None
-    loss = layer(x)
+    saved: list = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = layer(x)
     tracker = MemTracker()
-    tracker.track_external(layer)
+    # the saved tensors exist before the backward: known to the tracker, a backward that
+    # unpacks (detaches) one does not count it as a new temporary
+    tracker.track_external(layer, *saved, *_tensors(x))
     with tracker:
         torch.autograd.backward([loss], inputs=params)   # into .grad: MemTracker books them as gradients
     for p, g in zip(params, kept):
