@@ -30,8 +30,8 @@ With ``loss_fn`` and ``example_target`` (both modes) the last layer is profiled 
 the loss, as the engine's last chunk runs it (``loss_fn(last_layer(x), target)``): its times
 include the loss's forward and backward, its ``activation_bytes`` what the loss saves (an LM's
 fp32 upcast log-softmax), and its ``workspace_bytes`` the backward's transient measured by
-torch's ``MemTracker`` (the gradient of the logits and its copies; parameter gradients
-excluded). ``loss_variants`` (``{name: (last_layer_factory, loss_fn)}``, e.g. the other LM
+torch's ``MemTracker`` (the gradient of the logits and its copies; parameter gradients and
+the saved tensors excluded). ``loss_variants`` (``{name: (last_layer_factory, loss_fn)}``, e.g. the other LM
 head) profiles the last layer again for each variant with its loss; the costs go to
 ``Profile.meta["loss_variants"]`` (``{name: LayerCost as a dict}``) so the planner can say when
 another head would fit. Without ``loss_fn`` the loss is not in the profile.
