@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.memtrack import measure_step
+from experiments.config import GPTConfig
 from experiments.models import build_model, compose
 from experiments.models.hf import ARCHS
 from experiments.models.loss import (IGNORE_INDEX, HeadOutput, chunked_lm_loss, lm_loss, loss_function,
@@ -73,7 +74,7 @@ def test_chunked_under_autocast_matches_full_autocast() -> None:
 
 def test_loss_function_and_settings_refuse_bad_values() -> None:
     assert loss_function("full") is lm_loss
-    assert loss_settings({}) == ("full", 1024)
+    assert loss_settings(GPTConfig()) == ("full", 1024)
     with pytest.raises(ValueError, match="model.loss="):
         loss_function("fused")
     with pytest.raises(ValueError, match="loss_chunk"):
