@@ -107,6 +107,8 @@ def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:
     """Keyword arguments for `partitioner.profile(layers, example_input, **kwargs)`.
 
     The example input should be one microbatch: `spec.example_input(microbatch_size(cfg))`.
+    Analytic with `partitioner.calibrate=true`: the device spec is the calibrated one
+    (`partitioner.calibrate.calibrated_spec`: cached per device name, timed here when missing).
     """
     part = _get(cfg, "partitioner")
     mode = _text(_get(part, "profile"))
@@ -116,6 +118,12 @@ def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:
                    warmup=int(_get(part, "warmup")), sweeps=int(_get(part, "sweeps", 1)))
     else:
         out["device_spec"] = _get(part, "device_spec")
+        # read as an attribute (the typed config); a plain dict (a resolved plan.json config) by key
+        calibrate = part.get("calibrate", False) if isinstance(part, dict) else part.calibrate
+        if bool(calibrate):  # the device model fitted on the device at hand (cached)
+            from partitioner.calibrate import calibrated_spec
+
+            out["device_spec"] = calibrated_spec(out["device_spec"])
         attention = _get(part, "attention", None)
         out["attention"] = _text(attention) if attention is not None else None
     return out
