@@ -27,7 +27,9 @@ deferred W (``pending_grad_bytes``, zero-bubble schedules) are the distinct stor
 split path keeps after ``backward_input``.
 
 "analytic": every layer is built under ``torch.device("meta")`` (nothing is allocated). Each
-aten op of the forward and of the backward is costed by the roofline of ``device_spec``
+aten op of the forward and of the backward is costed by ``device_spec``: per op class (GEMM
+by its shape, fused attention, memory-bound; ``partitioner.kernels``, docs/device-model.md) on the
+GPU presets and calibrated specs, else by its flat roofline
 (``max(flops / peak, bytes / bandwidth) + overhead``), FLOPs from
 ``torch.utils.flop_counter`` (its registry, cross-checked by ``FlopCounterMode``) and bytes from
 the op's tensor shapes. ``pending_grad_bytes`` is the output bytes of the ops that take a

@@ -4,14 +4,14 @@ It asserts the comparison runs and that the predictions are sane, never a tuned 
 
 from __future__ import annotations
 
+import importlib.util
 import math
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import device_check  # noqa: E402
+_SPEC = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
+device_check = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(device_check)
 
 
 def test_zb_row_predicts_sane_throughputs():
