@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 __all__ = ["KernelModel", "KERNEL_PRESETS", "GEMM_TILES", "OpCharger", "gemm_time", "attention_time",
-           "memory_time", "gemm_shape", "OP_CLASSES"]
+           "memory_time", "gemm_shape", "OP_CLASSES", "OPTIMIZER_STATE_TRAFFIC", "optimizer_s_per_byte"]
 
 OP_CLASSES: tuple[str, ...] = ("gemm", "attention", "memory")
 
@@ -154,6 +154,23 @@ def attention_time(k: KernelModel, peak: float, flops: float, seq: int, head_dim
 def memory_time(k: KernelModel, bandwidth: float, moved: float, launch: bool = True) -> float:
     """Seconds of a memory-bound kernel moving ``moved`` bytes."""
     return moved / (bandwidth * k.bandwidth) + (k.launch_s if launch else 0.0)
+
+
+# Bytes an optimizer step reads and writes per parameter, fp32 master weights and gradients:
+# sgd reads p, g and writes p (12); adam / adamw read p, g, m, v and write p, m, v (28). With
+# 16-bit weights the step also writes the 16-bit copy of each parameter (+ itemsize).
+OPTIMIZER_STATE_TRAFFIC: dict[str, float] = {"sgd": 12.0, "adam": 28.0, "adamw": 28.0}
+
+
+def optimizer_s_per_byte(k: KernelModel, bandwidth: float, itemsize: int) -> dict[str, float]:
+    """Seconds per parameter byte (``itemsize`` bytes a parameter) of each optimizer's step, a
+    memory-bound sweep at the achieved bandwidth (``partitioner.FixedCosts.optimizer_s_per_byte``).
+
+    >>> round(optimizer_s_per_byte(KERNEL_PRESETS["h100"], 3.35e12, 2)["adamw"] * 2 * 1e12, 2)  # ps per param
+    10.1
+    """
+    extra = itemsize if itemsize < 4 else 0
+    return {name: (moved + extra) / itemsize / (bandwidth * k.bandwidth) for name, moved in OPTIMIZER_STATE_TRAFFIC.items()}
 
 
 _GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")

@@ -216,7 +216,7 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
         with _attention_mode(backend):
             prof = _profile_analytic(sources, example_input, tdtype, spec, cache)
         prof.meta.update(attention=backend, input_requires_grad=grad_in)
-        return prof
+        return _with_optimizer_costs(prof, spec)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "meta":
         raise ValueError("mode='measure' needs a real device; use mode='analytic' for the meta device")
@@ -634,6 +634,20 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
         del layer
     return Profile(costs, dtype=_dtype_name(dtype or found_dtype, example_input),
                    meta=_analytic_meta(spec, dname, len(memo) if cache else len(costs), total_flops_check, classes))
+
+
+def _with_optimizer_costs(prof: Profile, spec: DeviceSpec) -> Profile:
+    """A kernel-model profile also prices the optimizer step: a memory-bound sweep over each
+    rank's parameters and states at the achieved bandwidth (``partitioner.kernels``)."""
+    import dataclasses
+
+    from .costs import FixedCosts
+    from .kernels import optimizer_s_per_byte
+
+    if spec.kernels is None or prof.fixed is not None:
+        return prof
+    per_byte = optimizer_s_per_byte(spec.kernels, spec.memory_bandwidth, prof.itemsize)
+    return dataclasses.replace(prof, fixed=FixedCosts(optimizer_s_per_byte=per_byte))
 
 
 def _analytic_meta(spec: DeviceSpec, dname: str, unique: int, mismatch: float, classes: list[dict]) -> dict:

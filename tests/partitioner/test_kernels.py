@@ -112,3 +112,19 @@ def test_charger_sums_by_class():
     c = OpCharger(A100, PEAK, BW)
     c.charge_memory(1e6)
     assert c.by_class["memory"] > 0 and c.kernels == 1
+
+
+def test_kernel_model_profiles_price_the_optimizer_step_at_achieved_bandwidth():
+    from partitioner import partition
+    from partitioner.kernels import OPTIMIZER_STATE_TRAFFIC
+
+    layers = [lambda: nn.Linear(1024, 1024)] * 4
+    x = torch.randn(64, 1024)
+    prof = profile(layers, x, mode="analytic", device_spec="a100", dtype=torch.bfloat16)
+    spec = get_device_spec("a100")
+    per_param = (OPTIMIZER_STATE_TRAFFIC["adamw"] + 2) / (spec.memory_bandwidth * spec.kernels.bandwidth)
+    assert prof.fixed.optimizer_s("adamw", 2.0) == pytest.approx(per_param)
+    plan = partition(prof, num_stages=2, microbatches=4, optimizer="adamw")
+    assert plan.rank_optimizer_s[0] == pytest.approx(per_param * (1024 * 1024 + 1024) * 2)
+    flat = profile(layers, x, mode="analytic", device_spec="a100-flat", dtype=torch.bfloat16)
+    assert flat.fixed is None   # the former model stays as it was
