@@ -108,6 +108,8 @@ def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:
     """Keyword arguments for `partitioner.profile(layers, example_input, **kwargs)`.
 
     The example input should be one microbatch: `spec.example_input(microbatch_size(cfg))`.
+    Analytic with `partitioner.calibrate=true`: the device spec is the calibrated one
+    (`partitioner.calibrate.calibrated_spec`: cached per device name, timed here when missing).
     """
     cfg = as_config(cfg)
     part = cfg.partitioner
@@ -119,6 +121,10 @@ def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:
     else:
         out.update(device_spec=part.device_spec,
                    attention=_text(part.attention) if part.attention is not None else None)
+        if part.calibrate:  # the device model fitted on the device at hand (cached per device name)
+            from partitioner.calibrate import calibrated_spec
+
+            out["device_spec"] = calibrated_spec(out["device_spec"])
     return out
 
 

@@ -7,14 +7,22 @@ which is measured once per process by timing a matmul and a large copy::
     h100 = get_device_spec("h100")
     t = h100.op_time(flops=2 * 4096**3, bytes_moved=3 * 4096**2 * 2, dtype="bfloat16")
 
-``efficiency`` scales the datasheet peaks to what kernels reach (default 0.7 for GPU
-presets; 1.0 for the measured CPU, whose figures are already achieved ones).
+The GPU presets carry a per-op-class device model (``DeviceSpec.kernels``, a
+:class:`partitioner.kernels.KernelModel`: GEMM tile and wave quantisation, flash attention by
+sequence length and head dim, memory-bound ops at achieved bandwidth, a launch cost per kernel;
+docs/device-model.md sources every constant). ``"a100-flat"``, ``"h100-flat"``, ``"h200-flat"``
+keep the former model: a flat roofline at ``efficiency`` (0.7) of the datasheet peaks plus
+``overhead_s`` (5 us) per op. The measured ``"cpu"`` is flat too (its figures are achieved ones)
+unless calibrated (``partitioner.calibrate``). ``fuse=True`` (``get_device_spec(..., fuse=True)``)
+costs pointwise chains as ``torch.compile`` fuses them.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+
+from .kernels import KERNEL_PRESETS, KernelModel, OpCharger
 
 __all__ = ["DeviceSpec", "DEVICE_PRESETS", "ATTENTION_BACKENDS", "get_device_spec", "measure_cpu_spec"]
 
@@ -36,6 +44,7 @@ class DeviceSpec:
     overhead_s: float = 0.0               # per-op launch/dispatch overhead
     notes: str = ""
     attention: str = "flash"              # SDPA kernel it runs: one of ATTENTION_BACKENDS
+    kernels: KernelModel | None = None    # per-op-class model (None: the flat roofline of op_time)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
@@ -51,9 +60,21 @@ class DeviceSpec:
         """Roofline time of one op: max(compute time, memory time) plus the per-op overhead."""
         return max(flops / self.flops_per_s(dtype), bytes_moved / (self.memory_bandwidth * self.efficiency)) + self.overhead_s
 
+    def peak_flops_for(self, dtype: str = "float32") -> float:
+        """Datasheet (or measured) peak FLOP/s of ``dtype``, before any efficiency."""
+        d = dtype.replace("torch.", "")
+        return self.peak_flops.get(d, self.peak_flops.get("float32", max(self.peak_flops.values())))
 
-# Datasheet figures (dense, SXM parts). fp32 uses TF32 tensor cores for matmuls on these GPUs.
-DEVICE_PRESETS: dict[str, DeviceSpec] = {
+    def charger(self, dtype: str = "float32") -> OpCharger | None:
+        """An :class:`OpCharger` for ``dtype`` ops under :attr:`kernels` (None: flat roofline)."""
+        if self.kernels is None:
+            return None
+        return OpCharger(self.kernels, self.peak_flops_for(dtype), self.memory_bandwidth)
+
+
+# Datasheet figures (dense, SXM parts; S1 in docs/device-model.md). fp32 uses TF32 tensor cores
+# for matmuls on these GPUs. The "-flat" presets are the former model (flat 70% + 5 us per op).
+_FLAT: dict[str, DeviceSpec] = {
     "a100": DeviceSpec("a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
                        2.039e12, 80 * 2**30, 300e9, efficiency=0.7, overhead_s=5e-6,
                        notes="A100 SXM 80GB; NVLink3 600 GB/s bidirectional"),
@@ -63,6 +84,11 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "h200": DeviceSpec("h200", {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
                        4.8e12, 141 * 10**9, 450e9, efficiency=0.7, overhead_s=5e-6,
                        notes="H200 SXM 141GB; NVLink4 900 GB/s bidirectional"),
+}
+DEVICE_PRESETS: dict[str, DeviceSpec] = {
+    **{name: replace(spec, kernels=KERNEL_PRESETS[name], notes=spec.notes + "; per-op-class kernel model")
+       for name, spec in _FLAT.items()},
+    **{f"{name}-flat": replace(spec, name=f"{name}-flat") for name, spec in _FLAT.items()},
 }
 
 _CPU_CACHE: dict[str, DeviceSpec] = {}
@@ -105,8 +131,27 @@ def measure_cpu_spec(size: int = 384, copy_mb: int = 64, repeats: int = 5) -> De
     return spec
 
 
-def get_device_spec(spec: "str | DeviceSpec", **overrides: object) -> DeviceSpec:
-    """A preset by name (``a100``, ``h100``, ``h200``, ``cpu``) or a given spec, with field overrides."""
+def get_device_spec(spec: "str | DeviceSpec", *, fuse: bool | None = None, **overrides: object) -> DeviceSpec:
+    """A preset by name (``a100``, ``h100``, ``h200``, their ``-flat`` forms, ``cpu``) or a given
+    spec, with field overrides. ``fuse``: cost pointwise chains as ``torch.compile`` fuses them
+    (needs a kernel model: a GPU preset or a calibrated spec).
+
+    >>> get_device_spec("h100", fuse=True).kernels.fuse_elementwise
+    True
+    """
+    out = _lookup(spec)
+    if overrides:
+        out = replace(out, **overrides)
+    if fuse is not None:
+        if out.kernels is None and fuse:
+            raise ValueError(f"fuse=True needs a kernel model; {out.name!r} has a flat roofline "
+                             "(use a GPU preset such as 'h100', or calibrate: partitioner.calibrate=true)")
+        if out.kernels is not None:
+            out = replace(out, kernels=out.kernels.with_fusion(fuse))
+    return out
+
+
+def _lookup(spec: "str | DeviceSpec") -> DeviceSpec:
     if isinstance(spec, DeviceSpec):
         out = spec
     else:
@@ -118,4 +163,4 @@ def get_device_spec(spec: "str | DeviceSpec", **overrides: object) -> DeviceSpec
         else:
             raise ValueError(f"unknown device spec {spec!r}; use one of {sorted(DEVICE_PRESETS) + ['cpu']} "
                              "or pass a DeviceSpec(...)")
-    return replace(out, **overrides) if overrides else out
+    return out

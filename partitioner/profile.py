@@ -37,7 +37,9 @@ head) profiles the last layer again for each variant with its loss; the costs go
 another head would fit. Without ``loss_fn`` the loss is not in the profile.
 
 "analytic": every layer is built under ``torch.device("meta")`` (nothing is allocated). Each
-aten op of the forward and of the backward is costed by the roofline of ``device_spec``
+aten op of the forward and of the backward is costed by ``device_spec``: per op class (GEMM
+by its shape, fused attention, memory-bound; ``partitioner.kernels``, docs/device-model.md) on the
+GPU presets and calibrated specs, else by its flat roofline
 (``max(flops / peak, bytes / bandwidth) + overhead``), FLOPs from
 ``torch.utils.flop_counter`` (its registry, cross-checked by ``FlopCounterMode``) and bytes from
 the op's tensor shapes. ``pending_grad_bytes`` is the output bytes of the ops that take a
@@ -227,7 +229,7 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
         with _attention_mode(backend):
             prof = _profile_analytic(sources, example_input, tdtype, spec, cache)
         prof.meta.update(attention=backend, input_requires_grad=grad_in)
-        return _loss_meta(prof, loss_fn)
+        return _loss_meta(_with_optimizer_costs(prof, spec), loss_fn)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "meta":
         raise ValueError("mode='measure' needs a real device; use mode='analytic' for the meta device")
@@ -585,11 +587,15 @@ def _weight_ops_mode(param_keys: set):
 
 
 def _roofline_mode(spec: DeviceSpec, dtype_name: str):
-    """A TorchDispatchMode that sums per-op roofline time, FLOPs and bytes."""
+    """A TorchDispatchMode that sums per-op time, FLOPs and bytes: by the spec's per-op-class
+    kernel model (``spec.kernels``, partitioner.kernels) when it has one, else by its flat
+    roofline (``spec.op_time``). ``by_class``: seconds per op class (kernel model only)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
     from torch.utils.flop_counter import flop_registry
+
+    charger = spec.charger(dtype_name)
 
     class Roofline(TorchDispatchMode):
         def __init__(self) -> None:
@@ -597,6 +603,7 @@ def _roofline_mode(spec: DeviceSpec, dtype_name: str):
             self.time_s = 0.0
             self.flops = 0.0
             self.bytes = 0.0
+            self.by_class = charger.by_class if charger is not None else {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -607,14 +614,16 @@ def _roofline_mode(spec: DeviceSpec, dtype_name: str):
             fn = flop_registry.get(func._overloadpacket)
             if fn is not None:
                 fl = fn(*args, **kwargs, out_val=out)
-            moved = 0
-            for t in tree_flatten((args, kwargs))[0] + tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    moved += t.numel() * t.element_size()
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            moved = sum(t.numel() * t.element_size() for t in ins + outs)
             if fl or moved:
                 self.flops += fl
                 self.bytes += moved
-                self.time_s += spec.op_time(fl, moved, dtype_name)
+                if charger is None:
+                    self.time_s += spec.op_time(fl, moved, dtype_name)
+                else:
+                    self.time_s += charger.charge(func, args, kwargs, out, fl, moved, ins, outs)
             return out
 
     return Roofline()
@@ -694,6 +703,8 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
     total_flops_check = 0.0
     found_dtype = None
     memo: dict = {}
+    memo_idx: dict = {}
+    classes: list[dict] = []  # per layer: seconds per op class of forward and backward (kernel model)
     for i, src in enumerate(sources):
         with torch.device(meta):
             layer = _build(src, meta, dtype)
@@ -707,6 +718,7 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
         if key is not None and key in memo:  # an identical layer was already costed
             cost, nxt_c, skip_c = memo[key]
             costs.append(cost)
+            classes.append(classes[memo_idx[key]])
             x, skip_keys, prev_name = nxt_c, skip_c, name
             del layer
             continue
@@ -738,6 +750,7 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
         elif params:
             w_s = bwd.time_s
         total_flops_check += abs(fc_f.get_total_flops() - fwd.flops) + abs(fc_b.get_total_flops() - bwd.flops)
+        classes.append({"forward": dict(fwd.by_class), "backward": dict(bwd.by_class)})
         costs.append(LayerCost(forward_s=fwd.time_s, backward_s=bwd.time_s, param_bytes=int(param_bytes),
                                activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
                                weight_grad_s=min(w_s, bwd.time_s), name=name,
@@ -753,9 +766,36 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
         x = _map(lambda t: t.requires_grad_(True) if t.is_floating_point() else t, nxt)
         if key is not None:
             memo[key] = (costs[-1], x, skip_keys)
+            memo_idx[key] = len(classes) - 1
         prev_name = name
         del layer
     return Profile(costs, dtype=_dtype_name(dtype or found_dtype, example_input),
-                   meta={"mode": "analytic", "unique_layers_costed": len(memo) if cache else len(costs), "device_spec": spec.name, "flops_per_s": spec.flops_per_s(dname),
-                         "memory_bandwidth": spec.memory_bandwidth, "efficiency": spec.efficiency,
-                         "flop_count_mismatch": total_flops_check, **_variants_meta(variants)})
+                   meta={**_analytic_meta(spec, dname, len(memo) if cache else len(costs), total_flops_check, classes),
+                         **_variants_meta(variants)})
+
+
+def _with_optimizer_costs(prof: Profile, spec: DeviceSpec) -> Profile:
+    """A kernel-model profile also prices the optimizer step: a memory-bound sweep over each
+    rank's parameters and states at the achieved bandwidth (``partitioner.kernels``)."""
+    import dataclasses
+
+    from .costs import FixedCosts
+    from .kernels import optimizer_s_per_byte
+
+    if spec.kernels is None or prof.fixed is not None:
+        return prof
+    per_byte = optimizer_s_per_byte(spec.kernels, spec.memory_bandwidth, prof.itemsize)
+    return dataclasses.replace(prof, fixed=FixedCosts(optimizer_s_per_byte=per_byte))
+
+
+def _analytic_meta(spec: DeviceSpec, dname: str, unique: int, mismatch: float, classes: list[dict]) -> dict:
+    """Provenance of an analytic profile: the device model, and (kernel model) each layer's
+    seconds per op class in forward and backward."""
+    meta = {"mode": "analytic", "unique_layers_costed": unique, "device_spec": spec.name,
+            "flops_per_s": spec.flops_per_s(dname), "memory_bandwidth": spec.memory_bandwidth,
+            "efficiency": spec.efficiency, "flop_count_mismatch": mismatch,
+            "device_model": "flat-roofline" if spec.kernels is None else "kernels"}
+    if spec.kernels is not None:
+        meta["kernels"] = spec.kernels.to_dict()
+        meta["layer_op_classes"] = classes
+    return meta
