@@ -738,17 +738,7 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
         with FlopCounterMode(display=False) as fc_b:
             with bwd:
                 _backward(outs, params + xs, grads)
-        w_s: float = 0.0
-        if params and xs:
-            o2 = layer(x)
-            oo = [t for t in _tensors(o2) if t.requires_grad]
-            inp = _roofline_mode(spec, pdname)
-            with inp:
-                _backward(oo, xs, grads)
-            w_s = max(bwd.time_s - inp.time_s, 0.0)
-            del o2, oo
-        elif params:
-            w_s = bwd.time_s
+        w_s = _analytic_weight_s(layer, x, params, xs, grads, spec, pdname, bwd.time_s)
         total_flops_check += abs(fc_f.get_total_flops() - fwd.flops) + abs(fc_b.get_total_flops() - bwd.flops)
         classes.append({"forward": dict(fwd.by_class), "backward": dict(bwd.by_class)})
         costs.append(LayerCost(forward_s=fwd.time_s, backward_s=bwd.time_s, param_bytes=int(param_bytes),
@@ -772,6 +762,20 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
     return Profile(costs, dtype=_dtype_name(dtype or found_dtype, example_input),
                    meta={**_analytic_meta(spec, dname, len(memo) if cache else len(costs), total_flops_check, classes),
                          **_variants_meta(variants)})
+
+
+def _analytic_weight_s(layer, x, params, xs, grads, spec: DeviceSpec, pdname: str, backward_s: float) -> float:
+    """The weight-gradient part of a layer's analytic backward: the full backward less an
+    input-only backward (all of it when the layer takes no input gradient)."""
+    if not params:
+        return 0.0
+    if not xs:
+        return backward_s
+    out = layer(x)
+    inp = _roofline_mode(spec, pdname)
+    with inp:
+        _backward([t for t in _tensors(out) if t.requires_grad], xs, grads)
+    return max(backward_s - inp.time_s, 0.0)
 
 
 def _with_optimizer_costs(prof: Profile, spec: DeviceSpec) -> Profile:
