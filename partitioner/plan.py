@@ -53,6 +53,10 @@ class Plan(JsonMixin):
     (``rank_optimizer_s``) are added to the simulated schedule. ``search``: when
     ``partitioner.search`` chose this plan's layout, its record (the choice, the alternatives
     with their predicted step and memory, every layout considered; see ``SearchResult.record``).
+    ``split_search``: how the split was chosen: ``"exact"`` (the min-bottleneck split, or the
+    fastest predicted step over every split), ``"local search"`` (the min-bottleneck split refined
+    by a hill climb on the predicted step over a bounded number of splits: not proven fastest), or
+    the baseline's name.
     """
 
     stage_ranges: list[tuple[int, int]]
@@ -96,6 +100,7 @@ class Plan(JsonMixin):
     layer_names: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     search: dict[str, Any] | None = None
+    split_search: str = "exact"
 
     def __post_init__(self) -> None:
         self.stage_ranges = [(int(a), int(b)) for a, b in self.stage_ranges]
