@@ -38,7 +38,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from engine.footprint import GRAD_BUCKET_MB
-from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message_ends, send_mode
+from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message_ends, peak_inflight, send_mode
 
 from .batchsim import compile_schedule, simulate_many
 from .costs import FixedCosts, Profile
@@ -321,6 +321,8 @@ def _counts(profile: Profile, schedule: str, p: int, m: int, v: int, max_infligh
     if not (simulate or split or v > 1):
         return inflight_per_chunk(schedule, p, m, v, max_inflight=max_inflight), [0] * k, None
     sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)   # what the engine will run
+    if not split and v == 1:   # one chunk per rank, nothing pending: its peak is its peak count
+        return peak_inflight(sched), [0] * k, None
     inflight, pending = held_and_pending(sched, [float(act.mean())] * k, [float(pend.mean())] * k)
     # several chunks per rank or a split backward: which state is a rank's peak depends on the
     # split's bytes, so the plan re-reads it for the split found (``_chunk_counts``)
@@ -730,6 +732,8 @@ def _predict(plan: Plan, prob: _Problem) -> None:
     res = plan.simulate()
     plan.step_s, plan.bubble_fraction = plan.predicted_step_s(res), res.bubble_fraction
     plan.predicted_by = "engine.simulate" + (" + fixed costs" if prob.fixed is not None else "")
+    if prob.v == 1 and not SCHEDULE_INFO[prob.schedule].splits_backward:
+        return   # the memory model read the same count (``_counts``)
     sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
     held = rank_totals(inflight_from_schedule(sched), prob.schedule, prob.p, prob.v)
     if list(res.peak_inflight) != held:  # pragma: no cover - the two models agree by construction
