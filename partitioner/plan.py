@@ -53,6 +53,10 @@ class Plan(JsonMixin):
     (``rank_optimizer_s``) are added to the simulated schedule. ``search``: when
     ``partitioner.search`` chose this plan's layout, its record (the choice, the alternatives
     with their predicted step and memory, every layout considered; see ``SearchResult.record``).
+    ``split_search``: how the split was chosen: ``"exact"`` (the min-bottleneck split, or the
+    fastest predicted step over every split), ``"local search"`` (the min-bottleneck split refined
+    by a hill climb on the predicted step over a bounded number of splits: not proven fastest), or
+    the baseline's name.
     """
 
     stage_ranges: list[tuple[int, int]]
@@ -96,6 +100,7 @@ class Plan(JsonMixin):
     layer_names: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     search: dict[str, Any] | None = None
+    split_search: str = "exact"
 
     def __post_init__(self) -> None:
         self.stage_ranges = [(int(a), int(b)) for a, b in self.stage_ranges]
@@ -299,7 +304,21 @@ def _search_cells(row: dict[str, Any], best: float | None) -> list[str]:
             "-" if step is None else f"{step * 1e3:.3f}",
             "-" if step is None or not best else f"{step / best:.3f}x",
             "-" if row.get("bubble_fraction") is None else f"{row['bubble_fraction']:.1%}",
-            "-" if not mem else f"{max(mem) / 2**30:.3f}", str(rec) if mem else "-", row["status"]]
+            "-" if not mem else f"{max(mem) / 2**30:.3f}", str(rec) if mem else "-", row["status"],
+            _costs_cell(row.get("profile") or "")]
+
+
+def _costs_cell(how: str) -> str:
+    """The search's ``Candidate.profile`` in a few characters: ``profiled`` (at that size),
+    ``interp a..b``, ``bound a`` (scaled up from a, an upper bound), ``linear a`` (asked for)."""
+    words = how.split()
+    if how.startswith("profiled"):
+        return "profiled"
+    if how.startswith("interpolated"):
+        return f"interp {words[1]}"
+    if how.startswith("scaled linearly"):
+        return ("bound " if "upper bound" in how else "linear ") + words[3]
+    return how[:12] or "-"
 
 
 def format_search(record: dict[str, Any], width: int = 120) -> str:
@@ -307,7 +326,7 @@ def format_search(record: dict[str, Any], width: int = 120) -> str:
     row) and the next best, each with its predicted step, bubble, peak rank memory and the chunks
     that recompute; then the counts and notes."""
     head = ["#", "schedule", "v", "m", "inflight", "step ms", "vs best", "bubble", "peak rank GiB",
-            "recompute", "status"]
+            "recompute", "status", "costs"]
     chosen = record["chosen"]
     rows = [chosen] + list(record.get("alternatives", []))
     best = chosen.get("step_s")
@@ -318,7 +337,8 @@ def format_search(record: dict[str, Any], width: int = 120) -> str:
              + (f" ({record['profile_seconds']:.2f} s profiling)" if record.get("profile_seconds", 0) >= 0.01 else "")
              + "; * = chosen")
     foot = [f"- {n}" for n in record.get("notes", [])]
-    return _render([(title, head, body)], foot, width, left=("schedule", "status"), no_wrap=True)
+    return _render([(title, head, body)], foot, width, left=("schedule", "status", "costs"),
+                   no_wrap=True)
 
 
 def _render(tables: list[tuple[str, list[str], list[list[str]]]], foot: list[str], width: int,

@@ -29,16 +29,18 @@ chunks (:func:`partitioner.vsplit.optimal_v_split`). Which rank runs which chunk
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from engine.footprint import GRAD_BUCKET_MB
-from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, send_mode
+from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message_ends, peak_inflight, send_mode
 
+from .batchsim import compile_schedule, simulate_many
 from .costs import FixedCosts, Profile
 from .memory import (BREAKDOWN_KEYS, SCHEDULES, MemorySettings, held_and_pending, inflight_from_schedule,
                      inflight_per_chunk, peak_state, rank_breakdown, rank_totals, schedule_states)
@@ -131,15 +133,25 @@ class _Problem:
     workspace: np.ndarray                     # each layer's backward transient, bytes
     reserve: list[float]                      # per rank, bytes taken off the limit before the search
     loss_variants: dict = field(default_factory=dict)   # name -> () -> this problem with another loss head
+    _sums: dict = field(default_factory=dict, repr=False)
 
     @property
     def n(self) -> int:
         return len(self.f)
 
-    @property
+    @functools.cached_property
     def ranks(self) -> list[int]:
         """The rank of each chunk (the schedule's placement)."""
         return chunk_ranks(self.schedule, self.p, self.v)
+
+    def sums(self, a: int, e: int) -> tuple[float, float, float, float, float]:
+        """Layers ``a:e``'s forward, whole backward, backward, W and parameter bytes (each
+        ``float(arr[a:e].sum())``, cached: the refinement prices many splits sharing chunks)."""
+        got = self._sums.get((a, e))
+        if got is None:
+            got = self._sums[(a, e)] = tuple(float(x[a:e].sum()) for x in (self.f, self.b_whole, self.b, self.w,
+                                                                              self.param))
+        return got  # type: ignore[return-value]
 
     @property
     def vee(self) -> bool:
@@ -206,9 +218,11 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     _note_recompute(recompute, ckpt, notes)
     settings = dict(method=method, data_parallel=data_parallel, zero_stage=zero_stage, optimizer=optimizer,
                     max_inflight=max_inflight)
+    local = False
     if method == "optimal" and simulate:
-        bounds = _refine(prob, bounds, recompute, settings, notes)
+        bounds, local = _refine(prob, bounds, recompute, settings, notes)
     plan = _plan(prob, bounds, recompute, notes, **settings)
+    plan.split_search = "local search" if local else "exact" if method == "optimal" else method
     if simulate:
         _predict(plan, prob)
     return plan
@@ -327,6 +341,8 @@ def _counts(profile: Profile, schedule: str, p: int, m: int, v: int, max_infligh
     if not (simulate or split or v > 1):
         return inflight_per_chunk(schedule, p, m, v, max_inflight=max_inflight), [0] * k, None
     sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)   # what the engine will run
+    if not split and v == 1:   # one chunk per rank, nothing pending: its peak is its peak count
+        return peak_inflight(sched), [0] * k, None
     inflight, pending = held_and_pending(sched, [float(act.mean())] * k, [float(pend.mean())] * k)
     # several chunks per rank or a split backward: which state is a rank's peak depends on the
     # split's bytes, so the plan re-reads it for the split found (``_chunk_counts``)
@@ -431,55 +447,132 @@ _REFINE_BUDGET = 256
 there are no more than this; else a local search from the min-bottleneck one)."""
 
 
+class _Pricer:
+    """The predicted step of many candidate splits at once, the same float that the split's
+    :func:`_plan` and :func:`_predict` give (``Plan.simulate`` + ``Plan.predicted_step_s``), by
+    :func:`partitioner.batchsim.simulate_many`. Whether a split fits is asked only of the splits
+    that could be chosen (:meth:`best`), in order of their step."""
+
+    def __init__(self, prob: _Problem, recompute: list[bool], settings: dict[str, Any]) -> None:
+        self.prob, self.recompute = prob, recompute
+        self.graph = compile_schedule(prob.schedule, prob.p, prob.m, prob.v, prob.max_inflight)
+        sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
+        self.action = self.busy = self.step_fixed = 0.0
+        if prob.fixed is not None:
+            self.action, self.step_fixed = prob.fixed.runtime_costs(send_mode(sched))
+            self.busy = prob.fixed.message_busy_s
+        self.ends = np.array(message_ends(sched), dtype=np.float64)[:, None]
+        self.shard = settings["data_parallel"] if settings["zero_stage"] >= 1 else 1
+        self.optimizer = settings["optimizer"]
+        self.splits = SCHEDULE_INFO[prob.schedule].splits_backward
+        self.step: dict[tuple[int, ...], float] = {}
+        self._fits: dict[tuple[int, ...], bool] = {}
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def __contains__(self, cuts: tuple[int, ...]) -> bool:
+        return cuts in self.step
+
+    def add(self, splits: Any) -> None:
+        """Price the splits (cut positions) not priced yet."""
+        new = [c for c in dict.fromkeys(tuple(x) for x in splits) if c not in self.step]
+        if new:
+            self.step.update(zip(new, self._steps(new)))
+
+    def _steps(self, splits: list[tuple[int, ...]]) -> list[float]:
+        prob, a = self.prob, self.action
+        rows = [_chunk_times(prob, _bounds_of(c, prob.n), self.recompute) for c in splits]
+        f = np.array([r[0] for r in rows]).T + a
+        b = np.array([r[1] for r in rows]).T
+        w = np.minimum(np.array([r[2] for r in rows]).T, b)
+        b, w = (b + 2 * a, w + a) if self.splits else (b + a, w + a)
+        if self.busy:
+            f, b = f + self.busy * self.ends, b + self.busy * self.ends
+        comm = prob.comm_layer[np.array(splits, dtype=np.int64).T - 1]
+        ends = simulate_many(self.graph, f, b, w, comm)
+        if prob.fixed is not None:
+            for j, c in enumerate(splits):
+                param = [prob.sums(s, e)[4] / self.shard for s, e in _bounds_of(c, prob.n)]
+                per_rank = rank_totals(param, prob.schedule, prob.p, prob.v)
+                ends[:, j] += [prob.fixed.optimizer_s(self.optimizer, x) for x in per_rank]
+        return [float(x) + self.step_fixed for x in ends.max(axis=0)]
+
+    def fits(self, cuts: tuple[int, ...]) -> bool:
+        if self.prob.limits is None:
+            return True
+        if cuts not in self._fits:
+            peaks = _rank_peaks(self.prob, _bounds_of(cuts, self.prob.n), self.recompute)
+            self._fits[cuts] = all(x <= c * (1 + 1e-12) for x, c in zip(peaks, self.prob.limits))
+        return self._fits[cuts]
+
+    def value(self, cuts: tuple[int, ...]) -> float:
+        """The split's predicted step, or infinity when it does not fit."""
+        return self.step[cuts] if self.fits(cuts) else math.inf
+
+    def best(self) -> tuple[int, ...]:
+        """The fastest split that fits, the first priced among equals (the first priced when none fits)."""
+        keys = list(self.step)
+        for i in sorted(range(len(keys)), key=lambda i: (self.step[keys[i]], i)):
+            if self.fits(keys[i]):
+                return keys[i]
+        return keys[0]
+
+
 def _refine(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], settings: dict[str, Any],
-            notes: list[str]) -> list[tuple[int, int]]:
+            notes: list[str]) -> tuple[list[tuple[int, int]], bool]:
     """The split among those near ``bounds`` with the smallest *predicted step* that fits.
 
     The exact search minimises the busiest stage (or rank), which ties or nearly ties for many
     splits whose steps differ: the schedule's order (a V's chunks, the fill of interleaving, a
     split backward's W) and the per-cut transfers decide between them. The baselines' splits are
     candidates too, so ``optimal`` never predicts a slower step than one of them. Each candidate is priced
-    by the same :meth:`Plan.simulate` the plan reports; each chunk keeps its recomputation
-    (``auto``'s choice for the min-bottleneck split), and a candidate must fit with it."""
+    by the same arithmetic as :meth:`Plan.simulate` (:class:`_Pricer`, all of a batch at once); each
+    chunk keeps its recomputation (``auto``'s choice for the min-bottleneck split), and a candidate
+    must fit with it. Every split when there are at most ``_REFINE_BUDGET`` (exact over splits
+    with that recomputation), else a hill climb from the min-bottleneck split (a local search).
+    Returns the split and whether it came from the local search (not proven fastest)."""
     if prob.k == 1:
-        return bounds
+        return bounds, False
     n, k = prob.n, prob.k
-    step: dict[tuple[int, ...], float] = {}
-
-    def price(cuts: tuple[int, ...]) -> float:
-        if cuts not in step:
-            plan = _plan(prob, _bounds_of(cuts, n), recompute, [], **settings)
-            _predict(plan, prob)
-            step[cuts] = plan.step_s if plan.fits else math.inf
-        return step[cuts]
-
+    pricer = _Pricer(prob, recompute, settings)
     start = tuple(e for _, e in bounds[:-1])
-    price(start)
+    pricer.add([start])
     exhaustive = math.comb(n - 1, k - 1) <= _REFINE_BUDGET
     if exhaustive:
-        for cuts in itertools.combinations(range(1, n), k - 1):
-            price(cuts)
-    else:
-        for seed in (uniform_split(n, k), greedy_split(prob.f + prob.b, k), parameter_split(prob.static, k)):
-            price(tuple(e for _, e in seed[:-1]))   # so that no baseline predicts faster
-        best = min(step, key=step.__getitem__)
-        while len(step) < _REFINE_BUDGET:
-            for cuts in _neighbours(best, n):
-                if len(step) >= _REFINE_BUDGET:
-                    break
-                price(cuts)
-            nxt = min(step, key=step.__getitem__)
-            if step[nxt] >= step[best]:
+        pricer.add(itertools.combinations(range(1, n), k - 1))
+    else:   # the baselines' splits, so that no baseline predicts faster
+        pricer.add(tuple(e for _, e in seed[:-1]) for seed in
+                   (uniform_split(n, k), greedy_split(prob.f + prob.b, k), parameter_split(prob.static, k)))
+        best = pricer.best()
+        while len(pricer) < _REFINE_BUDGET:
+            fresh = (c for c in _neighbours(best, n) if c not in pricer)
+            pricer.add(_distinct(fresh, _REFINE_BUDGET - len(pricer)))
+            nxt = pricer.best()
+            if pricer.value(nxt) >= pricer.value(best):
                 break
             best = nxt
-    best = min(step, key=step.__getitem__)
-    if not step[best] < step[start] * (1 - 1e-3):   # ties keep the min-bottleneck split
-        return bounds
+    best = pricer.best()
+    how = "all of them" if exhaustive else "a local search"
+    if not pricer.value(best) < pricer.value(start) * (1 - 1e-3):   # ties keep the min-bottleneck split
+        notes.append(f"refinement on the predicted step ({len(pricer)} splits simulated, {how}) kept the "
+                     "min-bottleneck split")
+        return bounds, not exhaustive
     new = _bounds_of(best, n)
-    notes.append(f"refined on the predicted step ({len(step)} splits simulated"
-                 f"{', all of them' if exhaustive else ', a local search'}): {new} predicts "
-                 f"{step[best] * 1e3:.1f} ms, the min-bottleneck split {list(bounds)} {step[start] * 1e3:.1f} ms")
-    return new
+    notes.append(f"refined on the predicted step ({len(pricer)} splits simulated, {how}): {new} predicts "
+                 f"{pricer.value(best) * 1e3:.1f} ms, the min-bottleneck split {list(bounds)} "
+                 f"{pricer.value(start) * 1e3:.1f} ms")
+    return new, not exhaustive
+
+
+def _distinct(items: Iterator[tuple[int, ...]], count: int) -> list[tuple[int, ...]]:
+    """The first ``count`` distinct items."""
+    out: dict[tuple[int, ...], None] = {}
+    for x in items:
+        if len(out) >= count:
+            break
+        out[x] = None
+    return list(out)
 
 
 def _bounds_of(cuts: Sequence[int], n: int) -> list[tuple[int, int]]:
@@ -487,20 +580,19 @@ def _bounds_of(cuts: Sequence[int], n: int) -> list[tuple[int, int]]:
     return [(edges[i], edges[i + 1]) for i in range(len(edges) - 1)]
 
 
-def _neighbours(cuts: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
-    """Splits a move away: a run of consecutive cuts shifted one layer together (a layer moves
-    from one chunk to another, the chunks between keep their sizes; one cut alone is the
-    shortest run), two cuts moved one layer in opposite directions, one cut moved two layers."""
+def _neighbours(cuts: tuple[int, ...], n: int) -> Iterator[tuple[int, ...]]:
+    """Splits a move away, in a fixed order (lazily: the refinement takes only what its budget
+    allows): a run of consecutive cuts shifted one layer together (a layer moves from one chunk to
+    another, the chunks between keep their sizes; one cut alone is the shortest run), two cuts
+    moved one layer in opposite directions, one cut moved two layers."""
     c = len(cuts)
-    moves = [{t: d for t in range(i, j + 1)} for i in range(c) for j in range(i, c) for d in (-1, 1)]
-    moves += [{i: d, j: -d} for i, j in itertools.combinations(range(c), 2) for d in (-1, 1)]
-    moves += [{i: d} for i in range(c) for d in (-2, 2)]
-    out = []
-    for move in moves:
+    runs = ({t: d for t in range(i, j + 1)} for i in range(c) for j in range(i, c) for d in (-1, 1))
+    pairs = ({i: d, j: -d} for i, j in itertools.combinations(range(c), 2) for d in (-1, 1))
+    jumps = ({i: d} for i in range(c) for d in (-2, 2))
+    for move in itertools.chain(runs, pairs, jumps):
         cand = tuple(x + move.get(i, 0) for i, x in enumerate(cuts))
         if all(a < b for a, b in zip((0, *cand), (*cand, n))):
-            out.append(cand)
-    return out
+            yield cand
 
 
 def _baseline(method: str, prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], list[bool]]:
@@ -576,13 +668,13 @@ def _chunk_times(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[
     is W."""
     f_c, b_c, w_c = [], [], []
     for c, (a, e) in enumerate(bounds):
-        f = float(prob.f[a:e].sum())
+        f, whole, split, weight, _ = prob.sums(a, e)
         if recompute[c]:
-            b, w = float(prob.b_whole[a:e].sum()) + f, 0.0
+            b, w = whole + f, 0.0
         elif a == 0 and not prob.input_grad and SCHEDULE_INFO[prob.schedule].splits_backward:
-            b = w = float(prob.b_whole[a:e].sum())
+            b = w = whole
         else:
-            b, w = float(prob.b[a:e].sum()), float(prob.w[a:e].sum())
+            b, w = split, weight
         f_c.append(f)
         b_c.append(b)
         w_c.append(min(w, b))
@@ -614,7 +706,7 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
     if fixed is None:
         return {}
     shard = settings["data_parallel"] if settings["zero_stage"] >= 1 else 1
-    param_c = [float(prob.param[a:e].sum()) / shard for a, e in bounds]
+    param_c = [prob.sums(a, e)[4] / shard for a, e in bounds]
     per_rank = [float(x) for x in rank_totals(param_c, prob.schedule, prob.p, prob.v)]
     sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
     action, step = fixed.runtime_costs(send_mode(sched))
@@ -660,6 +752,8 @@ def _predict(plan: Plan, prob: _Problem) -> None:
     res = plan.simulate()
     plan.step_s, plan.bubble_fraction = plan.predicted_step_s(res), res.bubble_fraction
     plan.predicted_by = "engine.simulate" + (" + fixed costs" if prob.fixed is not None else "")
+    if prob.v == 1 and not SCHEDULE_INFO[prob.schedule].splits_backward:
+        return   # the memory model read the same count (``_counts``)
     sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
     held = rank_totals(inflight_from_schedule(sched), prob.schedule, prob.p, prob.v)
     if list(res.peak_inflight) != held:  # pragma: no cover - the two models agree by construction

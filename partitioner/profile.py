@@ -671,10 +671,16 @@ def _fused_sdpa(backend: str, query, key, value, attn_mask=None, dropout_p: floa
         query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
 
 
+_POSITION_ATTRS = frozenset({"layer_idx"})
+"""Attributes that only say where a layer sits (Hugging Face's index into the KV cache), not what
+it computes: left out of the analytic cache's key, so a model's identical blocks are costed once."""
+
+
 def _plain_attrs(mod) -> tuple:
     plain = (int, float, str, bool, tuple, type(None))
     return tuple((name, type(m).__name__, tuple(sorted((k, repr(v)) for k, v in vars(m).items()
-                                                        if not k.startswith("_") and isinstance(v, plain))))
+                                                        if not k.startswith("_") and k not in _POSITION_ATTRS
+                                                        and isinstance(v, plain))))
                  for name, m in mod.named_modules())
 
 

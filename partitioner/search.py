@@ -10,9 +10,18 @@ recomputation where the limit needs it under ``activation_checkpointing="auto"``
 profile's fixed costs) and the layouts are ranked by predicted step; the fastest that fits is
 the choice. The partitioner is a black box here, so its memory and cost models flow through.
 
-Costs depend on the microbatch size: give ``profile`` as a callable ``size -> Profile``
-(measured per size; the experiments do this) or one :class:`Profile` measured at
-``profile_microbatch`` samples, scaled linearly to the other sizes (:func:`scale_profile`).
+Costs depend on the microbatch size, and not linearly: a layer's time is a fixed part (per-op
+launch and dispatch, which a small microbatch does not amortise) plus a part that grows with the
+samples. So the search never extrapolates a profile down to a smaller microbatch. Give
+``profile`` as a callable ``size -> Profile`` (profiled at each size searched, once per size: the
+experiments do this), or as profiles at some sizes (a ``{size: Profile}`` dict, or one
+:class:`Profile` taken at ``profile_microbatch`` samples). With ``scaling="bounded"`` (the
+default) a size between two profiled ones is interpolated per layer on a fixed part plus a
+per-sample part (:func:`affine_profile`, exact under that model), a size above the largest is
+scaled linearly from it (an upper bound under that model), and a size below the smallest is not
+searched (``skipped``, with a note). ``scaling="linear"`` scales the nearest profile linearly to
+every size (no fixed cost: it under-predicts small microbatches); it must be asked for. Each
+candidate's ``profile`` field, and the table, say which of these priced it.
 
 Branch and bound keeps it fast: a layout whose lower bound (its compute spread over the ranks,
 or its largest layer, plus the fixed cost of its actions) is no better than the
@@ -24,7 +33,7 @@ Example::
 
     from partitioner import LayerCost, Profile, search
     prof = Profile([LayerCost(1e-3, 2e-3, 4 << 20, 8 << 20, 1 << 20)] * 16)
-    res = search(prof, 4, 32, profile_microbatch=4, memory_limit_bytes=1 << 30)
+    res = search(prof, 4, 32, profile_microbatch=4, memory_limit_bytes=1 << 30)   # m <= 8: sizes >= 4
     res.plan                   # the chosen Plan; res.plan.search is the record for plan.json
     print(res.table())         # the choice and the next best: predicted step and memory
 """
@@ -35,17 +44,17 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule
 
-from .costs import Profile
+from .costs import LayerCost, Profile  # noqa: F401 - LayerCost: the doctests
 from .plan import PartitionError, Plan, format_search
 from .planner import checkpointing_mode, partition
 
 __all__ = ["AUTO", "Candidate", "SearchResult", "search", "candidate_layouts", "microbatch_counts",
-           "inflight_values", "scale_profile", "V_SPLIT_BUDGET"]
+           "inflight_values", "scale_profile", "affine_profile", "V_SPLIT_BUDGET", "SCALINGS"]
 
 AUTO = "auto"
 """The config value that asks the planner to choose (``pipeline.schedule`` / ``pipeline.microbatches``)."""
@@ -53,8 +62,11 @@ AUTO = "auto"
 V_SPLIT_BUDGET = 2e8
 """Largest ``p * n**4 / 4`` for which zbv's exact V split is solved (about two seconds)."""
 
+SCALINGS: tuple[str, ...] = ("bounded", "linear")
+"""How profiles taken at some microbatch sizes price the others (see the module docstring)."""
+
 _STATUS = ("ok", "pruned", "infeasible", "skipped")
-ProfileSource = Union[Profile, Callable[[int], Profile]]
+ProfileSource = Union[Profile, Mapping[int, Profile], Callable[[int], Profile]]
 
 
 @dataclass
@@ -65,6 +77,8 @@ class Candidate:
     ``infeasible`` (no split fits the memory limit; ``note`` says what would), ``skipped``
     (not solved; ``note`` says why). ``step_s``: the predicted step (``Plan.step_s``);
     ``lower_bound_s``: the bound used to prune; ``plan``: the solved plan (not serialised).
+    ``profile``: how its microbatch size's costs were obtained (profiled at that size,
+    interpolated, scaled).
     """
 
     schedule: str
@@ -72,6 +86,7 @@ class Candidate:
     microbatches: int = 1
     max_inflight: int | None = None
     status: str = "pending"
+    profile: str = ""
     step_s: float | None = None
     lower_bound_s: float = 0.0
     bubble_fraction: float | None = None
@@ -236,24 +251,86 @@ def scale_profile(profile: Profile, factor: float) -> Profile:
                    meta=dict(profile.meta, scaled_by=k), fixed=profile.fixed)
 
 
-def _profile_source(profile: ProfileSource, sizes: set[int], profile_microbatch: int | None,
-                    spent: list[float]) -> Callable[[int], Profile]:
-    """A cached ``size -> Profile`` from a callable, or from one profile scaled linearly; the
+def affine_profile(low: Profile, low_size: int, high: Profile, high_size: int, size: int) -> Profile:
+    """The profile at ``size`` samples between two profiles of the same model taken at
+    ``low_size`` and ``high_size``: each time, FLOP count and per-sample byte count of each layer
+    on the line through the two (a fixed part plus a part per sample), parameters kept.
+
+    >>> a = Profile([LayerCost(1.0, 2.0, 8, 4, 4)]); b = Profile([LayerCost(2.0, 4.0, 8, 16, 16)])
+    >>> round(affine_profile(a, 1, b, 4, 2).layers[0].forward_s, 6), affine_profile(a, 1, b, 4, 2).layers[0].activation_bytes
+    (1.333333, 8)
+    """
+    if len(low) != len(high) or not low_size < size < high_size:
+        raise ValueError(f"affine_profile needs two profiles of one model around the size: {len(low)} vs "
+                         f"{len(high)} layers, sizes {low_size} < {size} < {high_size}")
+    x = (size - low_size) / (high_size - low_size)
+
+    def mid(u: Any, v: Any, whole: bool = False) -> Any:
+        if u is None or v is None:
+            return None
+        y = (1 - x) * u + x * v
+        return int(round(y)) if whole else y
+
+    def layer(lo: Any, hi: Any) -> Any:
+        out = dataclasses.replace(
+            lo, forward_s=mid(lo.forward_s, hi.forward_s), backward_s=mid(lo.backward_s, hi.backward_s),
+            weight_grad_s=mid(lo.weight_grad_s, hi.weight_grad_s), input_grad_s=mid(lo.input_grad_s, hi.input_grad_s),
+            activation_bytes=mid(lo.activation_bytes, hi.activation_bytes, True),
+            output_bytes=mid(lo.output_bytes, hi.output_bytes, True),
+            shared_input_bytes=mid(lo.shared_input_bytes, hi.shared_input_bytes, True),
+            pending_grad_bytes=mid(lo.pending_grad_bytes, hi.pending_grad_bytes, True),
+            workspace_bytes=mid(lo.workspace_bytes, hi.workspace_bytes, True),
+            forward_flops=mid(lo.forward_flops, hi.forward_flops), backward_flops=mid(lo.backward_flops, hi.backward_flops))
+        if out.input_grad_s is None and out.weight_grad_s is not None:
+            out = dataclasses.replace(out, weight_grad_s=min(out.weight_grad_s, out.backward_s))
+        return out
+
+    return Profile([layer(u, v) for u, v in zip(low.layers, high.layers)], dtype=low.dtype,
+                   meta=dict(low.meta, interpolated_between=[low_size, high_size], microbatch_size=size),
+                   fixed=low.fixed)
+
+
+def _profile_source(profile: ProfileSource, profile_microbatch: int | None, scaling: str,
+                    spent: list[float]) -> Callable[[int], tuple[Profile | None, str]]:
+    """A cached ``size -> (Profile or None, how it was obtained)`` (module docstring); the
     seconds spent making profiles are added to ``spent[0]``."""
-    cache: dict[int, Profile] = {}
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling={scaling!r}: use one of {SCALINGS}")
+    cache: dict[int, tuple[Profile | None, str]] = {}
     if isinstance(profile, Profile):
-        if profile_microbatch is None and len(sizes) > 1:
-            raise ValueError(f"the search compares microbatch sizes {sorted(sizes)}: pass profile_microbatch= "
-                             "(the samples per microbatch the profile was taken at), or a callable "
-                             "size -> Profile, or fix the microbatch count")
-        base = profile_microbatch
-
-        def make(size: int) -> Profile:
-            return profile if base is None else scale_profile(profile, size / base)
+        known = {int(profile_microbatch): profile} if profile_microbatch is not None else None
+    elif isinstance(profile, Mapping):
+        known = {int(k): v for k, v in profile.items()}
+        if not known:
+            raise ValueError("no profiles given: pass {microbatch size: Profile}, a Profile or a callable")
     else:
-        make = profile
+        known = None
 
-    def get(size: int) -> Profile:
+    def make(size: int) -> tuple[Profile | None, str]:
+        if known is None:
+            if isinstance(profile, Profile):
+                return profile, "one profile (microbatch size not given)"
+            prof = profile(size)   # type: ignore[operator]
+            mode = prof.meta.get("mode")
+            return prof, f"profiled at {size}" + (f" ({mode})" if mode else "")
+        if size in known:
+            return known[size], f"profiled at {size}"
+        if scaling == "linear":
+            near = min(known, key=lambda k: (abs(k - size), k))
+            return scale_profile(known[near], size / near), f"scaled linearly from {near} (no fixed cost)"
+        low = [k for k in known if k < size]
+        high = [k for k in known if k > size]
+        if low and high:
+            a, b = max(low), min(high)
+            return affine_profile(known[a], a, known[b], b, size), f"interpolated {a}..{b} (fixed + per sample)"
+        if low:
+            a = max(low)
+            return scale_profile(known[a], size / a), f"scaled linearly from {a} (an upper bound)"
+        return None, (f"no profile at or below {size} samples per microbatch (profiled: {sorted(known)}); "
+                      "a smaller microbatch is not extrapolated: profile at that size (a callable size -> "
+                      "Profile, or a {size: Profile} dict) or pass scaling='linear'")
+
+    def get(size: int) -> tuple[Profile | None, str]:
         if size not in cache:
             t0 = time.perf_counter()
             cache[size] = make(size)
@@ -318,11 +395,12 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
            method: str = "optimal", precision: str | None = None, momentum: float = 0.0,
            grad_accum_dtype: str = "fp32", backend: str = "auto", overlap_grad_reduce: bool = True,
            grad_bucket_mb: float = GRAD_BUCKET_MB, top: int = 5, prune: bool = True,
-           v_split_budget: float = V_SPLIT_BUDGET) -> SearchResult:
+           v_split_budget: float = V_SPLIT_BUDGET, scaling: str = "bounded") -> SearchResult:
     """Choose the layout with the smallest predicted step that fits (see the module docstring).
 
-    ``profile``: a callable ``microbatch size -> Profile``, or one Profile measured at
-    ``profile_microbatch`` samples. ``schedules`` / ``microbatches`` / ``virtual_stages`` /
+    ``profile``: a callable ``microbatch size -> Profile`` (profiled at each size searched), a
+    ``{size: Profile}`` dict, or one Profile measured at ``profile_microbatch`` samples; ``scaling``:
+    how sizes without a profile are priced (:data:`SCALINGS`, module docstring). ``schedules`` / ``microbatches`` / ``virtual_stages`` /
     ``max_inflight`` restrict the search (default: all); the other keywords go to
     :func:`partitioner.partition` (``activation_checkpointing``: False, only layouts that fit
     without recomputation; True, every chunk recomputes; "auto", recompute per chunk only where
@@ -334,8 +412,12 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
     p, B = int(num_stages), int(batch_per_replica)
     ms = microbatch_counts(p, B, microbatches=microbatches, max_microbatches=max_microbatches)
     spent = [0.0]
-    profile_for = _profile_source(profile, {B // m for m in ms}, profile_microbatch, spent)
-    n = len(profile_for(B // ms[0]))
+    if isinstance(profile, Profile) and profile_microbatch is None and len({B // m for m in ms}) > 1:
+        raise ValueError(f"the search compares microbatch sizes {sorted({B // m for m in ms})}: pass "
+                         "profile_microbatch= (the samples per microbatch the profile was taken at), or a "
+                         "callable size -> Profile, or fix the microbatch count")
+    profile_for = _profile_source(profile, profile_microbatch, scaling, spent)
+    n = _num_layers(profile, profile_for, [B // m for m in ms])
     cands = candidate_layouts(p, n, ms, schedules=schedules, virtual_stages=virtual_stages,
                               max_virtual_stages=max_virtual_stages, max_inflight=max_inflight)
     if not cands:
@@ -358,14 +440,29 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
     return result
 
 
-def _run(cands: list[Candidate], profile_for: Callable[[int], Profile], p: int, B: int, n: int,
+def _num_layers(profile: ProfileSource, profile_for: Callable[[int], tuple[Profile | None, str]],
+                sizes: list[int]) -> int:
+    if isinstance(profile, Profile):
+        return len(profile)
+    if isinstance(profile, Mapping):
+        return len(next(iter(profile.values())))
+    return len(profile_for(sizes[0])[0])   # type: ignore[arg-type]
+
+
+def _run(cands: list[Candidate], profile_for: Callable[[int], tuple[Profile | None, str]], p: int, B: int, n: int,
          kwargs: dict[str, Any], keep: int | None, v_split_budget: float) -> list[str]:
     """Solve the layouts in order of their lower bounds, pruning once the table is settled."""
     notes: list[str] = []
     for c in cands:
-        c.lower_bound_s = _lower_bound(profile_for(B // c.microbatches), c, p)
+        prof, c.profile = profile_for(B // c.microbatches)
+        if prof is None:
+            c.status, c.note, c.lower_bound_s = "skipped", c.profile, math.inf
+        else:
+            c.lower_bound_s = _lower_bound(prof, c, p)
     best: list[float] = []
     for c in sorted(cands, key=lambda c: c.lower_bound_s):
+        if c.status == "skipped":
+            continue
         if keep is not None and len(best) > keep and c.lower_bound_s > best[keep]:
             c.status = "pruned"
             c.note = f"lower bound {c.lower_bound_s * 1e3:.3f} ms > the {keep + 1}th best step"
@@ -375,12 +472,13 @@ def _run(cands: list[Candidate], profile_for: Callable[[int], Profile], p: int, 
             c.note = (f"zbv's exact V split of {n} layers over {p} ranks costs O(p n^4) (~{p * n ** 4 / 4:.1e} "
                       f"steps > v_split_budget {v_split_budget:.0e})")
             continue
-        _solve(c, profile_for(B // c.microbatches), p, kwargs)
+        _solve(c, profile_for(B // c.microbatches)[0], p, kwargs)  # type: ignore[arg-type]
         if c.status == "ok":
             best = sorted(best + [c.step_s])  # type: ignore[list-item]
-    skipped = [c for c in cands if c.status == "skipped"]
-    if skipped:
-        notes.append(f"{len(skipped)} layout(s) skipped: {skipped[0].note}")
+    for why in dict.fromkeys(c.note for c in cands if c.status == "skipped"):
+        notes.append(f"{sum(c.note == why for c in cands)} layout(s) skipped: {why}")
+    notes.append("microbatch costs: " + "; ".join(sorted({f"m={c.microbatches}: {c.profile}" for c in cands},
+                                                          key=lambda x: int(x[2:].split(":")[0]))))
     if any(c.status == "pruned" for c in cands):
         notes.append("pruned: layouts whose lower bound cannot enter the table (not solved)")
     return notes

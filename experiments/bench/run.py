@@ -178,7 +178,7 @@ def _spec_for_peers(spec0: BenchSpec, plans: dict, prof: Any, meta: dict, link: 
 
     p, m = meta["stages"], meta["microbatches"]
     two = next((pl for pl in plans.values() if pl.virtual_stages == 2), None)
-    if two is None and p * 2 <= len(spec0.layers):
+    if two is None and p * 2 <= len(spec0.layers) and m % p == 0:   # interleaving runs microbatches in groups of p
         two = plan_for(prof, p, "interleaved-1f1b", m, virtual_stages=2, link_bytes_per_s=link)
     return dataclasses.replace(spec0, stage_ranges=tuple(plans["1f1b"].stage_ranges),
                                chunk_ranges=None if two is None else tuple(two.stage_ranges))

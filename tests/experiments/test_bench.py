@@ -245,7 +245,7 @@ def _searched(p: int = 2, batch: int = 16):
 
     rng = np.random.default_rng(3)
     layers = [LayerCost(float(x), float(2 * x), 10**5, 10**5, 10**3) for x in rng.uniform(1e-3, 2e-3, 8)]
-    return search(Profile(layers), p, batch, profile_microbatch=2, prune=False)
+    return search(Profile(layers), p, batch, profile_microbatch=2, prune=False, scaling="linear")
 
 
 def test_layout_runs_turn_the_choice_and_the_sweep_into_pipeshard_jobs() -> None:

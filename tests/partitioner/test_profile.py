@@ -282,3 +282,21 @@ def test_pending_grad_bytes_match_the_engine_and_the_analytic_closed_form():
     x = torch.randn(B, T, d, requires_grad=True)
     direct = _kept_by_the_engine(mods, x, [torch.randn(B, T, V)])
     assert direct == sum(c.pending_grad_bytes for c in meas.layers[1:])
+
+
+def test_analytic_cache_costs_blocks_that_differ_only_by_their_index_once():
+    # Hugging Face blocks carry ``layer_idx`` (their slot in the KV cache): it changes no cost
+    class Indexed(torch.nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.lin, self.layer_idx = torch.nn.Linear(16, 16), i
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    layers = [(lambda i=i: Indexed(i)) for i in range(6)]
+    x = torch.randn(4, 16)
+    cached = profile(layers, x, mode="analytic", device_spec="h100")
+    fresh = profile(layers, x, mode="analytic", device_spec="h100", cache=False)
+    assert cached.layers == fresh.layers
+    assert cached.meta["unique_layers_costed"] == 2   # block 0 (non-grad input) and the rest

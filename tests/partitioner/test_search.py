@@ -35,7 +35,7 @@ def _direct(c, prof: Profile, p: int, batch: int, **kw) -> Plan:
 
 def test_it_picks_the_fastest_predicted_layout_and_ranks_the_rest():
     prof, p, B = _profile(), 3, 24
-    res = search(prof, p, B, profile_microbatch=MB, prune=False)
+    res = search(prof, p, B, profile_microbatch=MB, scaling="linear", prune=False)
     ok = [c for c in res.candidates if c.status == "ok"]
     assert len(ok) == len(res.candidates) > 10  # no limit: every layout solves
     steps = [c.step_s for c in ok]
@@ -52,10 +52,10 @@ def test_it_picks_the_fastest_predicted_layout_and_ranks_the_rest():
 
 def test_pruning_keeps_the_table_exact_and_bounds_are_lower_bounds():
     prof, p, B = _profile(action_s=2e-3), 2, 32  # costly actions: many microbatches lose
-    full = search(prof, p, B, profile_microbatch=MB, prune=False)
+    full = search(prof, p, B, profile_microbatch=MB, scaling="linear", prune=False)
     for c in full.candidates:
         assert c.lower_bound_s <= c.step_s * (1 + 1e-12), c.label
-    fast = search(prof, p, B, profile_microbatch=MB, prune=True, top=3)
+    fast = search(prof, p, B, profile_microbatch=MB, scaling="linear", prune=True, top=3)
     assert fast.count("pruned") > 0
     want = [(c.label, c.step_s) for c in full.candidates[:4]]
     assert [(c.label, c.step_s) for c in fast.candidates[:4]] == want
@@ -63,18 +63,18 @@ def test_pruning_keeps_the_table_exact_and_bounds_are_lower_bounds():
 
 
 def test_fixed_costs_move_the_microbatch_choice():
-    cheap = search(_profile(action_s=0.0), 2, 32, profile_microbatch=MB, schedules=["1f1b"])
-    dear = search(_profile(action_s=5e-2), 2, 32, profile_microbatch=MB, schedules=["1f1b"])
+    cheap = search(_profile(action_s=0.0), 2, 32, profile_microbatch=MB, scaling="linear", schedules=["1f1b"])
+    dear = search(_profile(action_s=5e-2), 2, 32, profile_microbatch=MB, scaling="linear", schedules=["1f1b"])
     assert cheap.chosen.microbatches == 32  # free actions: the smallest bubble wins
     assert dear.chosen.microbatches == 2    # dear actions: the fewest microbatches win
 
 
 def test_memory_limit_is_honoured_and_changes_the_choice():
     prof, p, B = _profile(act=2e7), 2, 16
-    free = search(prof, p, B, profile_microbatch=MB, prune=False)
+    free = search(prof, p, B, profile_microbatch=MB, scaling="linear", prune=False)
     limit = 0.9 * free.chosen.peak_memory_bytes  # the unconstrained choice does not fit
     assert sum(c.peak_memory_bytes <= limit for c in free.candidates) >= 3
-    res = search(prof, p, B, profile_microbatch=MB, memory_limit_bytes=limit, activation_checkpointing=False,
+    res = search(prof, p, B, profile_microbatch=MB, scaling="linear", memory_limit_bytes=limit, activation_checkpointing=False,
                  prune=False)
     assert res.plan.fits and max(res.plan.rank_memory_bytes) <= limit
     assert res.chosen.label != free.chosen.label
@@ -91,24 +91,24 @@ def test_memory_limit_is_honoured_and_changes_the_choice():
 
 def test_recompute_per_stage_only_where_the_limit_needs_it():
     prof, p, B = _profile(act=2e7), 2, 8
-    plain = search(prof, p, B, profile_microbatch=MB, prune=False)
+    plain = search(prof, p, B, profile_microbatch=MB, scaling="linear", prune=False)
     limit = min(c.peak_memory_bytes for c in plain.candidates)
     for _ in range(20):  # lower the limit until no layout fits without recomputation
         limit *= 0.9
         try:
-            search(prof, p, B, profile_microbatch=MB, memory_limit_bytes=limit, activation_checkpointing=False)
+            search(prof, p, B, profile_microbatch=MB, scaling="linear", memory_limit_bytes=limit, activation_checkpointing=False)
         except PartitionError as err:
             assert "no layout of the" in str(err) and "smallest memory_limit_bytes" in str(err)
             break
     else:
         pytest.fail("no limit needed recomputation")
-    res = search(prof, p, B, profile_microbatch=MB, memory_limit_bytes=limit)  # "auto"
+    res = search(prof, p, B, profile_microbatch=MB, scaling="linear", memory_limit_bytes=limit)  # "auto"
     assert res.plan.fits and max(res.plan.rank_memory_bytes) <= limit
     assert any(res.plan.stage_recompute) and not all(res.plan.stage_recompute)  # per stage
     assert res.chosen.recompute == res.plan.stage_recompute
     direct = _direct(res.chosen, prof, p, B, memory_limit_bytes=limit, activation_checkpointing="auto")
     assert direct.step_s == pytest.approx(res.chosen.step_s) and direct.stage_recompute == res.plan.stage_recompute
-    unlimited = search(prof, p, B, profile_microbatch=MB)  # "auto" without a limit never recomputes
+    unlimited = search(prof, p, B, profile_microbatch=MB, scaling="linear")  # "auto" without a limit never recomputes
     assert not any(c for cand in unlimited.candidates for c in cand.recompute)
 
 
@@ -160,7 +160,7 @@ def test_profiles_per_size_are_asked_once_each_and_a_single_profile_needs_its_si
 
     res = search(at, 2, 16, prune=False)
     assert sorted(calls) == [1, 2, 4, 8] and res.profile_seconds >= 0
-    same = search(base, 2, 16, profile_microbatch=MB, prune=False)
+    same = search(base, 2, 16, profile_microbatch=MB, scaling="linear", prune=False)
     assert [(c.label, c.step_s) for c in res.candidates] == [(c.label, c.step_s) for c in same.candidates]
     with pytest.raises(ValueError, match="profile_microbatch"):
         search(base, 2, 16)
@@ -174,7 +174,7 @@ def test_profiles_per_size_are_asked_once_each_and_a_single_profile_needs_its_si
 
 
 def test_the_record_travels_with_the_plan_and_its_table():
-    res = search(_profile(), 2, 16, profile_microbatch=MB, top=3)
+    res = search(_profile(), 2, 16, profile_microbatch=MB, scaling="linear", top=3)
     rec = res.plan.search
     assert rec["chosen"]["label"] == res.chosen.label and len(rec["alternatives"]) == 3
     assert rec["considered"] == len(res.candidates) == len(rec["candidates"])
@@ -190,7 +190,7 @@ def test_the_record_travels_with_the_plan_and_its_table():
 
 
 def test_zbv_over_the_v_solver_budget_is_skipped_with_a_note():
-    res = search(_profile(), 2, 8, profile_microbatch=MB, v_split_budget=0)
+    res = search(_profile(), 2, 8, profile_microbatch=MB, scaling="linear", v_split_budget=0)
     zbv = [c for c in res.candidates if c.schedule == "zbv"]
     assert zbv and all(c.status == "skipped" and "O(p n^4)" in c.note for c in zbv)
     assert res.chosen.schedule != "zbv" and any("skipped" in n for n in res.notes)
@@ -200,7 +200,10 @@ def test_a_thousand_layers_search_without_running_out_of_memory():
     rng = np.random.default_rng(1)
     layers = [LayerCost(float(x), float(2 * x), 10**6, 10**6, 10**4) for x in rng.uniform(1e-4, 1e-3, 1000)]
     res = search(Profile(layers), 8, 16, profile_microbatch=2, schedules=["1f1b", "zbv"])
-    assert res.chosen.schedule == "1f1b" and res.count("skipped") == 2
+    # zbv's V split is over budget at m = 8 and 16; 1f1b at m = 16 (one sample) is below the profiled size
+    assert res.chosen.schedule == "1f1b" and res.count("skipped") == 3
+    small = [c for c in res.candidates if c.microbatches == 16 and c.schedule == "1f1b"]
+    assert small[0].status == "skipped" and "not extrapolated" in small[0].note
     assert math.isclose(res.plan.stage_ranges[-1][1], 1000)
 
 
@@ -229,15 +232,61 @@ def test_it_finds_what_an_exhaustive_enumeration_finds(p, B, n, tight):
     prof = _profile(n, act=2e7 if tight else 4e6, seed=p + B)
     limit = None
     if tight:  # a limit that about half the plain layouts miss
-        plain = sorted(c.peak_memory_bytes for c in search(prof, p, B, profile_microbatch=MB, prune=False,
+        plain = sorted(c.peak_memory_bytes for c in search(prof, p, B, profile_microbatch=MB, scaling="linear", prune=False,
                                                            activation_checkpointing=False).candidates)
         limit = plain[len(plain) // 2]
     assert set(inflight_values(p)) == set(range(p, 2 * p))  # every max_inflight at these sizes
     every = _exhaustive(prof, p, B, limit)
-    res = search(prof, p, B, profile_microbatch=MB, memory_limit_bytes=limit)
+    res = search(prof, p, B, profile_microbatch=MB, scaling="linear", memory_limit_bytes=limit)
     assert every and res.plan.step_s == pytest.approx(every[0][0], rel=1e-12), (res.chosen.label, every[0][1])
     assert limit is None or max(res.plan.rank_memory_bytes) <= limit
     if tight:  # the limit bites: some layouts need recomputation or do not fit at all
         assert any(any(c.recompute) or c.status == "infeasible" for c in res.candidates)
-    pruned = search(prof, p, B, profile_microbatch=MB, memory_limit_bytes=limit, prune=False)
+    pruned = search(prof, p, B, profile_microbatch=MB, scaling="linear", memory_limit_bytes=limit, prune=False)
     assert pruned.chosen.label == res.chosen.label
+
+
+def _sized(size: int, fixed: float = 2e-3, per_sample: float = 1e-4, n: int = 6) -> Profile:
+    """A model whose layers cost a fixed part plus a part per sample (as measured ones do)."""
+    t = fixed + per_sample * size
+    return Profile([LayerCost(t, 2 * t, 10**6, 10**5 * size, 10**4 * size, weight_grad_s=t) for _ in range(n)],
+                   meta={"microbatch_size": size})
+
+
+def test_the_search_profiles_each_size_it_searches_and_says_so():
+    asked = []
+
+    def profiles(size: int) -> Profile:
+        asked.append(size)
+        return _sized(size)
+
+    res = search(profiles, 2, 16, schedules=["1f1b"], prune=False)
+    assert sorted(asked) == [1, 2, 4, 8]                         # each size once (m = 2, 4, 8, 16)
+    assert all(c.profile == f"profiled at {16 // c.microbatches}" for c in res.candidates)
+    # one sample pays the whole fixed part: more, smaller microbatches are not free
+    assert res.chosen.microbatches < 16
+    assert "profiled" in res.table()
+
+
+def test_a_smaller_microbatch_is_not_extrapolated_but_sizes_between_are_interpolated():
+    res = search({2: _sized(2), 8: _sized(8)}, 2, 16, schedules=["1f1b"], prune=False)
+    by_m = {c.microbatches: c for c in res.candidates}
+    assert by_m[16].status == "skipped" and "not extrapolated" in by_m[16].note        # 1 sample < 2
+    assert by_m[8].profile == "profiled at 2" and by_m[2].profile == "profiled at 8"
+    assert by_m[4].profile.startswith("interpolated 2..8")
+    # the interpolation is exact for costs that are a fixed part plus a part per sample
+    direct = partition(_sized(4), 2, microbatches=4, optimizer="adamw")
+    assert by_m[4].step_s == pytest.approx(direct.step_s, rel=1e-9)
+    # above the largest size it is scaled linearly from it, which over-prices a fixed part
+    up = search({2: _sized(2)}, 2, 8, microbatches=[2], schedules=["1f1b"])
+    assert up.chosen.profile.startswith("scaled linearly from 2 (an upper bound)")
+    assert up.chosen.step_s > partition(_sized(4), 2, microbatches=2, optimizer="adamw").step_s
+
+
+def test_linear_scaling_to_a_smaller_microbatch_only_when_asked_and_the_record_says_so():
+    res = search(_sized(4), 2, 16, profile_microbatch=4, schedules=["1f1b"], prune=False, scaling="linear")
+    one = [c for c in res.candidates if c.microbatches == 16][0]
+    assert one.status == "ok" and one.profile == "scaled linearly from 4 (no fixed cost)"
+    assert res.plan.search["candidates"][0]["profile"]
+    with pytest.raises(ValueError, match="scaling"):
+        search(_sized(4), 2, 16, profile_microbatch=4, scaling="quadratic")
