@@ -15,7 +15,7 @@ Two held-out checks (no constant of partitioner/kernels.py was fitted to them):
    stages. We plan the same model, stages, microbatch size and count with the analytic profile
    on "a100" (bf16) and the project's planner (1f1b; zb-h1 for ZB-1p), and compare.
 
-Each row runs twice: "flat" (the former model: device_spec a100-flat / h100-flat) and "kernels"
+Each row runs twice: "flat" (the former model: device_spec a100-flat / h100-flat) and "kernels" (a100-kernels / h100-kernels)
 (the per-op-class model). Run::
 
     PYTHONPATH=. python scripts/device_check.py            # every row (a few minutes on 2 cores)
@@ -56,7 +56,7 @@ def _cfg(*overrides: str) -> Any:
     return compose_config(*overrides)
 
 
-def llama_row(device: str = "h100", *, layers: int = 32, seq: int = 8192, fuse: bool = False) -> dict[str, float]:
+def llama_row(device: str = "h100-kernels", *, layers: int = 32, seq: int = 8192, fuse: bool = False) -> dict[str, float]:
     """Predicted compute of one GPU's torchtitan Llama 3.1 8B step (see the module docstring).
     ``fuse``: pointwise chains fused as under torch.compile (Table 1's second row)."""
     from experiments.models import build_model
@@ -99,7 +99,7 @@ def _selective_recompute(prof: Any) -> float:
     return sum(0.5 * c["forward"]["gemm"] + c["forward"]["memory"] for c in inner)
 
 
-def zb_row(size: str, m: int, device: str = "a100") -> dict[str, float]:
+def zb_row(size: str, m: int, device: str = "a100-kernels") -> dict[str, float]:
     """Predicted throughput (samples / GPU / s) of a Zero Bubble table row under 1F1B and zb-h1."""
     from experiments.models import build_model
     from experiments.wiring import make_plan, profile_model
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     kw = {"layers": 2, "seq": 2048} if args.quick else {}
-    for dev, fuse in (("h100-flat", False), ("h100", False), ("h100", True)):
+    for dev, fuse in (("h100-flat", False), ("h100-kernels", False), ("h100-kernels", True)):
         r = llama_row(dev, fuse=fuse, **kw)
         if fuse:
             r["measured_s"] *= TORCHTITAN["tokens_per_s_per_gpu"] / TORCHTITAN["compiled_tokens_per_s_per_gpu"]
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for size, m in keys:
         rows.append({"size": size, "m": m, "published": ZB_PUBLISHED[(size, m)],
-                     "flat": zb_row(size, m, "a100-flat"), "kernels": zb_row(size, m, "a100")})
+                     "flat": zb_row(size, m, "a100-flat"), "kernels": zb_row(size, m, "a100-kernels")})
         print(_fmt_zb(rows[-1:]).split("\n", 2)[2], f" ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(_fmt_zb(rows))
     print(f"mean |error|: flat {_mean_abs(rows, 'flat'):.1%}, kernels {_mean_abs(rows, 'kernels'):.1%} "

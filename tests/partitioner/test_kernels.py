@@ -56,7 +56,7 @@ def test_memory_bound_time_is_bytes_at_achieved_bandwidth_plus_launch():
     assert t == pytest.approx(1e9 / (BW * A100.bandwidth))
 
 
-def _classes(make, x, spec="h100", **kw):
+def _classes(make, x, spec="h100-kernels", **kw):
     p = profile([make], x, mode="analytic", device_spec=get_device_spec(spec, **kw), dtype=torch.bfloat16)
     return p, p.meta["layer_op_classes"][0]
 
@@ -120,8 +120,8 @@ def test_kernel_model_profiles_price_the_optimizer_step_at_achieved_bandwidth():
 
     layers = [lambda: nn.Linear(1024, 1024)] * 4
     x = torch.randn(64, 1024)
-    prof = profile(layers, x, mode="analytic", device_spec="a100", dtype=torch.bfloat16)
-    spec = get_device_spec("a100")
+    prof = profile(layers, x, mode="analytic", device_spec="a100-kernels", dtype=torch.bfloat16)
+    spec = get_device_spec("a100-kernels")
     per_param = (OPTIMIZER_STATE_TRAFFIC["adamw"] + 2) / (spec.memory_bandwidth * spec.kernels.bandwidth)
     assert prof.fixed.optimizer_s("adamw", 2.0) == pytest.approx(per_param)
     plan = partition(prof, num_stages=2, microbatches=4, optimizer="adamw")
