@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["static_factor", "inflight_per_chunk", "inflight_from_schedule", "rank_totals",
            "schedule_states", "peak_state", "held_and_pending", "State",
            "OPTIMIZER_STATE_BYTES", "SCHEDULES", "MemorySettings", "BREAKDOWN_KEYS",
-           "rank_breakdown"]
+           "rank_breakdown", "ChunkBytes", "RankPeak", "program_peaks", "kept_output_bytes"]
 
 # Optimizer state in bytes per parameter (kept in fp32), for each of engine.choices.OPTIMIZERS
 # (SGD: its momentum buffer, when momentum > 0).
@@ -318,3 +318,122 @@ def rank_totals(per_chunk: list, schedule: str, num_stages: int, virtual_stages:
     for c, r in enumerate(chunk_ranks(schedule, num_stages, virtual_stages)):
         out[r] += per_chunk[c]
     return out
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """What one chunk holds, per microbatch, for :func:`program_peaks` (bytes):
+    ``held``: a held microbatch (saved activations and the output the engine keeps for its
+    backward, :func:`kept_output_bytes`); ``pending``: a microbatch between its I and its W;
+    ``input`` / ``output``: the tensors crossing its cuts (its input and, sent back, the input's
+    gradient; its output and, received, the output's gradient), 0 at the model's ends or where
+    the neighbouring chunk is on the same rank (a hand-off in memory)."""
+
+    held: float
+    pending: float = 0.0
+    input: float = 0.0
+    output: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """One rank's peak in :func:`program_peaks`: per chunk of the rank (``stages_of`` order)
+    the microbatches held and pending, and the bytes of the transfer buffers alive then
+    (``communication``: receives posted ahead or arrived and not yet used, gradients being
+    received and sent, sends not yet waited whose tensor nothing else holds)."""
+
+    held: tuple[int, ...]
+    pending: tuple[int, ...]
+    communication: float
+    total: float
+
+
+def kept_output_bytes(output_bytes: float, output_saved_bytes: float, recompute: bool) -> float:
+    """Bytes of a chunk's output that the engine keeps per held microbatch beyond its saved
+    activations: ``engine.stage.Chunk.forward`` keeps each microbatch's output tensors (the roots
+    of its backward, ``_MbState.outputs``) from its forward until its backward frees the state
+    (B, or W under a split backward). A layer that saved its own output for backward (e.g. a
+    ReLU) already counts that part in its activations (``LayerCost.output_saved_bytes``); a
+    recomputing chunk saves nothing but its input, so its whole output counts.
+
+    >>> kept_output_bytes(100, 0, False), kept_output_bytes(100, 100, False), kept_output_bytes(100, 100, True)
+    (100.0, 0.0, 100.0)
+    """
+    return float(output_bytes if recompute else max(0.0, output_bytes - output_saved_bytes))
+
+
+def program_peaks(schedule, chunks: list[ChunkBytes], *, lookahead: int,  # noqa: ANN001
+                  send_wait: str) -> list[RankPeak]:
+    """Per rank, the peak of held activations + pending gradients + transfer buffers over its
+    lowered program (``engine.schedules.lower``), walked as ``engine.executor`` runs it:
+    receives are posted up to ``lookahead`` ahead after each compute (their buffers alive from
+    then), a received gradient lives until its backward ends and the input gradient a backward
+    makes until its send is waited, and every send is waited before each compute
+    (``send_wait="compute"``) or only at the step's end ("yield", "step": the sent tensors stay
+    referenced until then, so an output whose microbatch was freed still counts). Measured
+    inside each compute action (a backward still holds its microbatch).
+
+    >>> from engine.schedules import build_schedule
+    >>> cb = [ChunkBytes(10.0, 0.0, 0.0, 1.0), ChunkBytes(10.0, 0.0, 1.0, 0.0)]
+    >>> [(pk.held, pk.communication) for pk in program_peaks(build_schedule("1f1b", 2, 4), cb,
+    ...                                                      lookahead=0, send_wait="compute")]
+    [((2,), 1.0), ((1,), 1.0)]
+    """
+    from engine.schedules import lower
+
+    if send_wait not in ("compute", "yield", "step"):
+        raise ValueError(f"send_wait must be 'compute', 'yield' or 'step', got {send_wait!r}")
+    return [_walk_rank(schedule.stages_of(r), ops, chunks, lookahead, send_wait == "compute")
+            for r, ops in enumerate(lower(schedule))]
+
+
+def _walk_rank(mine: list[int], ops: list, chunks: list[ChunkBytes], lookahead: int,
+               wait_each: bool) -> RankPeak:
+    """:func:`program_peaks` for one rank's lowered program ``ops``."""
+    held, pend = dict.fromkeys(mine, 0), dict.fromkeys(mine, 0)
+    freed: set[tuple[int, int]] = set()      # (chunk, microbatch) whose state was freed
+    posted: dict[tuple[str, int, int], float] = {}   # receive buffers posted or arrived
+    ahead: set[tuple[str, int, int]] = set()          # posted, their RECV not reached yet
+    sends: list[tuple[str, int, int, float]] = []    # not yet waited
+    recv_at = [k for k, op in enumerate(ops) if op.kind.startswith("RECV")]
+    nxt, best = 0, RankPeak(tuple(held.values()), tuple(pend.values()), 0.0, -1.0)
+
+    def size(kind: str, c: int) -> float:
+        return chunks[c].input if kind in ("RECV_F", "SEND_B") else chunks[c].output
+
+    for k, op in enumerate(ops):
+        key = (op.kind, op.stage, op.microbatch)
+        if op.kind.startswith("RECV"):
+            posted.setdefault(key, size(op.kind, op.stage))
+            ahead.discard(key)
+            nxt = max(nxt, recv_at.index(k) + 1)
+            continue
+        if op.kind.startswith("SEND"):
+            sends.append((*key, size(op.kind, op.stage)))
+            continue
+        if wait_each:
+            sends.clear()
+        c, i = op.stage, op.microbatch
+        made = chunks[c].input if op.kind in ("B", "I") else 0.0   # the input gradient it makes
+        if op.kind == "F":
+            posted.pop(("RECV_F", c, i), None)   # the input is held by the chunk from now on
+            held[c] += 1
+        comm = sum(posted.values()) + made + sum(
+            b for kind, s, j, b in sends if kind == "SEND_B" or (s, j) in freed)
+        total = comm + sum(held[s] * chunks[s].held + pend[s] * chunks[s].pending for s in mine)
+        if total > best.total:
+            best = RankPeak(tuple(held.values()), tuple(pend.values()), comm, total)
+        if op.kind in ("B", "I"):
+            posted.pop(("RECV_B", c, i), None)
+        if op.kind == "I":
+            pend[c] += 1
+        elif op.kind in ("B", "W"):
+            held[c] -= 1
+            pend[c] -= op.kind == "W"
+            freed.add((c, i))
+        while nxt < len(recv_at) and len(ahead) < lookahead:   # posted after compute
+            r = ops[recv_at[nxt]]
+            posted[(r.kind, r.stage, r.microbatch)] = size(r.kind, r.stage)
+            ahead.add((r.kind, r.stage, r.microbatch))
+            nxt += 1
+    return best
