@@ -288,12 +288,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         layouts = select(args.grid, args.only, args.match)
     except ValueError as exc:
         ap.error(str(exc))
-    rows = measure_layouts(layouts, (*BASE, *args.overrides), steps=args.steps)
-    print(format_rows(rows), flush=True)
-    if args.json:
-        import json
-        from pathlib import Path
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    rows: list[dict[str, Any]] = []
+    for lay in layouts:   # each layout's rows as soon as they are measured (a long grid)
+        got = measure_layouts([lay], (*BASE, *args.overrides), steps=args.steps)
+        print(format_rows(got).split("\n", 2)[2] if rows else format_rows(got), end="", flush=True)
+        rows += got
+        if args.json:
+            import json
+            from pathlib import Path
+            Path(args.json).write_text(json.dumps(rows, indent=1))
     print(summary(rows))
 
 

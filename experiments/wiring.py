@@ -303,6 +303,7 @@ def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
 
     import partitioner
     from engine.optim import compute_dtype
+    from experiments.models.loss import profile_loss_kwargs
 
     kwargs = profile_kwargs(cfg)
     compute = compute_dtype(_text(_get(cfg, "precision")))
@@ -313,6 +314,7 @@ def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
             kwargs["dtype"] = torch.float32
         ctx = torch.autocast(torch.device(kwargs["device"]).type, dtype=compute)
     size = microbatch_size(cfg) if microbatch is None else int(microbatch)
+    kwargs.update(profile_loss_kwargs(spec, size))   # the last layer with the loss (and the other LM head)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

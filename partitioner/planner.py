@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -131,6 +131,7 @@ class _Problem:
     largest: np.ndarray                       # elements of each layer's largest parameter
     workspace: np.ndarray                     # each layer's backward transient, bytes
     reserve: list[float]                      # per rank, bytes taken off the limit before the search
+    loss_variants: dict = field(default_factory=dict)   # name -> () -> this problem with another loss head
     out_saved: np.ndarray | None = None       # per layer: bytes of its output it saved itself
     transfers: tuple[int, str] = (0, "step")  # the runtime's receive lookahead and send_wait
 
@@ -266,7 +267,11 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
                          dtype=np.float64)
     rank_numel = max(float(numel.sum()) / p, 1.0)   # the per-parameter costs at a balanced rank's size
     per_param = max(memory.per_param_bytes(rank_numel), memory.step_per_param_bytes(rank_numel))
-    reserve = memory.largest_param_bytes(float(largest.max())) + float(workspace.max())
+    # the loss's backward transient (the last layer's workspace) only on the rank holding it
+    rest = float(workspace[:-1].max()) if len(L) > 1 else 0.0
+    last_rank = chunk_ranks(schedule, p, v)[-1]
+    reserve = [memory.largest_param_bytes(float(largest.max())) + (float(workspace.max()) if r == last_rank else rest)
+               for r in range(p)]
     out = np.array([c.output_bytes for c in L], dtype=np.float64)
     latency = profile.fixed.message_latency_s if profile.fixed is not None else 0.0
     comm_layer = (out / link if link else np.zeros(len(L))) + latency
@@ -294,9 +299,24 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
         shared=np.array([c.shared_input_bytes for c in L], dtype=np.float64),
         comm_layer=comm_layer, inflight=inflight, limits=limits, names=[c.name for c in L],
         param=np.array([c.param_bytes for c in L], dtype=np.float64), fixed=profile.fixed, memory=memory,
-        numel=numel, largest=largest, workspace=workspace, reserve=[reserve] * p,
+        numel=numel, largest=largest, workspace=workspace, reserve=reserve,
+        loss_variants={name: (lambda prof=prof: _problem(prof, p, m, v, schedule, max_inflight, ckpt, link, memory,
+                                                          limits, simulate, []))
+                       for name, prof in _loss_variant_profiles(profile).items()},
         out_saved=np.array([c.output_saved_bytes or 0 for c in L], dtype=np.float64),
         transfers=_transfers(profile, schedule, p, m, v, max_inflight))
+
+
+def _loss_variant_profiles(profile: Profile) -> dict[str, Profile]:
+    """The profile with its last layer (and loss) replaced by each of ``meta["loss_variants"]``
+    (``partitioner.profile(loss_variants=...)``: e.g. the chunked LM head of a full one)."""
+    from .costs import LayerCost
+
+    out = {}
+    for name, cost in (profile.meta.get("loss_variants") or {}).items():
+        meta = {k: val for k, val in profile.meta.items() if k != "loss_variants"}
+        out[name] = replace(profile, layers=[*profile.layers[:-1], LayerCost(**cost)], meta=meta)
+    return out
 
 
 def _transfers(profile: Profile, schedule: str, p: int, m: int, v: int, max_inflight: int | None
@@ -431,7 +451,7 @@ def _optimal(prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], l
                                            recompute_time=prob.f, checkpointing=prob.ckpt, return_variants=True,
                                            **prob.common)
     except Infeasible as e:
-        raise PartitionError(_infeasible_message(e, prob)) from None
+        raise PartitionError(_infeasible_message(e, prob) + _other_loss_fits(prob)) from None
     recompute = [bool(x) for x in var] if prob.ckpt == "auto" else [prob.ckpt == "on"] * prob.k
     tie_break = ("; among equal bottlenecks, the smallest sum of stage times" if prob.link or prob.ckpt == "auto"
                  else "; among equal bottlenecks, later stages take as many layers as allowed")
@@ -708,7 +728,7 @@ def _infeasible_message(err: Exception, prob: _Problem) -> str:
         return str(err)
     if prob.vee:
         return _infeasible_v_message(prob)
-    scalar = len(set(rank_caps)) == 1
+    scalar = len(set(prob.limits)) == 1  # type: ignore[arg-type]  # (reserves differ: the last rank's loss)
     if scalar:
         need, split = min_memory_scale(k, n, recompute_time=f, checkpointing=ckpt, **common)
         need_rank = max(math.ceil(need * v + max(prob.reserve)), *_exact_need(prob, split))
@@ -739,10 +759,27 @@ def _exact_need(prob: _Problem, split: list[tuple[int, int]]) -> list[int]:
     return [math.ceil(x) for x in _rank_peaks(prob, split, [prob.ckpt == "on"] * prob.k)]
 
 
+def _other_loss_fits(prob: _Problem) -> str:
+    """"; it fits with the <name> loss head ..." for the first of the profile's loss variants
+    under which the same layout fits the same limits (its exact per-rank peaks), or nothing."""
+    for name, make in prob.loss_variants.items():
+        alt = make()
+        try:
+            bounds, recompute = _search("optimal", alt, [])
+        except PartitionError:
+            continue
+        peaks = _rank_peaks(alt, bounds, recompute)
+        if alt.limits is None or all(pk <= lim * (1 + 1e-12) for pk, lim in zip(peaks, alt.limits)):
+            last = alt.ranks[-1]
+            return (f"; it fits with the {name} loss head (model.loss={name}): last rank {_gib(peaks[last])} "
+                    f"of {_gib(alt.limits[last]) if alt.limits else 'no limit'}")
+    return ""
+
+
 def _more_stages(prob: _Problem) -> str:
     """", or use N stages" for the first stage count that fits one scalar limit (more stages
     lower the per-stage memory), or nothing."""
-    n, p, v, cap, c = prob.n, prob.p, prob.v, prob.rank_caps[0], prob.common  # type: ignore[index]
+    n, p, v, cap, c = prob.n, prob.p, prob.v, min(prob.rank_caps), prob.common  # type: ignore[arg-type]
     for p2 in range(p + 1, min(n // v, 4 * p) + 1):
         inf2, pend2 = inflight_per_chunk(prob.schedule, p2, prob.m, v), None
         if SCHEDULE_INFO[prob.schedule].splits_backward:   # the gradients kept from I to W too

@@ -26,6 +26,16 @@ buffers, and without the layer's input when the previous layer already saved tha
 deferred W (``pending_grad_bytes``, zero-bubble schedules) are the distinct storages the same
 split path keeps after ``backward_input``.
 
+With ``loss_fn`` and ``example_target`` (both modes) the last layer is profiled together with
+the loss, as the engine's last chunk runs it (``loss_fn(last_layer(x), target)``): its times
+include the loss's forward and backward, its ``activation_bytes`` what the loss saves (an LM's
+fp32 upcast log-softmax), and its ``workspace_bytes`` the backward's transient measured by
+torch's ``MemTracker`` (the gradient of the logits and its copies; parameter gradients
+excluded). ``loss_variants`` (``{name: (last_layer_factory, loss_fn)}``, e.g. the other LM
+head) profiles the last layer again for each variant with its loss; the costs go to
+``Profile.meta["loss_variants"]`` (``{name: LayerCost as a dict}``) so the planner can say when
+another head would fit. Without ``loss_fn`` the loss is not in the profile.
+
 "analytic": every layer is built under ``torch.device("meta")`` (nothing is allocated). Each
 aten op of the forward and of the backward is costed by the roofline of ``device_spec``
 (``max(flops / peak, bytes / bandwidth) + overhead``), FLOPs from
@@ -184,7 +194,8 @@ def _backward(outs, inputs, grads):
 def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: Any = None, dtype: Any = None,
             repeats: int = 5, warmup: int = 2, weight_grad: bool = True, min_time_s: float = 0.2,
             sweeps: int = 1, device_spec: "str | DeviceSpec | None" = None, cache: bool = True,
-            attention: str | None = None) -> Profile:
+            attention: str | None = None, loss_fn: Callable | None = None, example_target: Any = None,
+            loss_variants: dict[str, tuple[Callable, Callable]] | None = None) -> Profile:
     """Profile every layer; see the module docstring. Returns a :class:`Profile`.
 
     ``device``: where "measure" runs (default: CPU). ``repeats`` is the least number of timed
@@ -201,7 +212,9 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
     the target runs, one of :data:`ATTENTION_BACKENDS` (default: the device spec's, flash on
     the presets): ``F.scaled_dot_product_attention`` is costed through that kernel, so a
     flash/efficient attention saves O(s) per head, not the s x s probabilities of the meta
-    device's math path. "measure" runs the device's own choice.
+    device's math path. "measure" runs the device's own choice. ``loss_fn`` /
+    ``example_target`` (one microbatch's target) / ``loss_variants``: the loss profiled with the
+    last layer (module docstring).
     """
     import torch
 
@@ -209,7 +222,7 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
         raise ValueError(f"mode must be 'measure' or 'analytic', got {mode!r}")
     if repeats < 1 or warmup < 0 or sweeps < 1:
         raise ValueError("repeats and sweeps must be >= 1 and warmup >= 0")
-    sources = layer_sources(layers)
+    sources = _with_loss(layer_sources(layers), loss_fn, example_target, loss_variants)
     tdtype = dtype if (dtype is None or isinstance(dtype, torch.dtype)) else getattr(torch, str(dtype))
     # without a float input the first chunk's I has nothing to do: it keeps its output gradient
     # whole until W (engine.stage), which the memory model reads from here
@@ -220,7 +233,7 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
         with _attention_mode(backend):
             prof = _profile_analytic(sources, example_input, tdtype, spec, cache)
         prof.meta.update(attention=backend, input_requires_grad=grad_in)
-        return prof
+        return _loss_meta(prof, loss_fn)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "meta":
         raise ValueError("mode='measure' needs a real device; use mode='analytic' for the meta device")
@@ -228,7 +241,113 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
                              min_time_s) for _ in range(sweeps)]
     prof = _median_profile(runs)
     prof.meta["input_requires_grad"] = grad_in
+    return _loss_meta(prof, loss_fn)
+
+
+class LayerWithLoss:
+    """Marks the last source when the loss is profiled with it: ``variants`` are the other
+    heads' sources (``{name: source}``), profiled on the same input."""
+
+    def __init__(self, source: Callable, variants: dict[str, Callable]) -> None:
+        self.source, self.variants = source, variants
+
+    def __call__(self) -> Any:
+        return self.source()
+
+
+def _loss_module(factory: Callable, loss_fn: Callable, target: Any) -> Any:
+    import torch.nn as nn
+
+    class _WithLoss(nn.Module):
+        """``loss_fn(layer(x), target)``: the last layer as the engine's last chunk runs it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = factory()
+            if not isinstance(self.layer, nn.Module):
+                raise TypeError(f"a layer factory returned {type(self.layer).__name__}, expected an nn.Module")
+
+        def forward(self, x: Any) -> Any:
+            return loss_fn(self.layer(x), _map(lambda t: t.to(_device_of(x)), target))
+
+    _WithLoss.__name__ = "WithLoss"
+    return _WithLoss()
+
+
+def _device_of(x: Any):
+    return next(t.device for t in _tensors(x))
+
+
+def _with_loss(sources: list, loss_fn: Callable | None, target: Any,
+               variants: dict[str, tuple[Callable, Callable]] | None) -> list:
+    """``sources`` with the last one running the loss too (and its variants), or unchanged."""
+    if loss_fn is None:
+        if target is not None or variants:
+            raise ValueError("example_target / loss_variants need loss_fn (the loss to profile with the last layer)")
+        return sources
+    if target is None:
+        raise ValueError("loss_fn needs example_target: one microbatch's target (e.g. spec.example_target(mb))")
+    last = sources[-1]
+    others = {name: (lambda f=f, fn=fn: _loss_module(f, fn, target)) for name, (f, fn) in (variants or {}).items()}
+    return sources[:-1] + [LayerWithLoss(lambda: _loss_module(last, loss_fn, target), others)]
+
+
+def _loss_meta(prof: Profile, loss_fn: Callable | None) -> Profile:
+    if loss_fn is not None:
+        prof.meta["loss"] = _callable_name(loss_fn)
     return prof
+
+
+def _callable_name(fn: Callable) -> str:
+    """``lm_loss``, ``chunked_lm_loss(chunk=1024)``: a label for the profile's meta."""
+    import functools
+
+    if isinstance(fn, functools.partial):
+        args = ", ".join(f"{k}={v}" for k, v in fn.keywords.items())
+        return f"{_callable_name(fn.func)}({args})"
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _loss_workspace(layer, x) -> int:
+    """The transient of the loss layer's backward (MemTracker's temporaries at the backward's
+    peak: the logits' gradient and its copies; parameter gradients and the saved tensors,
+    alive before, are not counted), on any device, the meta device included."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    params = [p for p in layer.parameters() if p.requires_grad]
+    if not params:
+        return 0
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    loss = layer(x)
+    tracker = MemTracker()
+    tracker.track_external(layer)
+    with tracker:
+        torch.autograd.backward([loss], inputs=params)   # into .grad: MemTracker books them as gradients
+    for p, g in zip(params, kept):
+        p.grad = g
+    peak = tracker.get_tracker_snapshot("peak")
+    temp = 0
+    for per_kind in peak.values():
+        temp = max(temp, sum(int(v) for k, v in per_kind.items() if getattr(k, "value", str(k)) == "Temp"))
+    return temp
+
+
+def _with_loss_costs(cost: LayerCost, src: LayerWithLoss, layer, x, variants: dict[str, dict],
+                     profile_one: Callable) -> LayerCost:
+    """The loss layer's cost with its backward workspace; fills ``variants`` with the other
+    heads' costs on the same input (``profile_one(source) -> LayerCost``)."""
+    import dataclasses
+
+    for name, other in src.variants.items():
+        variants[name] = dataclasses.asdict(profile_one(LayerWithLoss(other, {})))
+    return dataclasses.replace(cost, workspace_bytes=_loss_workspace(layer, x))
+
+
+def _variants_meta(variants: dict[str, dict]) -> dict[str, Any]:
+    return {"loss_variants": variants} if variants else {}
 
 
 def _build(src, dev, dtype):
@@ -264,11 +383,12 @@ def _dtype_name(layer_dtype, x) -> str:
 
 
 def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight_grad,
-                     min_time_s) -> Profile:
+                     min_time_s, input_grad: bool = False) -> Profile:
     import torch
 
     costs: list[LayerCost] = []
-    x = _prep_input(example_input, dev, dtype, False)
+    variants: dict[str, dict] = {}
+    x = _prep_input(example_input, dev, dtype, input_grad)
     prev_name: str = ""
     skip_keys: set[int] = set()
     found_dtype = None
@@ -308,13 +428,16 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
                                weight_grad_s=w_s, input_grad_s=i_s, name=name,
                                shared_input_bytes=int(shared_bytes), output_saved_bytes=out_saved,
                                largest_param_bytes=_largest_param_bytes(layer), pending_grad_bytes=pending))
+        if isinstance(src, LayerWithLoss):
+            costs[-1] = _with_loss_costs(costs[-1], src, layer, x, variants, lambda v: _profile_measure(
+                [v], x, dev, dtype, repeats, warmup, weight_grad, min_time_s, input_grad=True).layers[0])
         x = _map(lambda t: t.requires_grad_(True) if t.is_floating_point() else t, nxt)
         prev_name = name
         del layer, nxt
     return Profile(costs, dtype=_dtype_name(dtype or found_dtype, example_input),
                    meta={"mode": "measure", "device": str(dev), "repeats": repeats, "warmup": warmup,
                          "min_time_s": min_time_s,
-                         "threads": torch.get_num_threads()})
+                         "threads": torch.get_num_threads(), **_variants_meta(variants)})
 
 
 _MAX_REPEATS = 40   # a fast layer repeats until ``min_time_s`` is timed, at most this often
@@ -554,13 +677,15 @@ def _layer_key(layer, x, skip_keys) -> tuple:
     return (type(layer), tuple(ts), tuple(bs), _plain_attrs(layer), _shapes(x), tuple(xs), shared)
 
 
-def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bool = True) -> Profile:
+def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bool = True,
+                      input_grad: bool = False) -> Profile:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     meta = torch.device("meta")
     costs: list[LayerCost] = []
-    x = _prep_input(example_input, meta, dtype, False)
+    variants: dict[str, dict] = {}
+    x = _prep_input(example_input, meta, dtype, input_grad)
     dname = _dtype_name(dtype, x)
     prev_name: str = ""
     skip_keys: set[int] = set()
@@ -618,6 +743,9 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
                                backward_flops=float(fc_b.get_total_flops()), shared_input_bytes=int(shared_bytes),
                                output_saved_bytes=_output_saved_bytes(out_tensors, saved_keys),
                                largest_param_bytes=_largest_param_bytes(layer), pending_grad_bytes=int(wops.bytes)))
+        if isinstance(src, LayerWithLoss):
+            costs[-1] = _with_loss_costs(costs[-1], src, layer, x, variants, lambda v: _profile_analytic(
+                [v], x, dtype, spec, False, input_grad=True).layers[0])
         nxt = _map(lambda t: t.detach(), out)
         skip_keys = {_storage_key(t) for t in out_tensors} & saved_keys
         del out, out_tensors, outs
@@ -629,4 +757,4 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
     return Profile(costs, dtype=_dtype_name(dtype or found_dtype, example_input),
                    meta={"mode": "analytic", "unique_layers_costed": len(memo) if cache else len(costs), "device_spec": spec.name, "flops_per_s": spec.flops_per_s(dname),
                          "memory_bandwidth": spec.memory_bandwidth, "efficiency": spec.efficiency,
-                         "flop_count_mismatch": total_flops_check})
+                         "flop_count_mismatch": total_flops_check, **_variants_meta(variants)})

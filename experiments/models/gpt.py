@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments.fields import get_field as _field
+from experiments.models.loss import HeadOutput, fused_head, lm_loss, loss_function, loss_settings
 from experiments.models.spec import ModelSpec, compose, count_params
 
 __all__ = ["lm_spec", "GPTEmbedding", "GPTBlock", "GPTHead", "build_gpt", "lm_loss", "random_tokens", "compose"]
@@ -90,21 +91,24 @@ class GPTBlock(nn.Module):
 
 
 class GPTHead(nn.Module):
-    """Final LayerNorm and LM head: `[b, t, d] -> [b, t, vocab]` logits."""
+    """Final LayerNorm and LM head: `[b, t, d] -> [b, t, vocab]` logits; with `fused` (the
+    chunked loss) the forward returns `HeadOutput(ln_f(x), weight, bias)` instead, and
+    `logits(x)` gives the logits either way (generation)."""
 
-    def __init__(self, dim: int, vocab: int) -> None:
+    def __init__(self, dim: int, vocab: int, fused: bool = False) -> None:
         super().__init__()
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
+        self.fused = fused
         nn.init.normal_(self.head.weight, std=_INIT_STD)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.fused:
+            return HeadOutput(self.ln_f(x), self.head.weight, self.head.bias)
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over all positions: logits `[b, t, v]`, targets `[b, t]`."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def random_tokens(batch: int, *, seq_len: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -126,26 +130,35 @@ def build_gpt(cfg: Any) -> ModelSpec:
     dropout = float(_field(cfg, "dropout", 0.0))
     mlp_ratio = int(_field(cfg, "mlp_ratio", 4))
     tie = bool(_field(cfg, "tie_embeddings", False))
+    loss, chunk = loss_settings(cfg)
     if dim % heads:
         raise ValueError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
     factories = [partial(GPTEmbedding, vocab, dim, seq_len, dropout)]
     factories += [partial(GPTBlock, dim, heads, dropout, mlp_ratio, layers) for _ in range(layers)]
     factories.append(partial(GPTHead, dim, vocab))
     ties = [("0.tok.weight", f"{layers + 1}.head.weight")] if tie else []
-    return lm_spec(factories, ties, seq_len=seq_len, vocab=vocab, name=f"gpt-L{layers}-d{dim}-v{vocab}")
+    return lm_spec(factories, ties, seq_len=seq_len, vocab=vocab, name=f"gpt-L{layers}-d{dim}-v{vocab}",
+                   loss=loss, loss_chunk=chunk)
 
 
 def lm_spec(factories: list, ties: list[tuple[str, str]], *, seq_len: int, vocab: int, name: str,
-            **extra: Any) -> ModelSpec:
-    """The ModelSpec of a token-in, logits-out language model (GPT here, Hugging Face adapters)."""
+            loss: str = "full", loss_chunk: int = 1024, **extra: Any) -> ModelSpec:
+    """The ModelSpec of a token-in, logits-out language model (GPT here, Hugging Face adapters).
+    `loss="chunked"`: the head layer returns `HeadOutput` and the loss is the chunked
+    linear + cross-entropy of `experiments.models.loss` (`loss_chunk` tokens at a time)."""
+    heads = {"full": (factories[-1], loss_function("full")),
+             "chunked": (partial(fused_head, factories[-1]), loss_function("chunked", loss_chunk))}
+    last, loss_fn = heads[loss]
+    factories = factories[:-1] + [last]
     return ModelSpec(
         layers=factories,
-        loss_fn=lm_loss,
+        loss_fn=loss_fn,
         example_input=partial(random_tokens, seq_len=seq_len, vocab=vocab, seed=0),
         example_target=partial(random_tokens, seq_len=seq_len, vocab=vocab, seed=1),
         ties=ties,
         name=name,
         num_params=count_params(factories, ties),
         tokens_per_sample=seq_len,
-        extra={"vocab": vocab, "seq_len": seq_len, **extra},
+        extra={"vocab": vocab, "seq_len": seq_len, "loss": loss, "loss_chunk": loss_chunk,
+               "loss_heads": heads, **extra},
     )

@@ -178,14 +178,24 @@ class HFBlock(nn.Module):
 
 
 class HFHead(nn.Module):
-    """Final norm + LM head: `[b, t, d]` -> logits `[b, t, vocab]`."""
+    """Final norm + LM head: `[b, t, d]` -> logits `[b, t, vocab]`; with `fused` (the chunked
+    loss, `experiments.models.loss`) the forward returns `HeadOutput(norm(hidden), weight,
+    bias)` instead, and `logits(hidden)` gives the logits either way (generation)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, fused: bool = False) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
+        self.fused = fused
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> Any:
+        if self.fused:
+            from experiments.models.loss import HeadOutput
+
+            return HeadOutput(self.norm(hidden), self.lm_head.weight, self.lm_head.bias)
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from experiments.fields import get_field as _field
 from experiments.models.gpt import lm_spec
+from experiments.models.loss import loss_settings
 from experiments.models.hf import build_hf_layer, config_from_json, hf_config, meta_reference
 from experiments.models.hf_cache import HFCachedChunk
 from experiments.models.spec import ModelSpec
@@ -54,7 +55,8 @@ def build_hf(cfg: Any) -> ModelSpec:
         name = f"hf-{lay.model_type}-L{lay.num_layers}-d{_field(cfg, 'dim', 128)}"
     n = lay.num_layers
     ties = [_tie_pair(n)] if getattr(config, "tie_word_embeddings", False) else []
-    spec = lm_spec(factories, ties, seq_len=seq_len, vocab=config.vocab_size, name=name,
+    loss, chunk = loss_settings(cfg)
+    spec = lm_spec(factories, ties, seq_len=seq_len, vocab=config.vocab_size, name=name, loss=loss, loss_chunk=chunk,
                    arch=lay.model_type, hf_config_json=config_json,
                    pretrained=str(pretrained) if pretrained else None)
     spec.cached_chunk = HFCachedChunk

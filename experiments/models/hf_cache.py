@@ -73,5 +73,5 @@ class HFCachedChunk:
                 x = layer.run(x, mask=masks[layer.window], position_ids=pos, cache=cache,
                               position_embeddings=rotary)
             else:  # the head: only the last position's logits are used (as transformers' generate)
-                x = layer(x[:, -1:])
+                x = layer.logits(x[:, -1:])
         return x
