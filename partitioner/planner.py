@@ -40,8 +40,8 @@ from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, send_mode
 
 from .costs import FixedCosts, Profile
-from .memory import (BREAKDOWN_KEYS, SCHEDULES, ChunkBytes, MemorySettings, held_and_pending, inflight_from_schedule,
-                     inflight_per_chunk, kept_output_bytes, program_peaks, rank_breakdown, rank_totals,
+from .memory import (BREAKDOWN_KEYS, SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
+                     inflight_per_chunk, kept_output_bytes, layer_transient, program_peaks, rank_breakdown, rank_totals,
                      schedule_states)
 from .plan import PartitionError, Plan
 from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optimal_split, parameter_split,
@@ -394,45 +394,75 @@ def _chunk_bytes(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[
     return out
 
 
-def _peaks(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]
-           ) -> tuple[list[int], list[int], list[float]]:
-    """Per chunk, the microbatches held and pending at its rank's peak, and per rank the
-    transfer buffers alive then: the engine's program walked with this split's bytes
-    (:func:`partitioner.memory.program_peaks`; a recomputing chunk keeps no gradients to W)."""
+def _peaks(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]) -> list[RankPeaks]:
+    """Per rank, its peaks in forward and backward actions, before and after its first weight
+    gradients: the engine's program walked with this split's bytes
+    (:func:`partitioner.memory.program_peaks`)."""
     chunks = _chunk_bytes(prob, bounds, recompute)
     sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
     lookahead, send_wait = prob.transfers
-    held, pending, comm = [0] * prob.k, [0] * prob.k, []
-    for r, pk in enumerate(program_peaks(sched, chunks, lookahead=lookahead, send_wait=send_wait)):
-        for i, c in enumerate(sched.stages_of(r)):
-            held[c], pending[c] = pk.held[i], 0 if recompute[c] else pk.pending[i]
-        comm.append(pk.communication)
-    return held, pending, comm
+    return program_peaks(sched, chunks, lookahead=lookahead, send_wait=send_wait)
+
+
+def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]
+                  ) -> list[tuple[dict[str, float], list[int], list[int]]]:
+    """Each rank's memory at its peak (the largest of its moments: forward or backward, before
+    or after its first weight gradients, and the step), with its chunks' held and pending
+    microbatches then (a recomputing chunk keeps no gradients to W)."""
+    out = []
+    ranks = prob.ranks
+    for r, peaks in enumerate(_peaks(prob, bounds, recompute)):
+        mine = [c for c, rank in enumerate(ranks) if rank == r]
+        layers = [i for c in mine for i in range(*bounds[c])]
+        transient = layer_transient(prob.memory, [float(prob.largest[i]) for i in layers],
+                                    [float(prob.workspace[i]) for i in layers], _freed(prob, bounds, recompute, mine))
+        best = None
+        for pk, in_backward, made in zip(peaks, (False, True, False, True), (False, False, True, True)):
+            if pk.total < 0:
+                continue
+            held = dict(zip(mine, pk.held))
+            pend = {c: 0 if recompute[c] else q for c, q in zip(mine, pk.pending)}
+            per_mb = max((_held_activation_bytes(prob, *bounds[c], 1, recompute[c]) for c in mine if held[c]),
+                         default=0.0)
+            d = rank_breakdown(
+                prob.memory, numel=float(prob.numel[layers].sum()), largest=float(prob.largest[layers].max()),
+                activations=float(sum(_held_activation_bytes(prob, *bounds[c], held[c], recompute[c]) for c in mine)),
+                communication=float(pk.communication), workspace=float(prob.workspace[layers].max()),
+                pending=float(sum(pend[c] * _pending_bytes(prob, *bounds[c], recompute[c]) for c in mine)),
+                microbatch_activations=float(per_mb), in_backward=in_backward, gradients_made=made,
+                layer_transient=transient)
+            if best is None or sum(d.values()) > sum(best[0].values()):
+                best = (d, [held[c] for c in mine], [pend[c] for c in mine])
+        out.append(best)
+    return out
+
+
+def _freed(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], mine: list[int]) -> list[float]:
+    """Per layer of the rank's chunks ``mine``, the activations its chunk's backward has freed
+    when it reaches the layer: those of the layers after it (none under a split backward,
+    which keeps them until W)."""
+    split = SCHEDULE_INFO[prob.schedule].splits_backward
+    out: list[float] = []
+    for c in mine:
+        a, e = bounds[c]
+        after = np.concatenate([np.cumsum(prob.act[a:e][::-1])[::-1][1:], [0.0]])
+        out += [0.0] * (e - a) if split and not recompute[c] else [float(x) for x in after]
+    return out
 
 
 def _chunk_counts(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]
                   ) -> tuple[list[int], list[int]]:
-    """Per chunk, the microbatches held and pending at its rank's peak (:func:`_peaks`)."""
-    held, pending, _ = _peaks(prob, bounds, recompute)
+    """Per chunk, the microbatches held and pending at its rank's peak (:func:`_rank_moments`)."""
+    held, pending = [0] * prob.k, [0] * prob.k
+    for r, (_, h, q) in enumerate(_rank_moments(prob, bounds, recompute)):
+        for c, x, y in zip([c for c, rank in enumerate(prob.ranks) if rank == r], h, q):
+            held[c], pending[c] = x, y
     return held, pending
 
 
 def _rank_memory(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]) -> list[dict[str, float]]:
     """Each rank's memory at its peak, by :data:`partitioner.memory.BREAKDOWN_KEYS`."""
-    out = []
-    held, pending, comm = _peaks(prob, bounds, recompute)
-    for r in range(prob.p):
-        mine = [c for c, rank in enumerate(prob.ranks) if rank == r]
-        layers = [i for c in mine for i in range(*bounds[c])]
-        acts = sum(_held_activation_bytes(prob, *bounds[c], held[c], recompute[c]) for c in mine)
-        kept = sum(pending[c] * _pending_bytes(prob, *bounds[c], recompute[c]) for c in mine)
-        per_mb = max((_held_activation_bytes(prob, *bounds[c], 1, recompute[c]) for c in mine if held[c]),
-                     default=0.0)
-        out.append(rank_breakdown(prob.memory, numel=float(prob.numel[layers].sum()),
-                                  largest=float(prob.largest[layers].max()), activations=float(acts),
-                                  communication=float(comm[r]), workspace=float(prob.workspace[layers].max()),
-                                  pending=kept, microbatch_activations=float(per_mb)))
-    return out
+    return [d for d, _, _ in _rank_moments(prob, bounds, recompute)]
 
 
 def _rank_peaks(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]) -> list[float]:
