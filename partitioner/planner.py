@@ -424,9 +424,13 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
             pend = {c: 0 if recompute[c] else q for c, q in zip(mine, pk.pending)}
             per_mb = max((_held_activation_bytes(prob, *bounds[c], 1, recompute[c]) for c in mine if held[c]),
                          default=0.0)
+            # a recomputing chunk's one microbatch of activations exists only while it recomputes:
+            # in a backward, and on one chunk of the rank at a time
+            redo = [float(prob.act[slice(*bounds[c])].sum()) if recompute[c] else 0.0 for c in mine]
+            held_acts = sum(_held_activation_bytes(prob, *bounds[c], held[c], recompute[c]) for c in mine) - sum(redo)
             d = rank_breakdown(
                 prob.memory, numel=float(prob.numel[layers].sum()), largest=float(prob.largest[layers].max()),
-                activations=float(sum(_held_activation_bytes(prob, *bounds[c], held[c], recompute[c]) for c in mine)),
+                activations=float(held_acts + (max(redo) if in_backward else 0.0)),
                 communication=float(pk.communication), workspace=float(prob.workspace[layers].max()),
                 pending=float(sum(pend[c] * _pending_bytes(prob, *bounds[c], recompute[c]) for c in mine)),
                 microbatch_activations=float(per_mb), in_backward=in_backward, gradients_made=made,
