@@ -30,8 +30,8 @@ With ``loss_fn`` and ``example_target`` (both modes) the last layer is profiled 
 the loss, as the engine's last chunk runs it (``loss_fn(last_layer(x), target)``): its times
 include the loss's forward and backward, its ``activation_bytes`` what the loss saves (an LM's
 fp32 upcast log-softmax), and its ``workspace_bytes`` the backward's transient measured by
-torch's ``MemTracker`` (the gradient of the logits and its copies; parameter gradients
-excluded). ``loss_variants`` (``{name: (last_layer_factory, loss_fn)}``, e.g. the other LM
+torch's ``MemTracker`` (the gradient of the logits and its copies; parameter gradients and
+the saved tensors excluded). ``loss_variants`` (``{name: (last_layer_factory, loss_fn)}``, e.g. the other LM
 head) profiles the last layer again for each variant with its loss; the costs go to
 ``Profile.meta["loss_variants"]`` (``{name: LayerCost as a dict}``) so the planner can say when
 another head would fit. Without ``loss_fn`` the loss is not in the profile.
@@ -321,9 +321,18 @@ def _loss_workspace(layer, x) -> int:
     kept = [p.grad for p in params]
     for p in params:
         p.grad = None
-    loss = layer(x)
+    saved: list = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = layer(x)
     tracker = MemTracker()
-    tracker.track_external(layer)
+    # the saved tensors exist before the backward: known to the tracker, a backward that
+    # unpacks (detaches) one does not count it as a new temporary
+    tracker.track_external(layer, *saved, *_tensors(x))
     with tracker:
         torch.autograd.backward([loss], inputs=params)   # into .grad: MemTracker books them as gradients
     for p, g in zip(params, kept):

@@ -4,6 +4,8 @@ Layer 0 is the token + position embedding (`LongTensor [b, t] -> [b, t, d]`), la
 pre-norm blocks (causal self-attention and a 4x MLP), the last layer is the final LayerNorm and
 the LM head producing logits `[b, t, vocab]`. With a large vocabulary the first and last layers
 cost much more than a block, which is what makes the choice of split matter.
+With `loss="chunked"` the head returns `HeadOutput` (normed hidden states, weight, bias) and the
+loss is `experiments.models.loss.chunked_lm_loss`, which never builds the fp32 logits.
 
 Example:
     >>> spec = build_gpt({"layers": 2, "dim": 32, "heads": 2, "vocab": 256, "seq_len": 16})

@@ -202,3 +202,19 @@ def test_two_stage_pipeline_with_the_chunked_head_equals_one_process_with_the_fu
                     torch.testing.assert_close(t, ref["grads"][step][alias.get(name, name)], rtol=1e-5, atol=1e-6,
                                                msg=lambda m: f"{case} step {step} {name}: {m}")
     assert any("0.tok.weight" in g for rank in results for g in rank[0]["grads"])
+
+
+def test_generation_gets_logits_from_a_chunked_head() -> None:
+    """The cached chunk generation runs calls the head's `logits`: the same next-token logits
+    from a model built with the chunked loss as with the full one."""
+    from experiments.models.hf_cache import HFCachedChunk
+
+    cfg = dict(name="hf", arch="llama", **_SMALL)
+    outs = []
+    for loss in ("full", "chunked"):
+        spec = build_model(dict(cfg, loss=loss))
+        chunk = HFCachedChunk(list(compose(spec.layers, seed=0)))
+        ids = spec.example_input(2)[:, :6]
+        outs.append(chunk(ids, chunk.new_cache(2), torch.ones_like(ids)))
+    assert outs[0].shape == (2, 1, 97)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
