@@ -746,10 +746,9 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
             w_s = bwd.time_s
         total_flops_check += abs(fc_f.get_total_flops() - fwd.flops) + abs(fc_b.get_total_flops() - bwd.flops)
         costs.append(LayerCost(forward_s=fwd.time_s, backward_s=bwd.time_s, param_bytes=int(param_bytes),
-                               activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
-                               weight_grad_s=min(w_s, bwd.time_s), name=name,
-                               forward_flops=float(fc_f.get_total_flops()),
-                               backward_flops=float(fc_b.get_total_flops()), shared_input_bytes=int(shared_bytes),
+                               activation_bytes=int(act_bytes), output_bytes=int(out_bytes), name=name,
+                               weight_grad_s=min(w_s, bwd.time_s), forward_flops=float(fc_f.get_total_flops()),
+                               shared_input_bytes=int(shared_bytes), backward_flops=float(fc_b.get_total_flops()),
                                output_saved_bytes=_output_saved_bytes(out_tensors, saved_keys),
                                largest_param_bytes=_largest_param_bytes(layer), pending_grad_bytes=int(wops.bytes)))
         if isinstance(src, LayerWithLoss):
