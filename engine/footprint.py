@@ -96,6 +96,10 @@ class Footprint:
     # with 16-bit buckets casts the bucket to the fp32 communication dtype.
     reduce_temporary: float = 0.0
     reduce_after: float = 0.0
+    # Whether ``gradients`` first exist at the step's first backward: the torch backend's
+    # ``zero_grad`` sets every ``.grad`` to None, so a rank's forwards before its first backward
+    # (gpipe's whole forward phase) run without them. DeepSpeed's buffers are kept (False).
+    gradients_from_first_backward: bool = False
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -123,7 +127,7 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
             bucket = n
         else:
             bucket = min(n, grad_bucket_mb * 2**20 / 4 + big)
-        return Footprint(4 * n, 4 * n, s * n, 4 * big, 4 * n, 4 * bucket)
+        return Footprint(4 * n, 4 * n, s * n, 4 * big, 4 * n, 4 * bucket, gradients_from_first_backward=True)
     if w == 4 and zero_stage == 0:   # DeepSpeed's plain path: its all-reduce flattens
         flat = 4 * min(n, BUCKET_ELEMENTS)
         return Footprint(4 * n, 4 * n, s * n, 4 * big, 4 * n, max(flat, 8 * big))

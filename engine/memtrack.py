@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MemoryReport", "measure_step", "MEASURED_KINDS"]
+__all__ = ["MemoryReport", "measure_step", "MEASURED_KINDS", "modelled_peak"]
 
 # MemTracker's reference types -> the names reported (and compared with the plan's breakdown)
 _KIND_OF = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients",
@@ -57,6 +57,18 @@ class MemoryReport:
     def to_dict(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak_bytes, "breakdown": dict(self.breakdown),
                 "device_peak_bytes": self.device_peak_bytes}
+
+
+def modelled_peak(measured: Mapping[str, Any]) -> int:
+    """The part of a measured peak (``MemoryReport.to_dict()``) that a plan models: the peak
+    less the "other" tensors alive before the step (neither parameters, gradients nor
+    optimizer state: the data the process keeps, buffers the plan does not know). The one rule
+    by which a plan's per-rank peak is compared with MemTracker's.
+
+    >>> modelled_peak({"peak_bytes": 30, "breakdown": {"activations": 20, "other": 8}})
+    22
+    """
+    return int(measured["peak_bytes"]) - int(measured.get("breakdown", {}).get("other", 0))
 
 
 def _tracker_class() -> type:

@@ -1,19 +1,30 @@
-"""`python -m experiments.memcheck [overrides]`: the plan's per-rank peak memory beside MemTracker's.
+"""`python -m experiments.memcheck [--grid small|full] [overrides]`: the plan's per-rank peak memory
+beside MemTracker's.
 
-For each layout of a grid (schedules, ZeRO stages with two replicas, fp32 and bf16, recompute
-off / on / auto, SGD with momentum and AdamW) the configured model is profiled and planned as
-`experiments.train` would, then trained for a few steps on local ranks; every step is measured
-with torch's MemTracker (`engine.memtrack`, independent of the planner's model). A row per
-pipeline rank of replica 0: predicted peak (`plan.rank_memory_bytes`), measured peak (the
-largest over the steps), their ratio, and the measured breakdown. Layouts of one world size
-share one spawned job.
+For each layout of a grid the configured model is profiled and planned as `experiments.train`
+would, then trained for a few steps on local ranks; every step is measured with torch's
+MemTracker (`engine.memtrack`, independent of the planner's model). A row per pipeline rank of
+replica 0: predicted peak (`plan.rank_memory_bytes`), measured peak (the largest over the
+steps of MemTracker's peak less the tensors alive before the step that are neither
+parameters, gradients nor optimizer state: the runner's `rank_memory_measured`, see
+`experiments.runner.memory_warning`), their ratio, and both breakdowns. Layouts run one
+spawned job each.
+
+The full grid (:func:`full_grid`) covers every schedule, fp32 and bf16, measured and analytic
+profiles, a small head (vocabulary 2 x dim) and a large one (32 x dim), ZeRO 0/1/2 with two
+replicas, recomputation on, off and auto under a limit (the plan recomputes where the limit
+needs it, and the run must stay under the limit), SGD with momentum and AdamW, and the chunked
+loss head. The small grid (:data:`SMALL_GRID`) is a few layouts with the small head, fast
+enough for a test.
 
 Example:
-    python -m experiments.memcheck model.dim=256 model.layers=8
-    python -m experiments.memcheck --only "1f1b fp32 adamw"
+    python -m experiments.memcheck --grid small
+    python -m experiments.memcheck --grid full --json rows.json
+    python -m experiments.memcheck --only "1f1b fp32 adamw measure v256"
+    python -m experiments.memcheck --match zbv model.layers=6
 
     >>> [c.name for c in GRID][:2]
-    ['gpipe fp32 adamw', '1f1b fp32 adamw']
+    ['gpipe fp32 adamw measure v256', 'gpipe fp32 adamw analytic v256']
 """
 
 from __future__ import annotations
@@ -22,14 +33,20 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["Layout", "GRID", "BASE", "measure_layouts", "format_rows", "main", "smallest_limit"]
+__all__ = ["Layout", "GRID", "SMALL_GRID", "BASE", "SCHEDULE_CHUNKS", "full_grid", "layout",
+           "measure_layouts", "format_rows", "summary", "select", "main", "smallest_limit"]
 
 # The model every layout of the grid trains (small enough for the CPU, large enough that the
-# per-parameter terms and activations, not the runtime's constants, make the peak).
+# per-parameter terms and activations, not the runtime's constants, make the peak). The head's
+# vocabulary is each layout's own (``model.vocab``).
 BASE: tuple[str, ...] = ("model.dim=128", "model.layers=4", "model.seq_len=64",
                          "model.heads=4", "train.batch_size=16", "pipeline.microbatches=4",
                          "partitioner.repeats=1", "partitioner.sweeps=1", "partitioner.warmup=0", "partitioner.fixed_costs=false",
                          "data=synthetic", "logger.mode=disabled")
+SMALL_VOCAB, LARGE_VOCAB = 256, 4096          # 2 x and 32 x model.dim
+# every schedule of engine.schedules.SCHEDULES with the chunks per rank it runs
+SCHEDULE_CHUNKS: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zb-h2": 1,
+                                   "zbv": 2}
 
 
 @dataclass(frozen=True)
@@ -44,28 +61,68 @@ class Layout:
     limit_fraction: float | None = None
 
 
-def _grid() -> list[Layout]:
-    out = [Layout(f"{s} fp32 adamw", (f"pipeline.schedule={s}", f"pipeline.virtual_stages={v}"))
-           for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1),
-                        ("zbv", 2))]
-    out.append(Layout("1f1b fp32 sgd(momentum)", ("optimizer=sgd",)))
-    out.append(Layout("1f1b fp32 adamw recompute", ("pipeline.activation_checkpointing=true",)))
-    for s in ("1f1b", "zb-h1"):
-        out.append(Layout(f"{s} fp32 adamw recompute auto",
-                          (f"pipeline.schedule={s}", "pipeline.activation_checkpointing=auto"), 0.97))
-    for z in (0, 1, 2):
-        for prec in ("fp32", "bf16"):
-            out.append(Layout(f"1f1b {prec} adamw zero{z} dp2",
-                              ("pipeline.data_parallel=2", f"optimizer.zero_stage={z}", f"precision={prec}")))
-    out.append(Layout("1f1b bf16-autocast adamw zero1 dp2",
-                      ("pipeline.data_parallel=2", "optimizer.zero_stage=1", "precision=bf16-autocast")))
-    # DeepSpeed cannot take autograd edges as backward roots: zb-h1 splits I/W per layer there
-    out.append(Layout("zb-h1 fp32 adamw zero1 dp2",
-                      ("pipeline.schedule=zb-h1", "pipeline.data_parallel=2", "optimizer.zero_stage=1")))
-    return out
+def layout(schedule: str = "1f1b", precision: str = "fp32", *, optimizer: str = "adamw",
+           profile: str = "measure", vocab: int = SMALL_VOCAB, zero: int | None = None,
+           recompute: str = "off", loss: str = "full", limit_fraction: float | None = None) -> Layout:
+    """The layout of one point of the grid, named by its values (``zero``: a ZeRO stage with
+    two replicas; None: one replica). ``recompute``: off | on | auto (auto needs
+    ``limit_fraction``).
+
+    >>> layout("zbv", "bf16", vocab=4096, zero=1).name
+    'zbv bf16 adamw measure v4096 zero1 dp2'
+    """
+    if recompute == "auto" and limit_fraction is None:
+        raise ValueError("recompute='auto' needs limit_fraction (a limit the plan must recompute under)")
+    opt = "sgd(momentum)" if optimizer == "sgd" else optimizer
+    over = [f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={SCHEDULE_CHUNKS[schedule]}",
+            f"precision={precision}", f"partitioner.profile={profile}", f"model.vocab={vocab}"]
+    over += ["optimizer=sgd"] if optimizer == "sgd" else []   # conf/optimizer/sgd.yaml: momentum 0.9
+    name = f"{schedule} {precision} {opt} {profile} v{vocab}"
+    if zero is not None:
+        over += ["pipeline.data_parallel=2", f"optimizer.zero_stage={zero}"]
+        name += f" zero{zero} dp2"
+    if recompute != "off":
+        over.append(f"pipeline.activation_checkpointing={'true' if recompute == 'on' else 'auto'}")
+        name += " recompute" + (" auto" if recompute == "auto" else "")
+    if loss != "full":
+        over.append(f"model.loss={loss}")
+        name += f" {loss}"
+    return Layout(name, tuple(over), limit_fraction)
 
 
-GRID: list[Layout] = _grid()
+def full_grid() -> list[Layout]:
+    """Every schedule in fp32 and bf16 with the small and the large head (measured profile);
+    every schedule on the analytic profile (fp32 small head, bf16 large head); every schedule
+    recomputing (large head); ZeRO 0/1/2 with two replicas in fp32 and bf16 (1f1b with the
+    small head, zb-h1 with the large one); the chunked loss on every schedule (bf16) and in fp32
+    on both profiles; auto recomputation under a limit; SGD with momentum and bf16 autocast."""
+    groups = [
+        [layout(s, prec, vocab=v) for s in SCHEDULE_CHUNKS for v in (SMALL_VOCAB, LARGE_VOCAB)
+         for prec in ("fp32", "bf16")],
+        [layout(s, prec, profile="analytic", vocab=v) for s in SCHEDULE_CHUNKS
+         for prec, v in (("fp32", SMALL_VOCAB), ("bf16", LARGE_VOCAB))],
+        [layout(s, "fp32", vocab=LARGE_VOCAB, recompute="on") for s in SCHEDULE_CHUNKS],
+        [layout(s, prec, vocab=v, zero=z) for z in (0, 1, 2) for prec in ("fp32", "bf16")
+         for s, v in (("1f1b", SMALL_VOCAB), ("zb-h1", LARGE_VOCAB))],
+        [layout(s, "bf16", vocab=LARGE_VOCAB, loss="chunked") for s in SCHEDULE_CHUNKS]
+        + [layout("1f1b", "fp32", profile=pm, vocab=LARGE_VOCAB, loss="chunked") for pm in ("measure", "analytic")],
+        [layout(s, "fp32", vocab=v, recompute="auto", limit_fraction=0.97)
+         for s, v in (("1f1b", SMALL_VOCAB), ("zb-h1", SMALL_VOCAB), ("1f1b", LARGE_VOCAB))]
+        + [layout("1f1b", "fp32", optimizer="sgd"), layout("1f1b", "bf16-autocast", zero=1)],
+    ]
+    # round robin over the groups: a grid cut short still covers every axis
+    return [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]
+
+
+GRID: list[Layout] = full_grid()
+# a few layouts of the full grid, fast enough for a test: the analytic profile in bf16 under a
+# split backward, recomputation with two chunks per rank, DeepSpeed over two replicas, zbv
+SMALL_GRID: list[Layout] = [
+    layout("zb-h1", "bf16", profile="analytic"),
+    layout("interleaved-1f1b", "fp32", recompute="on"),
+    layout("1f1b", "bf16", zero=1),
+    layout("zbv", "fp32"),
+]
 
 
 def smallest_limit(prof: Any, kwargs: dict[str, Any], checkpointing: str) -> int:
@@ -88,20 +145,22 @@ def smallest_limit(prof: Any, kwargs: dict[str, Any], checkpointing: str) -> int
     return hi
 
 
-def _prepare(layout: Layout, base: Sequence[str]) -> dict[str, Any]:
+def _prepare(lay: Layout, base: Sequence[str]) -> dict[str, Any]:
     """The resolved config and plan of a layout (profiled here, as `experiments.train` does)."""
     from experiments.config import as_config, compose_config
     from experiments.models import build_model
     from experiments.wiring import make_plan, partition_kwargs, profile_model, world_size
 
-    cfg = compose_config(*base, *layout.overrides)
+    cfg = compose_config(*base, *lay.overrides)
     spec = build_model(cfg.model)
     prof = profile_model(cfg, spec)
-    if layout.limit_fraction is not None:
-        limit = int(smallest_limit(prof, partition_kwargs(cfg), "off") * layout.limit_fraction)
-        cfg = compose_config(*base, *layout.overrides, f"partitioner.memory_limit={limit}B")
+    limit = None
+    if lay.limit_fraction is not None:
+        limit = int(smallest_limit(prof, partition_kwargs(cfg), "off") * lay.limit_fraction)
+        cfg = compose_config(*base, *lay.overrides, f"partitioner.memory_limit={limit}B")
     plan = make_plan(cfg, spec, prof)
-    return {"name": layout.name, "config": as_config(cfg), "plan": plan, "world": world_size(cfg)}
+    return {"name": lay.name, "config": as_config(cfg), "plan": plan, "world": world_size(cfg),
+            "limit": limit}
 
 
 def _worker(jobs: list[dict], steps: int) -> list[dict]:
@@ -111,6 +170,7 @@ def _worker(jobs: list[dict], steps: int) -> list[dict]:
     import torch
 
     from engine import OptimizerConfig, Pipeline
+    from engine.memtrack import modelled_peak
     from experiments.data import make_dataset
     from experiments.models import build_model
     from experiments.wiring import engine_optimizer_kwargs, pipeline_kwargs
@@ -131,7 +191,7 @@ def _worker(jobs: list[dict], steps: int) -> list[dict]:
             x, y = data.train_batch(step, batch)
             res = pipe.train_step(x, y, measure_memory=True)
             mem = res.stats["memory_measured"]
-            peaks.append(mem["peak_bytes"])
+            peaks.append(modelled_peak(mem))
             kinds.append(mem["breakdown"])
             losses.append(res.loss)
         top = max(range(steps), key=peaks.__getitem__)
@@ -150,18 +210,21 @@ def _rows(job: dict[str, Any], per_rank: list[list[dict]]) -> list[dict[str, Any
         j = res["rank"]
         pred = float(plan.rank_memory_bytes[j])
         rows.append({"layout": job["name"], "rank": j, "predicted": pred, "measured": res["peak"],
-                     "ratio": res["peak"] / pred, "breakdown": res["breakdown"],
-                     "predicted_breakdown": plan.rank_memory_breakdown[j],
+                     "ratio": res["peak"] / pred, "error": pred / res["peak"] - 1,
+                     "breakdown": res["breakdown"], "predicted_breakdown": plan.rank_memory_breakdown[j],
                      "recompute": list(plan.stage_recompute), "losses": res["losses"],
-                     "numel": res["numel"]})
+                     "numel": res["numel"], "limit": job["limit"]})
     return sorted(rows, key=lambda r: r["rank"])
 
 
 def measure_layouts(layouts: Sequence[Layout], base: Sequence[str] = BASE, steps: int = 3,
                     timeout_s: float = 900.0) -> list[dict[str, Any]]:
     """Plan and measure every layout; one row per (layout, pipeline rank of replica 0):
-    ``layout``, ``rank``, ``predicted``, ``measured``, ``ratio`` (measured / predicted),
-    ``breakdown`` (measured, by kind), ``predicted_breakdown``, ``recompute`` and ``losses``."""
+    ``layout``, ``rank``, ``predicted``, ``measured`` (MemTracker's peak less the "other"
+    tensors alive before the step, :func:`engine.memtrack.modelled_peak`; the largest over the
+    steps), ``ratio`` (measured / predicted), ``error`` (predicted / measured - 1),
+    ``breakdown`` (measured, by kind, at that peak), ``predicted_breakdown``, ``recompute``,
+    ``losses`` and ``limit`` (bytes, for a layout run under a limit)."""
     from engine.launch import launch
 
     rows: list[dict[str, Any]] = []
@@ -174,29 +237,70 @@ def measure_layouts(layouts: Sequence[Layout], base: Sequence[str] = BASE, steps
 
 
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a markdown table (MiB; measured / predicted)."""
-    head = "| layout | rank | predicted MiB | measured MiB | measured / predicted |\n|---|---|---|---|---|\n"
+    """The rows as a markdown table (MiB; the error is predicted / measured - 1).
+
+    >>> print(format_rows([{"layout": "1f1b", "rank": 0, "predicted": 2**20, "measured": 2**20,
+    ...                     "error": 0.0, "limit": None}]).splitlines()[2])
+    | 1f1b | 0 | 1.00 | 1.00 | +0.0% |  |
+    """
+    head = ("| layout | rank | predicted MiB | measured MiB | error | limit MiB |\n"
+            "|---|---|---|---|---|---|\n")
     return head + "".join(f"| {r['layout']} | {r['rank']} | {r['predicted'] / 2**20:.2f} | "
-                          f"{r['measured'] / 2**20:.2f} | {r['ratio']:.3f} |\n" for r in rows)
+                          f"{r['measured'] / 2**20:.2f} | {r['error']:+.1%} | "
+                          f"{'' if r['limit'] is None else format(r['limit'] / 2**20, '.2f')} |\n"
+                          for r in rows)
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> str:
+    """How many ranks are within 5% and 10%, the largest error, and every layout run under a
+    limit whose measured peak exceeded it."""
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    within = [sum(abs(r["error"]) <= tol for r in rows) for tol in (0.05, 0.10)]
+    over = [f"{r['layout']} rank {r['rank']}" for r in rows if r["limit"] and r["measured"] > r["limit"]]
+    return (f"{len(rows)} ranks: {within[0]} within 5%, {within[1]} within 10%; largest error "
+            f"{worst['error']:+.1%} ({worst['layout']} rank {worst['rank']}); "
+            f"measured peak over the limit: {', '.join(over) or 'none'}")
+
+
+def select(grid: str, only: Sequence[str] = (), match: Sequence[str] = ()) -> list[Layout]:
+    """The layouts of ``grid`` ("small" or "full") named in ``only`` or containing every
+    substring of ``match`` (all of them when both are empty)."""
+    if grid not in ("small", "full"):
+        raise ValueError(f"unknown grid {grid!r}; use small or full")
+    pool = SMALL_GRID if grid == "small" else GRID
+    out = [lay for lay in pool if (not only or lay.name in only) and all(m in lay.name for m in match)]
+    if not out:
+        names = "; ".join(lay.name for lay in pool)
+        raise ValueError(f"no layout of the {grid} grid matches --only {list(only)} --match {list(match)}; "
+                         f"the grid's layouts: {names}")
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Measure the grid (or the layouts named by ``--only``) and print the table."""
+    """Measure the grid (or the layouts selected by ``--only`` / ``--match``) and print the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("overrides", nargs="*", help="config overrides on top of the grid's base")
+    ap.add_argument("--grid", default="full", help="small (a few layouts) or full (default)")
     ap.add_argument("--only", action="append", default=[], help="a layout name (repeatable)")
+    ap.add_argument("--match", action="append", default=[],
+                    help="keep layouts whose name contains this (repeatable: all must match)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", default=None, help="also write the rows (with breakdowns) here")
     args = ap.parse_args(argv)
-    layouts = [lay for lay in GRID if not args.only or lay.name in args.only]
-    rows = measure_layouts(layouts, (*BASE, *args.overrides), steps=args.steps)
-    print(format_rows(rows), flush=True)
-    if args.json:
-        import json
-        from pathlib import Path
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
-    print(f"largest deviation: {worst['layout']} rank {worst['rank']}: {worst['ratio'] - 1:+.1%}")
+    try:
+        layouts = select(args.grid, args.only, args.match)
+    except ValueError as exc:
+        ap.error(str(exc))
+    rows: list[dict[str, Any]] = []
+    for lay in layouts:   # each layout's rows as soon as they are measured (a long grid)
+        got = measure_layouts([lay], (*BASE, *args.overrides), steps=args.steps)
+        print(format_rows(got).split("\n", 2)[2] if rows else format_rows(got), end="", flush=True)
+        rows += got
+        if args.json:
+            import json
+            from pathlib import Path
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(summary(rows))
 
 
 if __name__ == "__main__":

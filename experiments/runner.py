@@ -128,9 +128,11 @@ def memory_warning(step: int, rank: int, measured: dict[str, Any], predicted: fl
     """
     if not predicted:
         return None
+    from engine.memtrack import modelled_peak
+
     breakdown = measured.get("breakdown", {})
-    peak, other = int(measured["peak_bytes"]), int(breakdown.get("other", 0))
-    modelled = peak - other
+    peak, modelled = int(measured["peak_bytes"]), modelled_peak(measured)
+    other = peak - modelled
     if modelled <= 1.1 * predicted:
         return None
     kinds = {k: round(v / 2**20, 1) for k, v in breakdown.items()}

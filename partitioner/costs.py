@@ -53,6 +53,11 @@ class LayerCost:
       autograd nodes (e.g. each Linear's output gradient), which W consumes. None (a profile
       written before the field existed): ``output_bytes`` for a layer with parameters, else 0
       (the gradient at the layer's output, the least a weight-owning layer keeps).
+    - ``output_saved_bytes``: bytes of the layer's output that the layer itself saves for
+      backward (already in ``activation_bytes``, e.g. a ReLU's result). A chunk ending at this
+      layer keeps the rest of its output per held microbatch (the engine's backward roots,
+      :func:`partitioner.memory.kept_output_bytes`). None (a profile written before the field
+      existed): 0, the whole output is kept.
     """
 
     forward_s: float
@@ -69,6 +74,7 @@ class LayerCost:
     workspace_bytes: int | None = None
     pending_grad_bytes: int | None = None
     input_grad_s: float | None = None
+    output_saved_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("forward_s", "backward_s", "param_bytes", "activation_bytes", "output_bytes"):

@@ -40,7 +40,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.choices import OPTIMIZERS, PRECISIONS, ZERO_STAGES, check_grad_accum_dtype
 from engine.footprint import (GRAD_BUCKET_MB, Footprint, backend_of, optimizer_state_bytes_per_param,
@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 __all__ = ["static_factor", "inflight_per_chunk", "inflight_from_schedule", "rank_totals",
            "schedule_states", "peak_state", "held_and_pending", "State",
            "OPTIMIZER_STATE_BYTES", "SCHEDULES", "MemorySettings", "BREAKDOWN_KEYS",
-           "rank_breakdown"]
+           "rank_breakdown", "ChunkBytes", "RankPeak", "RankPeaks", "program_peaks", "kept_output_bytes",
+           "layer_transient"]
 
 # Optimizer state in bytes per parameter (kept in fp32), for each of engine.choices.OPTIMIZERS
 # (SGD: its momentum buffer, when momentum > 0).
@@ -137,19 +138,37 @@ class MemorySettings:
 
 def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, activations: float,
                    communication: float, workspace: float, pending: float = 0.0,
-                   microbatch_activations: float = 0.0) -> dict[str, float]:
+                   microbatch_activations: float = 0.0, in_backward: bool = True,
+                   gradients_made: bool = True,
+                   layer_transient: tuple[float, float] | None = None) -> dict[str, float]:
     """The rank's memory at its peak, by :data:`BREAKDOWN_KEYS` (bytes; they sum to the peak):
     the larger of the forward/backward phase and the step phase. ``pending``: the gradients
     kept between I and W at the peak (split-backward schedules), booked as ``temporary``:
     gradients of intermediate tensors made by a backward, as MemTracker books them.
     ``microbatch_activations``: one microbatch's activations on the rank (its largest chunk);
     a transient that exists only during a bucket reduce (``Footprint.reduce_temporary``) meets
-    the activations less the share that microbatch's backward has freed by then."""
+    the activations less the share that microbatch's backward has freed by then.
+    ``in_backward``: the figures are those of a moment inside a backward action (False: a
+    forward, when no backward transient or workspace exists). ``gradients_made``: the rank has
+    run a backward this step (False: a backend that makes its gradients at the first backward,
+    ``Footprint.gradients_from_first_backward``, holds none yet, and that backward takes each
+    gradient as it is made, with no accumulation transient). ``layer_transient``: the largest
+    transient of one layer's backward beyond what that backward has freed by then (with and
+    without the accumulation transient of the layer's largest parameter,
+    :func:`layer_transient`); None: the rank's largest parameter's transient plus
+    ``workspace``, as if they met the microbatch's activations all held."""
     f = settings.footprint(numel, largest)
-    backward = {"parameters": f.parameters, "gradients": f.gradients,
+    fresh = not gradients_made and f.gradients_from_first_backward
+    if layer_transient is None:
+        transient = (0.0 if fresh else f.backward_temporary) + workspace
+    else:   # what does not follow one layer's parameters (buckets, flat copies) stays whole
+        transient = (0.0 if fresh else settings.footprint(numel, 0).backward_temporary) \
+            + layer_transient[1 if fresh else 0]
+    transient = transient if in_backward else 0.0
+    backward = {"parameters": f.parameters, "gradients": 0.0 if fresh else f.gradients,
                 "optimizer_state": f.optimizer_state, "activations": activations,
-                "communication": communication, "temporary": f.backward_temporary + workspace + pending}
-    if f.reduce_temporary > 0 and microbatch_activations > 0:
+                "communication": communication, "temporary": transient + pending}
+    if in_backward and not fresh and f.reduce_temporary > 0 and microbatch_activations > 0:
         at_reduce = dict(backward, activations=max(0.0, activations - f.reduce_after * microbatch_activations))
         before = dict(backward, temporary=backward["temporary"] - f.reduce_temporary)
         backward = max(at_reduce, before, key=lambda d: sum(d.values()))
@@ -157,6 +176,28 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
             "optimizer_state": f.optimizer_state, "activations": 0.0, "communication": 0.0,
             "temporary": f.step_temporary}
     return backward if sum(backward.values()) >= sum(step.values()) else step
+
+
+def layer_transient(settings: MemorySettings, largest: list[float], workspace: list[float],
+                    freed: list[float]) -> tuple[float, float]:
+    """The largest transient of one layer's backward that meets the rank's held memory, with
+    and without the accumulation transient of its largest parameter (``largest``: elements;
+    as :meth:`MemorySettings.largest_param_bytes`, on a rank holding at least that tensor): each layer's parameter transient and backward
+    workspace, less ``freed``, what the same backward has already freed of the microbatch's
+    activations when it reaches the layer (the activations of the layers after it in its chunk;
+    0 where a split backward keeps them until W). A chunk's first layer (an embedding with a
+    large table) runs its backward last, when the rest of the chunk's activations are gone.
+
+    >>> s = MemorySettings("fp32", "adamw", zero_stage=0)
+    >>> layer_transient(s, [100.0, 10.0], [50.0, 50.0], [300.0, 0.0])   # the first layer: 400 + 50 - 300
+    (150.0, 50.0)
+    """
+    def param(big: float) -> float:   # a rank holding the tensor holds at least its elements
+        n = max(big, 1.0)
+        return settings.footprint(n, big).backward_temporary - settings.footprint(n, 0).backward_temporary
+
+    rows = [(param(big) + ws - fr, ws - fr) for big, ws, fr in zip(largest, workspace, freed)]
+    return max(0.0, max(r[0] for r in rows)), max(0.0, max(r[1] for r in rows))
 
 
 def static_factor(itemsize: int, optimizer: str = "adamw", zero_stage: int = 1, data_parallel: int = 1,
@@ -318,3 +359,139 @@ def rank_totals(per_chunk: list, schedule: str, num_stages: int, virtual_stages:
     for c, r in enumerate(chunk_ranks(schedule, num_stages, virtual_stages)):
         out[r] += per_chunk[c]
     return out
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """What one chunk holds, per microbatch, for :func:`program_peaks` (bytes):
+    ``held``: a held microbatch (saved activations and the output the engine keeps for its
+    backward, :func:`kept_output_bytes`); ``pending``: a microbatch between its I and its W;
+    ``input`` / ``output``: the tensors crossing its cuts (its input and, sent back, the input's
+    gradient; its output and, received, the output's gradient), 0 at the model's ends or where
+    the neighbouring chunk is on the same rank (a hand-off in memory)."""
+
+    held: float
+    pending: float = 0.0
+    input: float = 0.0
+    output: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """One rank's peak in :func:`program_peaks`: per chunk of the rank (``stages_of`` order)
+    the microbatches held and pending, and the bytes of the transfer buffers alive then
+    (``communication``: receives posted ahead or arrived and not yet used, gradients being
+    received and sent, sends not yet waited whose tensor nothing else holds)."""
+
+    held: tuple[int, ...]
+    pending: tuple[int, ...]
+    communication: float
+    total: float
+
+
+class RankPeaks(NamedTuple):
+    """A rank's peaks (:func:`program_peaks`) inside forward and backward actions, before its
+    first weight gradients (``*_early``) and from then on; a moment that never occurs has
+    ``total`` -1."""
+
+    forward_early: RankPeak
+    backward_early: RankPeak
+    forward: RankPeak
+    backward: RankPeak
+
+
+def kept_output_bytes(output_bytes: float, output_saved_bytes: float, recompute: bool) -> float:
+    """Bytes of a chunk's output that the engine keeps per held microbatch beyond its saved
+    activations: ``engine.stage.Chunk.forward`` keeps each microbatch's output tensors (the roots
+    of its backward, ``_MbState.outputs``) from its forward until its backward frees the state
+    (B, or W under a split backward). A layer that saved its own output for backward (e.g. a
+    ReLU) already counts that part in its activations (``LayerCost.output_saved_bytes``); a
+    recomputing chunk saves nothing but its input, so its whole output counts.
+
+    >>> kept_output_bytes(100, 0, False), kept_output_bytes(100, 100, False), kept_output_bytes(100, 100, True)
+    (100.0, 0.0, 100.0)
+    """
+    return float(output_bytes if recompute else max(0.0, output_bytes - output_saved_bytes))
+
+
+def program_peaks(schedule, chunks: list[ChunkBytes], *, lookahead: int,  # noqa: ANN001
+                  send_wait: str) -> list[RankPeaks]:
+    """Per rank, the peaks of held activations + pending gradients + transfer buffers over its
+    lowered program, in forward and in backward actions, before its first weight gradients
+    are made (the actions up to and including its first B or W: a backend that drops
+    gradients between steps has none yet) and from then on (:class:`RankPeaks`),  (``engine.schedules.lower``), walked as ``engine.executor`` runs it:
+    receives are posted up to ``lookahead`` ahead after each compute (their buffers alive from
+    then), a received gradient lives until its backward ends and the input gradient a backward
+    makes until its send is waited, and every send is waited before each compute
+    (``send_wait="compute"``) or only at the step's end ("yield", "step": the sent tensors stay
+    referenced until then, so an output whose microbatch was freed still counts). Measured
+    inside each compute action (a backward still holds its microbatch).
+
+    >>> from engine.schedules import build_schedule
+    >>> cb = [ChunkBytes(10.0, 0.0, 0.0, 1.0), ChunkBytes(10.0, 0.0, 1.0, 0.0)]
+    >>> [(pk.backward.held, pk.backward.communication) for pk in program_peaks(
+    ...     build_schedule("1f1b", 2, 4), cb, lookahead=0, send_wait="compute")]
+    [((2,), 1.0), ((1,), 1.0)]
+    """
+    from engine.schedules import lower
+
+    if send_wait not in ("compute", "yield", "step"):
+        raise ValueError(f"send_wait must be 'compute', 'yield' or 'step', got {send_wait!r}")
+    return [_walk_rank(schedule.stages_of(r), ops, chunks, lookahead, send_wait == "compute")
+            for r, ops in enumerate(lower(schedule))]
+
+
+def _walk_rank(mine: list[int], ops: list, chunks: list[ChunkBytes], lookahead: int,
+               wait_each: bool) -> RankPeaks:
+    """:func:`program_peaks` for one rank's lowered program ``ops``."""
+    held, pend = dict.fromkeys(mine, 0), dict.fromkeys(mine, 0)
+    freed: set[tuple[int, int]] = set()      # (chunk, microbatch) whose state was freed
+    posted: dict[tuple[str, int, int], float] = {}   # receive buffers posted or arrived
+    ahead: set[tuple[str, int, int]] = set()          # posted, their RECV not reached yet
+    sends: list[tuple[str, int, int, float]] = []    # not yet waited
+    recv_at = [k for k, op in enumerate(ops) if op.kind.startswith("RECV")]
+    recv_index = {k: n for n, k in enumerate(recv_at)}
+    nxt, best = 0, [RankPeak(tuple(held.values()), tuple(pend.values()), 0.0, -1.0)] * 4
+    phase = 0   # 1 once the rank's first weight gradients exist (after its first B or W)
+
+    def size(kind: str, c: int) -> float:
+        return chunks[c].input if kind in ("RECV_F", "SEND_B") else chunks[c].output
+
+    for k, op in enumerate(ops):
+        key = (op.kind, op.stage, op.microbatch)
+        if op.kind.startswith("RECV"):
+            posted.setdefault(key, size(op.kind, op.stage))
+            ahead.discard(key)
+            nxt = max(nxt, recv_index[k] + 1)
+            continue
+        if op.kind.startswith("SEND"):
+            sends.append((*key, size(op.kind, op.stage)))
+            continue
+        if wait_each:
+            sends.clear()
+        c, i = op.stage, op.microbatch
+        made = chunks[c].input if op.kind in ("B", "I") else 0.0   # the input gradient it makes
+        if op.kind == "F":
+            posted.pop(("RECV_F", c, i), None)   # the input is held by the chunk from now on
+            held[c] += 1
+        comm = sum(posted.values()) + made + sum(
+            b for kind, s, j, b in sends if kind == "SEND_B" or (s, j) in freed)
+        total = comm + sum(held[s] * chunks[s].held + pend[s] * chunks[s].pending for s in mine)
+        slot = 2 * phase + (op.kind != "F")
+        if total > best[slot].total:
+            best[slot] = RankPeak(tuple(held.values()), tuple(pend.values()), comm, total)
+        if op.kind in ("B", "I"):
+            posted.pop(("RECV_B", c, i), None)
+        if op.kind == "I":
+            pend[c] += 1
+        elif op.kind in ("B", "W"):
+            held[c] -= 1
+            pend[c] -= op.kind == "W"
+            freed.add((c, i))
+        phase = max(phase, int(op.kind in ("B", "W")))
+        while nxt < len(recv_at) and len(ahead) < lookahead:   # posted after compute
+            r = ops[recv_at[nxt]]
+            posted[(r.kind, r.stage, r.microbatch)] = size(r.kind, r.stage)
+            ahead.add((r.kind, r.stage, r.microbatch))
+            nxt += 1
+    return RankPeaks(*best)

@@ -42,8 +42,9 @@ from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message
 
 from .batchsim import compile_schedule, simulate_many
 from .costs import FixedCosts, Profile
-from .memory import (BREAKDOWN_KEYS, SCHEDULES, MemorySettings, held_and_pending, inflight_from_schedule,
-                     inflight_per_chunk, peak_state, rank_breakdown, rank_totals, schedule_states)
+from .memory import (BREAKDOWN_KEYS, SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
+                     inflight_per_chunk, kept_output_bytes, layer_transient, program_peaks, rank_breakdown, rank_totals,
+                     schedule_states)
 from .plan import PartitionError, Plan
 from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optimal_split, parameter_split,
                     pipeline_lower_bound, split_costs, uniform_split)
@@ -134,6 +135,8 @@ class _Problem:
     reserve: list[float]                      # per rank, bytes taken off the limit before the search
     loss_variants: dict = field(default_factory=dict)   # name -> () -> this problem with another loss head
     _sums: dict = field(default_factory=dict, repr=False)
+    out_saved: np.ndarray | None = None       # per layer: bytes of its output it saved itself
+    transfers: tuple[int, str] = (0, "step")  # the runtime's receive lookahead and send_wait
 
     @property
     def n(self) -> int:
@@ -313,7 +316,9 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
         numel=numel, largest=largest, workspace=workspace, reserve=reserve,
         loss_variants={name: (lambda prof=prof: _problem(prof, p, m, v, schedule, max_inflight, ckpt, link, memory,
                                                           limits, simulate, []))
-                       for name, prof in _loss_variant_profiles(profile).items()})
+                       for name, prof in _loss_variant_profiles(profile).items()},
+        out_saved=np.array([c.output_saved_bytes or 0 for c in L], dtype=np.float64),
+        transfers=_transfers(profile, schedule, p, m, v, max_inflight))
 
 
 def _loss_variant_profiles(profile: Profile) -> dict[str, Profile]:
@@ -326,6 +331,21 @@ def _loss_variant_profiles(profile: Profile) -> dict[str, Profile]:
         meta = {k: val for k, val in profile.meta.items() if k != "loss_variants"}
         out[name] = replace(profile, layers=[*profile.layers[:-1], LayerCost(**cost)], meta=meta)
     return out
+
+
+def _transfers(profile: Profile, schedule: str, p: int, m: int, v: int, max_inflight: int | None
+               ) -> tuple[int, str]:
+    """The receive lookahead and send wait the runtime will use (``engine.runtime``'s defaults)
+    on the backend of the profiled device: NCCL for a CUDA measurement or a GPU preset, gloo
+    for the CPU."""
+    from engine.runtime import default_recv_lookahead, default_send_wait, default_transport_threads
+
+    device = str(profile.meta.get("device", "")) if profile.meta.get("mode") == "measure" else \
+        str(profile.meta.get("device_spec", "cpu"))
+    backend = "gloo" if device in ("", "cpu") or device.startswith("cpu") else "nccl"
+    sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)
+    return (default_recv_lookahead(backend, sched),
+            default_send_wait(backend, sched, default_transport_threads(backend, sched)))
 
 
 def _counts(profile: Profile, schedule: str, p: int, m: int, v: int, max_inflight: int | None,
@@ -373,42 +393,96 @@ def _search(method: str, prob: _Problem, notes: list[str]) -> tuple[list[tuple[i
     return bounds, recompute
 
 
+def _chunk_bytes(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]) -> list[ChunkBytes]:
+    """Per chunk, what it holds per held and per pending microbatch and its cut tensors (0 at
+    the model's ends and at a hand-off between two chunks of one rank)."""
+    ranks, out = prob.ranks, []
+    for c, (a, e) in enumerate(bounds):
+        local_in = c > 0 and ranks[c - 1] == ranks[c]
+        local_out = c < prob.k - 1 and ranks[c + 1] == ranks[c]
+        held = (_held_activation_bytes(prob, a, e, 1, recompute[c])
+                - _held_activation_bytes(prob, a, e, 0, recompute[c]))
+        if local_out:   # the hand-off's storage is the next chunk's saved input
+            held -= _kept_output(prob, e, recompute[c])
+        out.append(ChunkBytes(held, _pending_bytes(prob, a, e, recompute[c]),
+                              0.0 if a == 0 or local_in else float(prob.out[a - 1]),
+                              0.0 if e == prob.n or local_out else float(prob.out[e - 1])))
+    return out
+
+
+def _peaks(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]) -> list[RankPeaks]:
+    """Per rank, its peaks in forward and backward actions, before and after its first weight
+    gradients: the engine's program walked with this split's bytes
+    (:func:`partitioner.memory.program_peaks`)."""
+    chunks = _chunk_bytes(prob, bounds, recompute)
+    sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
+    lookahead, send_wait = prob.transfers
+    return program_peaks(sched, chunks, lookahead=lookahead, send_wait=send_wait)
+
+
+def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]
+                  ) -> list[tuple[dict[str, float], list[int], list[int]]]:
+    """Each rank's memory at its peak (the largest of its moments: forward or backward, before
+    or after its first weight gradients, and the step), with its chunks' held and pending
+    microbatches then (a recomputing chunk keeps no gradients to W)."""
+    out = []
+    ranks = prob.ranks
+    for r, peaks in enumerate(_peaks(prob, bounds, recompute)):
+        mine = [c for c, rank in enumerate(ranks) if rank == r]
+        layers = [i for c in mine for i in range(*bounds[c])]
+        transient = layer_transient(prob.memory, [float(prob.largest[i]) for i in layers],
+                                    [float(prob.workspace[i]) for i in layers], _freed(prob, bounds, recompute, mine))
+        best = None
+        for pk, in_backward, made in zip(peaks, (False, True, False, True), (False, False, True, True)):
+            if pk.total < 0:
+                continue
+            held = dict(zip(mine, pk.held))
+            pend = {c: 0 if recompute[c] else q for c, q in zip(mine, pk.pending)}
+            per_mb = max((_held_activation_bytes(prob, *bounds[c], 1, recompute[c]) for c in mine if held[c]),
+                         default=0.0)
+            # a recomputing chunk's one microbatch of activations exists only while it recomputes:
+            # in a backward, and on one chunk of the rank at a time
+            redo = [float(prob.act[slice(*bounds[c])].sum()) if recompute[c] else 0.0 for c in mine]
+            held_acts = sum(_held_activation_bytes(prob, *bounds[c], held[c], recompute[c]) for c in mine) - sum(redo)
+            d = rank_breakdown(
+                prob.memory, numel=float(prob.numel[layers].sum()), largest=float(prob.largest[layers].max()),
+                activations=float(held_acts + (max(redo) if in_backward else 0.0)),
+                communication=float(pk.communication), workspace=float(prob.workspace[layers].max()),
+                pending=float(sum(pend[c] * _pending_bytes(prob, *bounds[c], recompute[c]) for c in mine)),
+                microbatch_activations=float(per_mb), in_backward=in_backward, gradients_made=made,
+                layer_transient=transient)
+            if best is None or sum(d.values()) > sum(best[0].values()):
+                best = (d, [held[c] for c in mine], [pend[c] for c in mine])
+        out.append(best)
+    return out
+
+
+def _freed(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], mine: list[int]) -> list[float]:
+    """Per layer of the rank's chunks ``mine``, the activations its chunk's backward has freed
+    when it reaches the layer: those of the layers after it (none under a split backward,
+    which keeps them until W)."""
+    split = SCHEDULE_INFO[prob.schedule].splits_backward
+    out: list[float] = []
+    for c in mine:
+        a, e = bounds[c]
+        after = np.concatenate([np.cumsum(prob.act[a:e][::-1])[::-1][1:], [0.0]])
+        out += [0.0] * (e - a) if split and not recompute[c] else [float(x) for x in after]
+    return out
+
+
 def _chunk_counts(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]
                   ) -> tuple[list[int], list[int]]:
-    """Per chunk, the microbatches held and pending at its rank's peak of held activations +
-    pending gradients for this split (a recomputing chunk keeps no gradients to W)."""
-    if not prob.states:
-        return list(prob.inflight), [0] * prob.k
+    """Per chunk, the microbatches held and pending at its rank's peak (:func:`_rank_moments`)."""
     held, pending = [0] * prob.k, [0] * prob.k
-    for r, states in enumerate(prob.states):
-        mine = [c for c, rank in enumerate(prob.ranks) if rank == r]
-        a = [_held_activation_bytes(prob, *bounds[c], 1, recompute[c])
-             - _held_activation_bytes(prob, *bounds[c], 0, recompute[c]) for c in mine]
-        g = [_pending_bytes(prob, *bounds[c], recompute[c]) for c in mine]
-        h, q = peak_state(states, a, g)
-        for i, c in enumerate(mine):
-            held[c], pending[c] = h[i], 0 if recompute[c] else q[i]
+    for r, (_, h, q) in enumerate(_rank_moments(prob, bounds, recompute)):
+        for c, x, y in zip([c for c, rank in enumerate(prob.ranks) if rank == r], h, q):
+            held[c], pending[c] = x, y
     return held, pending
 
 
 def _rank_memory(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]) -> list[dict[str, float]]:
     """Each rank's memory at its peak, by :data:`partitioner.memory.BREAKDOWN_KEYS`."""
-    out = []
-    held, pending = _chunk_counts(prob, bounds, recompute)
-    for r in range(prob.p):
-        mine = [c for c, rank in enumerate(prob.ranks) if rank == r]
-        layers = [i for c in mine for i in range(*bounds[c])]
-        acts = sum(_held_activation_bytes(prob, *bounds[c], held[c], recompute[c]) for c in mine)
-        kept = sum(pending[c] * _pending_bytes(prob, *bounds[c], recompute[c]) for c in mine)
-        per_mb = max((_held_activation_bytes(prob, *bounds[c], 1, recompute[c]) for c in mine if held[c]),
-                     default=0.0)
-        comm = sum((prob.out[a - 1] if a > 0 else 0.0) + (prob.out[e - 1] if e < prob.n else 0.0)
-                   for a, e in (bounds[c] for c in mine))
-        out.append(rank_breakdown(prob.memory, numel=float(prob.numel[layers].sum()),
-                                  largest=float(prob.largest[layers].max()), activations=float(acts),
-                                  communication=float(comm), workspace=float(prob.workspace[layers].max()),
-                                  pending=kept, microbatch_activations=float(per_mb)))
-    return out
+    return [d for d, _, _ in _rank_moments(prob, bounds, recompute)]
 
 
 def _rank_peaks(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]) -> list[float]:
@@ -691,9 +765,11 @@ def _chunk_shares(prob: _Problem, bounds: list[tuple[int, int]], act_c: list[flo
         mine = [i for i, r in enumerate(prob.ranks) if r == prob.ranks[c]]
         total = sum(float(prob.numel[slice(*bounds[i])].sum()) for i in mine)
         frac = float(prob.numel[a:e].sum()) / total if total > 0 else float(c == mine[0])
-        comm = (prob.out[a - 1] if a > 0 else 0.0) + (prob.out[e - 1] if e < prob.n else 0.0)
+        cut = [(prob.out[x - 1] if x > 0 else 0.0) + (prob.out[y - 1] if y < prob.n else 0.0)
+               for x, y in (bounds[i] for i in mine)]
+        # the rank's transfer buffers, shared by its chunks in proportion to their cut tensors
+        comm = d["communication"] * (cut[mine.index(c)] / sum(cut) if sum(cut) > 0 else float(c == mine[0]))
         held = act_c[c] if d["activations"] > 0 else 0.0
-        comm = comm if d["communication"] > 0 else 0.0
         state = d["parameters"] + d["gradients"] + d["optimizer_state"] + d["temporary"]
         shares.append(frac * state + held + comm)
     return shares
@@ -716,10 +792,21 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
 
 
 def _held_activation_bytes(prob: _Problem, a: int, e: int, inflight: int, recompute: bool) -> float:
-    """Saved-for-backward bytes a chunk holds at its peak (a recomputing chunk keeps its inputs)."""
+    """Bytes a chunk holds at its peak for ``inflight`` held microbatches: what it saved for
+    backward and the output the engine keeps (a recomputing chunk keeps its input and output,
+    plus one microbatch's activations while it recomputes)."""
     if recompute:
-        return inflight * (prob.out[a - 1] if a > 0 else 0.0) + prob.act[a:e].sum()
-    return inflight * (prob.act[a:e].sum() + (prob.shared[a] if a > 0 else 0.0))
+        return inflight * ((prob.out[a - 1] if a > 0 else 0.0) + _kept_output(prob, e, True)) + prob.act[a:e].sum()
+    return inflight * (prob.act[a:e].sum() + (prob.shared[a] if a > 0 else 0.0) + _kept_output(prob, e, False))
+
+
+def _kept_output(prob: _Problem, e: int, recompute: bool) -> float:
+    """Per held microbatch, the bytes of the output of a chunk ending before layer ``e`` kept
+    beyond its activations (none on the last chunk: its output is the loss)."""
+    if e >= prob.n:
+        return 0.0
+    saved = float(prob.out_saved[e - 1]) if prob.out_saved is not None else 0.0
+    return kept_output_bytes(float(prob.out[e - 1]), saved, recompute)
 
 
 def _pending_bytes(prob: _Problem, a: int, e: int, recompute: bool) -> float:
@@ -771,8 +858,8 @@ def _infeasible_message(err: Exception, prob: _Problem) -> str:
         return _infeasible_v_message(prob)
     scalar = len(set(prob.limits)) == 1  # type: ignore[arg-type]  # (reserves differ: the last rank's loss)
     if scalar:
-        need, _ = min_memory_scale(k, n, recompute_time=f, checkpointing=ckpt, **common)
-        need_rank = math.ceil(need * v + max(prob.reserve))
+        need, split = min_memory_scale(k, n, recompute_time=f, checkpointing=ckpt, **common)
+        need_rank = max(math.ceil(need * v + max(prob.reserve)), *_exact_need(prob, split))
         limit = prob.limits[0]  # type: ignore[index]
         msg = (f"no split of {n} layers into {p} stages fits {int(limit)} bytes ({_gib(limit)}) per rank "
                f"with {schedule}, m={m}; the smallest memory_limit_bytes that works is {need_rank} "
@@ -781,13 +868,23 @@ def _infeasible_message(err: Exception, prob: _Problem) -> str:
             msg += f" (with each chunk held to the rank limit / {v})"
         msg += _more_stages(prob)
     else:
-        scale, _ = min_memory_scale(k, n, caps=chunk_caps, recompute_time=f, checkpointing=ckpt, **common)
-        need = [math.ceil(c * scale + res) for c, res in zip(rank_caps, prob.reserve)]
+        scale, split = min_memory_scale(k, n, caps=chunk_caps, recompute_time=f, checkpointing=ckpt, **common)
+        need = [max(math.ceil(c * scale + res), x)
+                for c, res, x in zip(rank_caps, prob.reserve, _exact_need(prob, split))]
         msg = (f"no split of {n} layers into {p} stages fits the per-rank limits {[int(c) for c in prob.limits]}; "
                f"memory_limit_bytes={need} works")
     if ckpt == "off" and fits_any(k, n, caps=chunk_caps, recompute_time=f, checkpointing="auto", **common):
         msg += "; activation_checkpointing='auto' would also fit"
     return msg
+
+
+def _exact_need(prob: _Problem, split: list[tuple[int, int]]) -> list[int]:
+    """Each rank's exact peak for the split the search's bound found (the search's per-layer
+    costs leave out what does not add over layers: the kept outputs, the transfer buffers at
+    the peak), so that a suggested limit is one that works; nothing under 'auto'."""
+    if prob.ckpt == "auto":
+        return [0] * prob.p
+    return [math.ceil(x) for x in _rank_peaks(prob, split, [prob.ckpt == "on"] * prob.k)]
 
 
 def _other_loss_fits(prob: _Problem) -> str:

@@ -180,6 +180,12 @@ def _forward_saved(layer, x, i, prev_name, name, skip_keys):
     return out, sum(saved.values()), set(saved), sum(shared.values())
 
 
+def _output_saved_bytes(out_tensors: list, saved_keys: set[int]) -> int:
+    """Bytes of a layer's output storages that the layer saved for backward itself."""
+    seen = {_storage_key(t): t.untyped_storage().nbytes() for t in out_tensors}
+    return sum(nb for k, nb in seen.items() if k in saved_keys)
+
+
 def _backward(outs, inputs, grads):
     import torch
 
@@ -409,6 +415,7 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
         out, act_bytes, saved_keys, shared_bytes = _forward_saved(layer, x, i, prev_name, name, skip_keys)
         out_tensors = _tensors(out)
         out_bytes = sum(t.numel() * t.element_size() for t in out_tensors)
+        out_saved = _output_saved_bytes(out_tensors, saved_keys)
         # what the next layer gets: the output, detached (same storage), graph freed
         nxt = _map(lambda t: t.detach(), out)
         skip_keys = {_storage_key(t) for t in out_tensors} & saved_keys
@@ -430,7 +437,7 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
         costs.append(LayerCost(forward_s=f_s, backward_s=b_s, param_bytes=int(param_bytes),
                                activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
                                weight_grad_s=w_s, input_grad_s=i_s, name=name,
-                               shared_input_bytes=int(shared_bytes),
+                               shared_input_bytes=int(shared_bytes), output_saved_bytes=out_saved,
                                largest_param_bytes=_largest_param_bytes(layer), pending_grad_bytes=pending))
         if isinstance(src, LayerWithLoss):
             costs[-1] = _with_loss_costs(costs[-1], src, layer, x, variants, lambda v: _profile_measure(
@@ -748,10 +755,10 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
         total_flops_check += abs(fc_f.get_total_flops() - fwd.flops) + abs(fc_b.get_total_flops() - bwd.flops)
         classes.append({"forward": dict(fwd.by_class), "backward": dict(bwd.by_class)})
         costs.append(LayerCost(forward_s=fwd.time_s, backward_s=bwd.time_s, param_bytes=int(param_bytes),
-                               activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
-                               weight_grad_s=min(w_s, bwd.time_s), name=name,
-                               forward_flops=float(fc_f.get_total_flops()),
-                               backward_flops=float(fc_b.get_total_flops()), shared_input_bytes=int(shared_bytes),
+                               activation_bytes=int(act_bytes), output_bytes=int(out_bytes), name=name,
+                               weight_grad_s=min(w_s, bwd.time_s), forward_flops=float(fc_f.get_total_flops()),
+                               shared_input_bytes=int(shared_bytes), backward_flops=float(fc_b.get_total_flops()),
+                               output_saved_bytes=_output_saved_bytes(out_tensors, saved_keys),
                                largest_param_bytes=_largest_param_bytes(layer), pending_grad_bytes=int(wops.bytes)))
         if isinstance(src, LayerWithLoss):
             costs[-1] = _with_loss_costs(costs[-1], src, layer, x, variants, lambda v: _profile_analytic(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.memcheck import BASE, GRID, Layout, _prepare, measure_layouts, smallest_limit
+from experiments.memcheck import BASE, GRID, SMALL_GRID, Layout, _prepare, layout, measure_layouts, smallest_limit
 
 pytestmark = pytest.mark.slow
 
@@ -12,20 +12,20 @@ TOLERANCE = 0.10   # issue 11: every rank's predicted peak within 10% of the mea
 
 
 def test_plan_matches_memtracker_on_several_layouts():
-    names = ("interleaved-1f1b fp32 adamw", "1f1b fp32 sgd(momentum)", "1f1b bf16 adamw zero1 dp2")
+    names = (layout("interleaved-1f1b").name, layout(optimizer="sgd").name, layout(precision="bf16", zero=1).name)
     rows = measure_layouts([lay for lay in GRID if lay.name in names], steps=2)
     assert {r["layout"] for r in rows} == set(names) and len(rows) == 2 * len(names)
     for r in rows:
-        assert abs(r["ratio"] - 1) <= TOLERANCE, (r["layout"], r["rank"], r["ratio"], r["breakdown"],
-                                                  r["predicted_breakdown"])
+        assert abs(r["error"]) <= TOLERANCE, (r["layout"], r["rank"], r["error"], r["breakdown"],
+                                              r["predicted_breakdown"])
     # what the optimizer keeps is counted from the real optimizer: SGD's momentum buffer (4 bytes
     # per parameter), DeepSpeed's fp32 master partition and Adam moments over 2 replicas
     for r in rows:
         got, pred = r["breakdown"]["optimizer_state"], r["predicted_breakdown"]["optimizer_state"]
         assert got == pytest.approx(pred, rel=0.01), r["layout"]
-        if r["layout"] == "1f1b fp32 sgd(momentum)":
+        if r["layout"] == names[1]:
             assert got == 4 * r["numel"]
-        if r["layout"] == "1f1b bf16 adamw zero1 dp2":   # bf16 weights, (8 + 4) / 2 state
+        if r["layout"] == names[2]:   # bf16 weights, (8 + 4) / 2 state
             assert r["breakdown"]["parameters"] == pytest.approx(2 * r["numel"], rel=0.01)
             assert got == pytest.approx(6 * r["numel"], rel=0.01)
 
@@ -59,13 +59,27 @@ def test_zb_h1_deferred_weight_gradients_are_in_the_plan():
     weight-owning node: the plan counts them (pending microbatches x the profile's
     pending_grad_bytes, as temporary) and every rank is within 10% of MemTracker's peak
     (it was +41% on the last rank without them)."""
-    rows = measure_layouts([lay for lay in GRID if lay.name == "zb-h1 fp32 adamw"], steps=2)
+    rows = measure_layouts([layout("zb-h1")], steps=2)
     assert [r["rank"] for r in rows] == [0, 1]
     for r in rows:
-        assert abs(r["ratio"] - 1) <= TOLERANCE, (r["rank"], r["ratio"], r["breakdown"], r["predicted_breakdown"])
-    plan = _prepare(next(lay for lay in GRID if lay.name == "zb-h1 fp32 adamw"), BASE)["plan"]
-    assert plan.stage_pending == [1, 2] and plan.stage_inflight == [2, 2]
+        assert abs(r["error"]) <= TOLERANCE, (r["rank"], r["error"], r["breakdown"], r["predicted_breakdown"])
+    plan = _prepare(layout("zb-h1"), BASE)["plan"]
+    # the counts at each rank's peak moment (partitioner.planner._rank_moments): the last rank
+    # peaks with 2 microbatches pending; rank 0 (token ids in: its whole backward is W) in a
+    # forward, 2 held and none pending
+    assert plan.stage_pending == [0, 2] and plan.stage_inflight == [2, 2]
     # the last rank's kept gradients are what MemTracker books as temporary (6.9 MiB measured
     # against 0.75 predicted before they were counted)
     last = rows[1]
     assert last["breakdown"]["temporary"] == pytest.approx(last["predicted_breakdown"]["temporary"], rel=0.10)
+
+
+def test_the_small_grid_is_within_the_bound_on_every_rank():
+    """The small grid (bf16 on the analytic profile under zb-h1, fp32 interleaved recomputing,
+    DeepSpeed ZeRO-1 over two replicas, zbv): every rank's plan within 10% of MemTracker's peak
+    less the tensors alive before the step. (The large head's last rank is over-predicted: see
+    /work/notes/memcheck.md.)"""
+    rows = measure_layouts(SMALL_GRID, steps=2)
+    assert {r["layout"] for r in rows} == {lay.name for lay in SMALL_GRID}
+    bad = [(r["layout"], r["rank"], round(r["error"], 3)) for r in rows if abs(r["error"]) > TOLERANCE]
+    assert not bad, bad

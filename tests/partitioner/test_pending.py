@@ -98,9 +98,13 @@ def test_a_known_pending_figure_adds_pending_times_its_bytes_as_temporary():
     for r, (a, e) in enumerate(with_g.stage_ranges):
         d0, d1 = zero.rank_memory_breakdown[r], with_g.rank_memory_breakdown[r]
         assert d1["temporary"] - d0["temporary"] == with_g.stage_pending[r] * (e - a) * g
-        assert {k: v for k, v in d1.items() if k != "temporary"} == {k: v for k, v in d0.items() if k != "temporary"}
+        # the transfer buffers alive at the peak may differ: the peak is the moment of the
+        # largest total, and the kept gradients move it (partitioner.memory.program_peaks)
+        same = ("parameters", "gradients", "optimizer_state", "activations")
+        assert {k: d1[k] for k in same} == {k: d0[k] for k in same}
         assert with_g.rank_memory_bytes[r] == sum(d1.values())
-        assert with_g.rank_memory_bytes[r] - zero.rank_memory_bytes[r] == with_g.stage_pending[r] * (e - a) * g
+        assert (with_g.rank_memory_bytes[r] - zero.rank_memory_bytes[r]
+                == with_g.stage_pending[r] * (e - a) * g + d1["communication"] - d0["communication"])
 
 
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)])
@@ -161,7 +165,9 @@ def test_the_split_solver_counts_pending_like_activations():
 def test_multi_chunk_ranks_take_the_peak_of_the_combined_quantity(schedule, pend, act):
     """zbv's and interleaved's ranks have several non-dominated (held, pending) states: the
     plan's memory is the largest over them for its split, and it fits the limit it was given."""
-    layers = [_layer(g, act=a) for g, a in zip(pend, act)]
+    # no cut tensors: the kept outputs and transfer buffers (tests/partitioner/test_memory_terms.py)
+    # would move the peak; here only held activations and pending gradients make it
+    layers = [_layer(g, act=a, out=0) for g, a in zip(pend, act)]
     prof = Profile(layers, meta={"input_requires_grad": True})
     plan = partition(prof, 2, schedule=schedule, virtual_stages=2, microbatches=4, zero_stage=0)
     sched = build_schedule(schedule, 2, 4, 2)
