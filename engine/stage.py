@@ -164,22 +164,25 @@ class Chunk:
                  if keep and measure else contextlib.nullcontext())
         chunk_in = _rg(flatten(x)[1])
         segments: list[tuple[list[Tensor], list[Tensor], bool]] = []
-        cur = x
+        cur, head_in = x, None
         with hooks, self.autocast():
             for j, layer in enumerate(self.module):
                 if split and j > 0:
                     cur = _cut(cur)
                 out = layer(cur)
-                if split:
+                if split and self._into_loss(j, out):
+                    head_in = cur  # the head and the loss form one segment (see _into_loss)
+                elif split:
                     segments.append((_rg(flatten(cur)[1]), _rg(flatten(out)[1]),
                                      bool(self._layer_params[j])))
                 cur = out
             if self.loss_fn is not None:
-                if split and len(self.module):
+                if split and len(self.module) and head_in is None:
                     cur = _cut(cur)
                 loss = self.loss_fn(cur, target)
                 if split:
-                    segments.append((_rg(flatten(cur)[1]), [loss], False))
+                    segments.append((_rg(flatten(cur if head_in is None else head_in)[1]), [loss],
+                                     head_in is not None and bool(self._layer_params[-1])))
                 cur = loss
         if keep and torch.is_grad_enabled():
             outs = [cur] if self.loss_fn is not None else _rg(flatten(cur)[1])
@@ -188,6 +191,18 @@ class Chunk:
                                     loss=cur if self.loss_fn is not None else None,
                                     node_split=node_split))
         return cur
+
+    def _into_loss(self, j: int, out: Any) -> bool:
+        """Whether layer ``j``'s output goes straight into the loss without a cut: the last
+        layer of the last chunk when it returns what no stage boundary carries (a fused head's
+        hidden states and weight, for a loss that computes the logits itself)."""
+        if self.loss_fn is None or j != len(self.module) - 1:
+            return False
+        try:
+            flatten(out)
+        except TypeError:
+            return True
+        return False
 
     def _forward_checkpointed(self, mb: int, x: Any, target: Any, split: bool,
                               measure: bool) -> Any:
