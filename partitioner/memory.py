@@ -179,7 +179,7 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
 
 
 def layer_transient(settings: MemorySettings, largest: list[float], workspace: list[float],
-                    freed: list[float]) -> tuple[float, float]:
+                    freed: list[float], loss_at: int | None = None) -> tuple[float, float]:
     """The largest transient of one layer's backward that meets the rank's held memory, with
     and without the accumulation transient of its largest parameter (``largest``: elements;
     as :meth:`MemorySettings.largest_param_bytes`, on a rank holding at least that tensor): each layer's parameter transient and backward
@@ -187,16 +187,25 @@ def layer_transient(settings: MemorySettings, largest: list[float], workspace: l
     activations when it reaches the layer (the activations of the layers after it in its chunk;
     0 where a split backward keeps them until W). A chunk's first layer (an embedding with a
     large table) runs its backward last, when the rest of the chunk's activations are gone.
+    ``loss_at``: the index of the layer profiled with the loss. Its workspace is the loss's
+    backward transient (the fp32 gradient of the logits and its casts), freed before the head's
+    weight gradient is accumulated, so the two are a maximum there, not a sum (MemTracker:
+    experiments.memcheck's large-vocabulary rows).
 
     >>> s = MemorySettings("fp32", "adamw", zero_stage=0)
     >>> layer_transient(s, [100.0, 10.0], [50.0, 50.0], [300.0, 0.0])   # the first layer: 400 + 50 - 300
     (150.0, 50.0)
+    >>> layer_transient(s, [100.0], [500.0], [0.0], loss_at=0)   # max(400, 500), not 400 + 500
+    (500.0, 500.0)
     """
     def param(big: float) -> float:   # a rank holding the tensor holds at least its elements
         n = max(big, 1.0)
         return settings.footprint(n, big).backward_temporary - settings.footprint(n, 0).backward_temporary
 
     rows = [(param(big) + ws - fr, ws - fr) for big, ws, fr in zip(largest, workspace, freed)]
+    if loss_at is not None:  # the loss's workspace is gone before the head's weight gradient lands
+        big, ws, fr = largest[loss_at], workspace[loss_at], freed[loss_at]
+        rows[loss_at] = (max(param(big), ws) - fr, ws - fr)
     return max(0.0, max(r[0] for r in rows)), max(0.0, max(r[1] for r in rows))
 
 

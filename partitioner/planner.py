@@ -135,6 +135,7 @@ class _Problem:
     reserve: list[float]                      # per rank, bytes taken off the limit before the search
     loss_variants: dict = field(default_factory=dict)   # name -> () -> this problem with another loss head
     _sums: dict = field(default_factory=dict, repr=False)
+    has_loss: bool = False                    # the last layer was profiled with the loss
     out_saved: np.ndarray | None = None       # per layer: bytes of its output it saved itself
     transfers: tuple[int, str] = (0, "step")  # the runtime's receive lookahead and send_wait
 
@@ -318,7 +319,7 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
                                                           limits, simulate, []))
                        for name, prof in _loss_variant_profiles(profile).items()},
         out_saved=np.array([c.output_saved_bytes or 0 for c in L], dtype=np.float64),
-        transfers=_transfers(profile, schedule, p, m, v, max_inflight))
+        transfers=_transfers(profile, schedule, p, m, v, max_inflight), has_loss=bool(profile.meta.get("loss")))
 
 
 def _loss_variant_profiles(profile: Profile) -> dict[str, Profile]:
@@ -430,8 +431,10 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
     for r, peaks in enumerate(_peaks(prob, bounds, recompute)):
         mine = [c for c, rank in enumerate(ranks) if rank == r]
         layers = [i for c in mine for i in range(*bounds[c])]
+        loss_at = layers.index(prob.n - 1) if prob.has_loss and prob.n - 1 in layers else None
         transient = layer_transient(prob.memory, [float(prob.largest[i]) for i in layers],
-                                    [float(prob.workspace[i]) for i in layers], _freed(prob, bounds, recompute, mine))
+                                    [float(prob.workspace[i]) for i in layers], _freed(prob, bounds, recompute, mine),
+                                    loss_at)
         best = None
         for pk, in_backward, made in zip(peaks, (False, True, False, True), (False, False, True, True)):
             if pk.total < 0:
