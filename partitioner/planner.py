@@ -784,6 +784,10 @@ def _more_stages(prob: _Problem) -> str:
     lower the per-stage memory), or nothing."""
     n, p, v, cap, c = prob.n, prob.p, prob.v, prob.rank_caps[0], prob.common  # type: ignore[index]
     for p2 in range(p + 1, min(n // v, 4 * p) + 1):
+        if not fits_any(p2 * v, n, static=c["static"], act=c["act"], out=c["out"], inflight=[0] * (p2 * v),
+                        shared=c["shared"], caps=cap / v, recompute_time=prob.f, checkpointing=prob.ckpt,
+                        pend=c["pend"], pending=None):
+            continue   # not even the state fits (nothing in flight): skip building the schedule
         inf2, pend2 = inflight_per_chunk(prob.schedule, p2, prob.m, v), None
         if SCHEDULE_INFO[prob.schedule].splits_backward:   # the gradients kept from I to W too
             inf2, pend2 = held_and_pending(build_schedule(prob.schedule, p2, prob.m, v),
