@@ -364,10 +364,15 @@ def _counts(profile: Profile, schedule: str, p: int, m: int, v: int, max_infligh
     sched = build_schedule(schedule, p, m, v, max_inflight=max_inflight)   # what the engine will run
     if not split and v == 1:   # one chunk per rank, nothing pending: its peak is its peak count
         return peak_inflight(sched), [0] * k, None
-    inflight, pending = held_and_pending(sched, [float(act.mean())] * k, [float(pend.mean())] * k)
     # several chunks per rank or a split backward: which state is a rank's peak depends on the
     # split's bytes, so the plan re-reads it for the split found (``_chunk_counts``)
-    return inflight, pending, schedule_states(sched) if split or v > 1 else None
+    states = schedule_states(sched)
+    inflight, pending = [0] * k, [0] * k
+    for r, mine in enumerate(sched.stages_of(r) for r in range(p)):   # as ``held_and_pending``, states read once
+        h, q = peak_state(states[r], [float(act.mean())] * len(mine), [float(pend.mean())] * len(mine))
+        for i, c in enumerate(mine):
+            inflight[c], pending[c] = h[i], q[i]
+    return inflight, pending, states
 
 
 def _search(method: str, prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], list[bool]]:
@@ -844,8 +849,12 @@ def _predict(plan: Plan, prob: _Problem) -> None:
     plan.predicted_by = "engine.simulate" + (" + fixed costs" if prob.fixed is not None else "")
     if prob.v == 1 and not SCHEDULE_INFO[prob.schedule].splits_backward:
         return   # the memory model read the same count (``_counts``)
-    sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
-    held = rank_totals(inflight_from_schedule(sched), prob.schedule, prob.p, prob.v)
+    if prob.states:   # the states the search read (``_counts``), at their peak count
+        held = [sum(peak_state(states, [1.0] * len(states[0][0]), [0.0] * len(states[0][0]))[0])
+                for states in prob.states]
+    else:
+        sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
+        held = rank_totals(inflight_from_schedule(sched), prob.schedule, prob.p, prob.v)
     if list(res.peak_inflight) != held:  # pragma: no cover - the two models agree by construction
         plan.notes.append(f"warning: simulator's peak in-flight {res.peak_inflight} differs from the memory "
                           f"model {held}")
@@ -912,6 +921,10 @@ def _more_stages(prob: _Problem) -> str:
     lower the per-stage memory), or nothing."""
     n, p, v, cap, c = prob.n, prob.p, prob.v, min(prob.rank_caps), prob.common  # type: ignore[arg-type]
     for p2 in range(p + 1, min(n // v, 4 * p) + 1):
+        if not fits_any(p2 * v, n, static=c["static"], act=c["act"], out=c["out"], inflight=[0] * (p2 * v),
+                        shared=c["shared"], caps=cap / v, recompute_time=prob.f, checkpointing=prob.ckpt,
+                        pend=c["pend"], pending=None):
+            continue   # not even the state fits (nothing in flight): skip building the schedule
         inf2, pend2 = inflight_per_chunk(prob.schedule, p2, prob.m, v), None
         if SCHEDULE_INFO[prob.schedule].splits_backward:   # the gradients kept from I to W too
             inf2, pend2 = held_and_pending(build_schedule(prob.schedule, p2, prob.m, v),

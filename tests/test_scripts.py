@@ -75,3 +75,10 @@ def test_gpu_check_runs_its_parity_cases_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert "two_rank_error" not in report, report.get("two_rank_error")
     assert len(report["results"]) == 10 and report["all_ran_agree"]
+
+
+def test_planner_speed_script_tiny(tmp_path):
+    out = tmp_path / "speed.json"
+    _run("scripts/planner_speed.py", "--tiny", "--json", str(out))
+    rows = json.loads(out.read_text())
+    assert rows and rows[0]["layers"] == 60 and rows[0]["cpu_s"] > 0 and rows[0]["split_search"] == "local search"
