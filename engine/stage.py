@@ -299,9 +299,9 @@ class Chunk:
             if not seg_in:
                 gs = []
                 continue
-            if live:
+            if live:  # W re-walks only segments with parameters: free the others' graphs now
                 got = torch.autograd.grad([o for o, _ in live], seg_in, [g for _, g in live],
-                                          retain_graph=True, allow_unused=True)
+                                          retain_graph=has_params, allow_unused=True)
             else:
                 got = (None,) * len(seg_in)
             gs = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, seg_in)]

@@ -43,8 +43,8 @@ from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message
 from .batchsim import compile_schedule, simulate_many
 from .costs import FixedCosts, Profile
 from .memory import (BREAKDOWN_KEYS, SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
-                     inflight_per_chunk, kept_output_bytes, layer_transient, program_peaks, rank_breakdown, rank_totals,
-                     schedule_states)
+                     inflight_per_chunk, kept_output_bytes, layer_transient, peak_state, program_peaks, rank_breakdown,
+                     rank_totals, schedule_states)
 from .plan import PartitionError, Plan
 from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optimal_split, parameter_split,
                     pipeline_lower_bound, split_costs, uniform_split)
