@@ -58,6 +58,14 @@ class LayerCost:
       layer keeps the rest of its output per held microbatch (the engine's backward roots,
       :func:`partitioner.memory.kept_output_bytes`). None (a profile written before the field
       existed): 0, the whole output is kept.
+    - ``loss_input_bytes`` / ``loss_saved_bytes`` (the layer profiled with the loss only): the
+      bytes of the tensors the layer hands to the loss (an LM head's logits; 0 when the head's
+      output is no tensor, a fused head forming one graph with its loss) and, of
+      ``activation_bytes``, what the loss itself saves (the fp32 log-softmax). Under the
+      per-layer graph cut of a split backward (``engine.stage``, DeepSpeed's backends) the
+      layer and its loss are two segments: the layer's output is kept as its segment's root
+      and, from I to W, with its gradient, while the loss's graph and saved tensors are freed
+      at I (:meth:`partitioner.memory.MemorySettings.loss_cut_bytes`). None: unknown (0).
     """
 
     forward_s: float
@@ -75,6 +83,8 @@ class LayerCost:
     pending_grad_bytes: int | None = None
     input_grad_s: float | None = None
     output_saved_bytes: int | None = None
+    loss_input_bytes: int | None = None
+    loss_saved_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for f in ("forward_s", "backward_s", "param_bytes", "activation_bytes", "output_bytes"):

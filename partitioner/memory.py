@@ -124,7 +124,26 @@ class MemorySettings:
         per-layer cut the gradient at the output of a layer with parameters."""
         if self.node_split:
             return cost.pending_bytes
+        if cost.loss_input_bytes:   # the loss layer: the gradient of the head's output (its segment's root)
+            return int(cost.loss_input_bytes)
         return cost.output_bytes if cost.param_bytes > 0 else 0
+
+    def loss_cut_bytes(self, cost: "LayerCost") -> tuple[float, float]:
+        """Under the per-layer cut (not :attr:`node_split`), for the layer profiled with the loss
+        (``LayerCost.loss_input_bytes`` / ``loss_saved_bytes``): the bytes its output keeps per
+        microbatch held for backward (the root of the layer's segment, which the loss's segment
+        does not save) and the bytes the loss's segment frees at I (its saved tensors: the graph
+        of a segment without parameters is not kept for W). (0, 0) under the node split, for a
+        fused head (its loss is in its segment) and for any other layer.
+
+        >>> from partitioner.costs import LayerCost
+        >>> c = LayerCost(1.0, 1.0, 8, 10, 4, loss_input_bytes=4, loss_saved_bytes=8)
+        >>> MemorySettings("bf16").loss_cut_bytes(c), MemorySettings("fp32", zero_stage=0).loss_cut_bytes(c)
+        ((4.0, 8.0), (0.0, 0.0))
+        """
+        if self.node_split or not cost.loss_input_bytes:
+            return 0.0, 0.0
+        return float(cost.loss_input_bytes), float(cost.loss_saved_bytes or 0)
 
     def largest_param_bytes(self, largest: float) -> float:
         """The backward transient that follows the largest parameter tensor (its gradient being
@@ -140,7 +159,8 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
                    communication: float, workspace: float, pending: float = 0.0,
                    microbatch_activations: float = 0.0, in_backward: bool = True,
                    gradients_made: bool = True,
-                   layer_transient: tuple[float, float] | None = None) -> dict[str, float]:
+                   layer_transient: tuple[float, float] | None = None,
+                   weight_grads: bool = True) -> dict[str, float]:
     """The rank's memory at its peak, by :data:`BREAKDOWN_KEYS` (bytes; they sum to the peak):
     the larger of the forward/backward phase and the step phase. ``pending``: the gradients
     kept between I and W at the peak (split-backward schedules), booked as ``temporary``:
@@ -156,19 +176,21 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     transient of one layer's backward beyond what that backward has freed by then (with and
     without the accumulation transient of the layer's largest parameter,
     :func:`layer_transient`); None: the rank's largest parameter's transient plus
-    ``workspace``, as if they met the microbatch's activations all held."""
+    ``workspace``, as if they met the microbatch's activations all held. ``weight_grads``: the
+    moment makes weight gradients (False: a split backward's I, where the backend's gradient
+    transients, its buckets and copies, do not exist; ``layer_transient`` is then I's own)."""
     f = settings.footprint(numel, largest)
     fresh = not gradients_made and f.gradients_from_first_backward
     if layer_transient is None:
         transient = (0.0 if fresh else f.backward_temporary) + workspace
     else:   # what does not follow one layer's parameters (buckets, flat copies) stays whole
-        transient = (0.0 if fresh else settings.footprint(numel, 0).backward_temporary) \
+        transient = (0.0 if fresh or not weight_grads else settings.footprint(numel, 0).backward_temporary) \
             + layer_transient[1 if fresh else 0]
     transient = transient if in_backward else 0.0
     backward = {"parameters": f.parameters, "gradients": 0.0 if fresh else f.gradients,
                 "optimizer_state": f.optimizer_state, "activations": activations,
                 "communication": communication, "temporary": transient + pending}
-    if in_backward and not fresh and f.reduce_temporary > 0 and microbatch_activations > 0:
+    if in_backward and weight_grads and not fresh and f.reduce_temporary > 0 and microbatch_activations > 0:
         at_reduce = dict(backward, activations=max(0.0, activations - f.reduce_after * microbatch_activations))
         before = dict(backward, temporary=backward["temporary"] - f.reduce_temporary)
         backward = max(at_reduce, before, key=lambda d: sum(d.values()))
@@ -399,14 +421,26 @@ class RankPeak:
 
 
 class RankPeaks(NamedTuple):
-    """A rank's peaks (:func:`program_peaks`) inside forward and backward actions, before its
-    first weight gradients (``*_early``) and from then on; a moment that never occurs has
-    ``total`` -1."""
+    """A rank's peaks (:func:`program_peaks`) inside forward (F), whole backward (B),
+    input-gradient (I) and weight-gradient (W) actions, before its first weight gradients
+    (``*_early``) and from then on; a moment that never occurs has ``total`` -1. A split
+    backward's I and W meet different transients (I: the input gradients' workspace; W: the
+    weight gradients), hence their own moments."""
 
     forward_early: RankPeak
     backward_early: RankPeak
     forward: RankPeak
     backward: RankPeak
+    input_early: RankPeak
+    input: RankPeak
+    weight_early: RankPeak
+    weight: RankPeak
+
+    def moments(self) -> list[tuple[str, bool, RankPeak]]:
+        """``(action kind, after the first weight gradients, peak)`` of each moment that occurs."""
+        kinds = (("F", False), ("B", False), ("F", True), ("B", True), ("I", False), ("I", True),
+                 ("W", False), ("W", True))
+        return [(k, made, pk) for (k, made), pk in zip(kinds, self) if pk.total >= 0]
 
 
 def kept_output_bytes(output_bytes: float, output_saved_bytes: float, recompute: bool) -> float:
@@ -460,7 +494,8 @@ def _walk_rank(mine: list[int], ops: list, chunks: list[ChunkBytes], lookahead: 
     sends: list[tuple[str, int, int, float]] = []    # not yet waited
     recv_at = [k for k, op in enumerate(ops) if op.kind.startswith("RECV")]
     recv_index = {k: n for n, k in enumerate(recv_at)}
-    nxt, best = 0, [RankPeak(tuple(held.values()), tuple(pend.values()), 0.0, -1.0)] * 4
+    nxt, best = 0, [RankPeak(tuple(held.values()), tuple(pend.values()), 0.0, -1.0)] * 8
+    slots = {"F": (0, 2), "B": (1, 3), "I": (4, 5), "W": (6, 7)}   # RankPeaks' order
     phase = 0   # 1 once the rank's first weight gradients exist (after its first B or W)
 
     def size(kind: str, c: int) -> float:
@@ -486,7 +521,7 @@ def _walk_rank(mine: list[int], ops: list, chunks: list[ChunkBytes], lookahead: 
         comm = sum(posted.values()) + made + sum(
             b for kind, s, j, b in sends if kind == "SEND_B" or (s, j) in freed)
         total = comm + sum(held[s] * chunks[s].held + pend[s] * chunks[s].pending for s in mine)
-        slot = 2 * phase + (op.kind != "F")
+        slot = slots[op.kind][phase]
         if total > best[slot].total:
             best[slot] = RankPeak(tuple(held.values()), tuple(pend.values()), comm, total)
         if op.kind in ("B", "I"):

@@ -138,6 +138,7 @@ class _Problem:
     has_loss: bool = False                    # the last layer was profiled with the loss
     out_saved: np.ndarray | None = None       # per layer: bytes of its output it saved itself
     transfers: tuple[int, str] = (0, "step")  # the runtime's receive lookahead and send_wait
+    loss_cut: tuple[float, float] = (0.0, 0.0)  # per-layer cut: the loss input kept, the loss's saved freed at I
 
     @property
     def n(self) -> int:
@@ -319,7 +320,9 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
                                                           limits, simulate, []))
                        for name, prof in _loss_variant_profiles(profile).items()},
         out_saved=np.array([c.output_saved_bytes or 0 for c in L], dtype=np.float64),
-        transfers=_transfers(profile, schedule, p, m, v, max_inflight), has_loss=bool(profile.meta.get("loss")))
+        transfers=_transfers(profile, schedule, p, m, v, max_inflight), has_loss=bool(profile.meta.get("loss")),
+        loss_cut=memory.loss_cut_bytes(L[-1]) if SCHEDULE_INFO[schedule].splits_backward and profile.meta.get("loss")
+        else (0.0, 0.0))
 
 
 def _loss_variant_profiles(profile: Profile) -> dict[str, Profile]:
@@ -410,7 +413,7 @@ def _chunk_bytes(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[
                 - _held_activation_bytes(prob, a, e, 0, recompute[c]))
         if local_out:   # the hand-off's storage is the next chunk's saved input
             held -= _kept_output(prob, e, recompute[c])
-        out.append(ChunkBytes(held, _pending_bytes(prob, a, e, recompute[c]),
+        out.append(ChunkBytes(held, _pending_bytes(prob, a, e, recompute[c]) - _pending_freed(prob, e, recompute[c]),
                               0.0 if a == 0 or local_in else float(prob.out[a - 1]),
                               0.0 if e == prob.n or local_out else float(prob.out[e - 1])))
     return out
@@ -428,22 +431,17 @@ def _peaks(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool])
 
 def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]
                   ) -> list[tuple[dict[str, float], list[int], list[int]]]:
-    """Each rank's memory at its peak (the largest of its moments: forward or backward, before
-    or after its first weight gradients, and the step), with its chunks' held and pending
-    microbatches then (a recomputing chunk keeps no gradients to W)."""
+    """Each rank's memory at its peak (the largest of its moments: forward, backward, or a split
+    backward's I or W, before or after its first weight gradients, and the step), with its
+    chunks' held and pending microbatches then (a recomputing chunk keeps no gradients to W)."""
     out = []
     ranks = prob.ranks
     for r, peaks in enumerate(_peaks(prob, bounds, recompute)):
         mine = [c for c, rank in enumerate(ranks) if rank == r]
         layers = [i for c in mine for i in range(*bounds[c])]
-        loss_at = layers.index(prob.n - 1) if prob.has_loss and prob.n - 1 in layers else None
-        transient = layer_transient(prob.memory, [float(prob.largest[i]) for i in layers],
-                                    [float(prob.workspace[i]) for i in layers], _freed(prob, bounds, recompute, mine),
-                                    loss_at)
+        transients = _transients(prob, bounds, recompute, mine)
         best = None
-        for pk, in_backward, made in zip(peaks, (False, True, False, True), (False, False, True, True)):
-            if pk.total < 0:
-                continue
+        for kind, made, pk in peaks.moments():
             held = dict(zip(mine, pk.held))
             pend = {c: 0 if recompute[c] else q for c, q in zip(mine, pk.pending)}
             per_mb = max((_held_activation_bytes(prob, *bounds[c], 1, recompute[c]) for c in mine if held[c]),
@@ -451,17 +449,60 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
             # a recomputing chunk's one microbatch of activations exists only while it recomputes:
             # in a backward, and on one chunk of the rank at a time
             redo = [float(prob.act[slice(*bounds[c])].sum()) if recompute[c] else 0.0 for c in mine]
-            held_acts = sum(_held_activation_bytes(prob, *bounds[c], held[c], recompute[c]) for c in mine) - sum(redo)
+            held_acts = sum(_held_activation_bytes(prob, *bounds[c], held[c], recompute[c])
+                            - pend[c] * _pending_freed(prob, bounds[c][1], recompute[c]) for c in mine) - sum(redo)
+            in_backward = kind != "F"
             d = rank_breakdown(
                 prob.memory, numel=float(prob.numel[layers].sum()), largest=float(prob.largest[layers].max()),
                 activations=float(held_acts + (max(redo) if in_backward else 0.0)),
                 communication=float(pk.communication), workspace=float(prob.workspace[layers].max()),
                 pending=float(sum(pend[c] * _pending_bytes(prob, *bounds[c], recompute[c]) for c in mine)),
                 microbatch_activations=float(per_mb), in_backward=in_backward, gradients_made=made,
-                layer_transient=transient)
+                layer_transient=transients[kind], weight_grads=kind != "I" or any(recompute[c] for c in mine))
             if best is None or sum(d.values()) > sum(best[0].values()):
                 best = (d, [held[c] for c in mine], [pend[c] for c in mine])
         out.append(best)
+    return out
+
+
+def _transients(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], mine: list[int]
+                ) -> dict[str, tuple[float, float]]:
+    """Per action kind (F, B, I, W), the largest transient of one layer's backward on the rank
+    holding chunks ``mine`` (:func:`partitioner.memory.layer_transient`). B: each layer's
+    parameter transient and workspace, less what its backward has freed (:func:`_freed`). A
+    split backward's I makes no weight gradient: the workspaces only, nothing freed (the graph is
+    kept for W). Its W makes the weight gradients: under the node split only the weight kernels
+    run (the parameter transients); under the per-layer cut each layer's graph is walked again
+    and freed as it goes (the workspaces too, less the later layers' activations; the loss's
+    segment is not walked). A recomputing chunk runs its whole backward at I; a first chunk
+    without an input gradient under the node split runs it at W."""
+    layers = [i for c in mine for i in range(*bounds[c])]
+    loss_at = layers.index(prob.n - 1) if prob.has_loss and prob.n - 1 in layers else None
+    largest = [float(prob.largest[i]) for i in layers]
+    workspace = [float(prob.workspace[i]) for i in layers]
+    freed = _freed(prob, bounds, recompute, mine)
+    after = _freed(prob, bounds, [True] * len(bounds), mine)   # a backward that frees as it goes
+    node = prob.memory.node_split
+    rows: dict[str, list[tuple[float, float, float]]] = {"I": [], "W": []}
+    k = 0
+    for c in mine:
+        a, e = bounds[c]
+        whole_at_w = a == 0 and not prob.input_grad and node
+        for i in range(a, e):
+            big, ws, fr = largest[k], workspace[k], after[k]
+            if recompute[c]:
+                rows["I"].append((big, ws, fr))
+                rows["W"].append((0.0, 0.0, 0.0))
+            elif whole_at_w:
+                rows["I"].append((0.0, 0.0, 0.0))
+                rows["W"].append((big, ws, fr))
+            else:
+                rows["I"].append((0.0, ws, 0.0))
+                rows["W"].append((big, 0.0 if node or i == prob.n - 1 else ws, 0.0 if node else fr))
+            k += 1
+    out = {"F": (0.0, 0.0), "B": layer_transient(prob.memory, largest, workspace, freed, loss_at)}
+    for kind, got in rows.items():
+        out[kind] = layer_transient(prob.memory, *map(list, zip(*got)), loss_at) if got else (0.0, 0.0)
     return out
 
 
@@ -805,7 +846,9 @@ def _held_activation_bytes(prob: _Problem, a: int, e: int, inflight: int, recomp
     plus one microbatch's activations while it recomputes)."""
     if recompute:
         return inflight * ((prob.out[a - 1] if a > 0 else 0.0) + _kept_output(prob, e, True)) + prob.act[a:e].sum()
-    return inflight * (prob.act[a:e].sum() + (prob.shared[a] if a > 0 else 0.0) + _kept_output(prob, e, False))
+    # under the per-layer cut, the last layer's output (the loss's input) is kept as its segment's root
+    loss_in = prob.loss_cut[0] if e == prob.n else 0.0
+    return inflight * (prob.act[a:e].sum() + (prob.shared[a] if a > 0 else 0.0) + _kept_output(prob, e, False) + loss_in)
 
 
 def _kept_output(prob: _Problem, e: int, recompute: bool) -> float:
@@ -827,6 +870,13 @@ def _pending_bytes(prob: _Problem, a: int, e: int, recompute: bool) -> float:
     if a == 0 and not prob.input_grad:
         return float(prob.out[e - 1]) if e < prob.n else 0.0
     return float(prob.pend[a:e].sum())
+
+
+def _pending_freed(prob: _Problem, e: int, recompute: bool) -> float:
+    """What a chunk ending before layer ``e`` frees per pending microbatch at its I: under the
+    per-layer cut, the loss's saved tensors (its segment, without parameters, drops its graph
+    at I); 0 elsewhere (``_Problem.loss_cut``)."""
+    return prob.loss_cut[1] if e == prob.n and not recompute else 0.0
 
 
 def _lower_bound(prob: _Problem) -> tuple[float, float]:

@@ -272,6 +272,14 @@ def _loss_module(factory: Callable, loss_fn: Callable, target: Any) -> Any:
         def forward(self, x: Any) -> Any:
             return loss_fn(self.layer(x), _map(lambda t: t.to(_device_of(x)), target))
 
+        @property
+        def loss_fn(self) -> Callable:
+            return loss_fn
+
+        @property
+        def target(self) -> Any:
+            return target
+
     _WithLoss.__name__ = "WithLoss"
     return _WithLoss()
 
@@ -354,7 +362,41 @@ def _with_loss_costs(cost: LayerCost, src: LayerWithLoss, layer, x, variants: di
 
     for name, other in src.variants.items():
         variants[name] = dataclasses.asdict(profile_one(LayerWithLoss(other, {})))
-    return dataclasses.replace(cost, workspace_bytes=_loss_workspace(layer, x))
+    given, saved = _loss_cut_bytes(layer, x)
+    return dataclasses.replace(cost, workspace_bytes=_loss_workspace(layer, x), loss_input_bytes=given,
+                               loss_saved_bytes=saved)
+
+
+def _loss_cut_bytes(layer, x) -> tuple[int, int]:
+    """``(loss_input_bytes, loss_saved_bytes)`` of a ``_WithLoss`` layer (see ``LayerCost``):
+    the float tensors its layer hands to the loss (0 when that is no tensor or flat tuple of
+    tensors: a fused head, one graph with its loss) and the distinct storages the loss alone
+    saves for backward (parameters excluded), on any device, the meta device included."""
+    import torch
+
+    from engine.comm import flatten, unflatten
+
+    with torch.no_grad():
+        out = layer.layer(x)
+    try:
+        tensors = flatten(out)[1]
+    except TypeError:
+        return 0, 0
+    is_tuple, _ = flatten(out)
+    given = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+    # the layer's own output is kept by its segment whether or not the loss saves it
+    known = {t.untyped_storage()._cdata for t in [*layer.parameters(), *tensors]}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in known:
+            seen[st._cdata] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer.loss_fn(unflatten(is_tuple, given), _map(lambda t: t.to(_device_of(x)), layer.target))
+    return sum(t.numel() * t.element_size() for t in tensors if t.is_floating_point()), sum(seen.values())
 
 
 def _variants_meta(variants: dict[str, dict]) -> dict[str, Any]:
