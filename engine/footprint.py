@@ -10,7 +10,8 @@ two phases at its peak:
 * forward/backward: weights, the gradients held through backward, the optimizer state, the
   activations of the microbatches in flight and the transient of one backward
   (``backward_temporary``: the 16-bit gradient of the parameter being accumulated and its
-  fp32 copy; ZeRO-2's reduce bucket and its flattened copy; the 16-bit bucket's fp32 cast
+  fp32 copy; ZeRO-2's reduce bucket (one: DeepSpeed 0.19 allocates a second only with
+  ``overlap_comm``, which ``engine.zero`` leaves off); the 16-bit bucket's fp32 cast
   exists only while a full bucket is reduced, ``reduce_temporary``, by when the microbatch
   being back-propagated has freed the share ``reduce_after`` of its activations);
 * the step: weights, the gradients held at the step (``step_gradients``), the optimizer state
@@ -139,10 +140,11 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
         # DeepSpeed's BF16_Optimizer: one flat fp32 gradient buffer, filled by hooks
         return Footprint(w * n, 4 * n, state, (w + 4) * big, 4 * n, 0.0)
     if zero_stage == 2:
-        # reduce at every backward: bucket (weight dtype), its flattened copy, the cast to the
+        # reduce at every backward: the bucket (weight dtype; grads are copied into it, no
+        # flattened copy: MemTracker at the peak of experiments.memcheck's zero2 rows), the cast to the
         # communication (= accumulation) dtype; the partition accumulates in `a`
         cast = a * bucket if a != w else 0.0
-        return Footprint(w * n, a * part, state, 2 * w * bucket + cast, 0.0, after,
+        return Footprint(w * n, a * part, state, w * bucket + cast, 0.0, after,
                          reduce_temporary=cast, reduce_after=min(1.0, bucket / max(n, 1.0)))
     # ZeRO-1 (and 16-bit ZeRO-0): full gradients until the step's reduce
     separate = a != w                         # 16-bit gradients moved into fp32 grad_accum
