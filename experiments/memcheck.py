@@ -14,8 +14,8 @@ The full grid (:func:`full_grid`) covers every schedule, fp32 and bf16, measured
 profiles, a small head (vocabulary 2 x dim) and a large one (32 x dim), ZeRO 0/1/2 with two
 replicas, recomputation on, off and auto under a limit (the plan recomputes where the limit
 needs it, and the run must stay under the limit), SGD with momentum and AdamW, and the chunked
-loss head. The small grid (:data:`SMALL_GRID`) is a few layouts with the small head, fast
-enough for a test.
+loss head. The small grid (:data:`SMALL_GRID`) is a few layouts, the large head under zb-h1
+among them, fast enough for a test.
 
 Example:
     python -m experiments.memcheck --grid small
@@ -116,12 +116,16 @@ def full_grid() -> list[Layout]:
 
 GRID: list[Layout] = full_grid()
 # a few layouts of the full grid, fast enough for a test: the analytic profile in bf16 under a
-# split backward, recomputation with two chunks per rank, DeepSpeed over two replicas, zbv
+# split backward, recomputation with two chunks per rank, DeepSpeed over two replicas, zbv, and
+# the large head under zb-h1 on both I/W split paths (DeepSpeed's per-layer cut in bf16, the
+# torch backend's graph-node split in fp32)
 SMALL_GRID: list[Layout] = [
     layout("zb-h1", "bf16", profile="analytic"),
     layout("interleaved-1f1b", "fp32", recompute="on"),
     layout("1f1b", "bf16", zero=1),
     layout("zbv", "fp32"),
+    layout("zb-h1", "bf16", profile="analytic", vocab=LARGE_VOCAB),
+    layout("zb-h1", "fp32", vocab=LARGE_VOCAB),
 ]
 
 
