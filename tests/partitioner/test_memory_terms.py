@@ -97,3 +97,56 @@ def test_gpipe_forward_phase_runs_before_gradients_exist():
     assert (later["gradients"], later["temporary"]) == (4_000, 400 + 500)   # 4 bytes x the largest, + workspace
     ds = MemorySettings("bf16", "adamw", zero_stage=1, data_parallel=2)   # DeepSpeed keeps its buffers
     assert rank_breakdown(ds, activations=40_000.0, in_backward=False, gradients_made=False, **kw)["gradients"] > 0
+
+
+def test_a_split_backward_has_its_own_input_and_weight_moments():
+    """zb-h1 runs F, I and W (no whole backward B): its peaks are read per kind, because I and W
+    meet different transients. The last rank peaks with 2 held at a W (both pending, 2 x 10 +
+    2 x 5) and at an I before its microbatch turns pending (2 x 10 + 1 x 5)."""
+    chunks = [ChunkBytes(10.0, 5.0), ChunkBytes(10.0, 5.0)]
+    peaks = program_peaks(build_schedule("zb-h1", 2, 4), chunks, lookahead=0, send_wait="compute")
+    assert all({k for k, _, _ in pk.moments()} == {"F", "I", "W"} for pk in peaks)
+    last = peaks[1]
+    assert (last.weight.held, last.weight.pending, last.weight.total) == ((2,), (2,), 30.0)
+    assert (last.input.held, last.input.pending, last.input.total) == ((2,), (1,), 25.0)
+    assert last.backward.total == last.backward_early.total == -1.0   # no B action
+
+
+def test_an_input_gradient_moment_makes_no_weight_gradient():
+    """At a split backward's I the backend's gradient transients (DeepSpeed's 16-bit gradient
+    copy, ZeRO-2's bucket and its fp32 cast) do not exist: only the layer's own transient (its
+    workspace) is booked."""
+    ds = MemorySettings("bf16", "adamw", zero_stage=2, data_parallel=2)
+    kw = dict(numel=1000, largest=100, activations=1e6, communication=0.0, workspace=0.0,
+              layer_transient=(300.0, 300.0))   # activations: the backward phase, not the step, is the peak
+    at_i = rank_breakdown(ds, weight_grads=False, **kw)
+    at_w = rank_breakdown(ds, **kw)
+    assert at_i["temporary"] == 300.0
+    assert at_w["temporary"] == 300.0 + ds.footprint(1000, 0).backward_temporary > 300.0
+
+
+def _loss_profile(given: int | None, saved: int | None) -> Profile:
+    body = LayerCost(forward_s=1e-3, backward_s=2e-3, param_bytes=4_000, activation_bytes=50_000,
+                     output_bytes=8_000, output_saved_bytes=0)
+    head = LayerCost(forward_s=1e-3, backward_s=2e-3, param_bytes=4_000, activation_bytes=50_000,
+                     output_bytes=0, loss_input_bytes=given, loss_saved_bytes=saved)
+    return Profile([body] * 3 + [head], meta={"loss": "lm_loss", "input_requires_grad": True})
+
+
+def test_the_per_layer_cut_keeps_the_loss_input_and_frees_the_loss_at_i():
+    """DeepSpeed's split backward cuts the graph per layer: the head's output (20,000 bytes, the
+    logits) is kept per held microbatch as its segment's root and the loss's saved tensors
+    (30,000 of the head's 50,000 activation bytes) are freed at I, so the last rank's activations
+    are held x (2 x 50,000 + 20,000) - pending x 30,000, and its pending microbatches keep the
+    logits' gradient (20,000) as temporary. The torch backend keeps the whole graph to W: the two
+    figures change nothing there."""
+    kw = dict(schedule="zb-h1", microbatches=4, simulate=False)
+    ds = partition(_loss_profile(20_000, 30_000), 2, zero_stage=1, **kw)
+    assert ds.stage_ranges == [(0, 2), (2, 4)]
+    held, pend = ds.stage_inflight[1], ds.stage_pending[1]
+    assert held == 2 and pend >= 1
+    assert ds.rank_memory_breakdown[1]["activations"] == held * (2 * 50_000 + 20_000) - pend * 30_000
+    assert ds.rank_memory_breakdown[1]["temporary"] >= pend * 20_000
+    torch_kw = dict(kw, zero_stage=0)
+    assert partition(_loss_profile(20_000, 30_000), 2, **torch_kw).rank_memory_breakdown == \
+        partition(_loss_profile(None, None), 2, **torch_kw).rank_memory_breakdown
