@@ -281,6 +281,8 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
                         for c in L], dtype=np.float64) / profile.itemsize
     workspace = np.array([2 * c.output_bytes if c.workspace_bytes is None else c.workspace_bytes for c in L],
                          dtype=np.float64)
+    if L and L[0].workspace_bytes is None and not profile.meta.get("input_requires_grad", True):
+        workspace[0] = 0.0   # token ids in: the first layer's backward makes its weight gradient only
     rank_numel = max(float(numel.sum()) / p, 1.0)   # the per-parameter costs at a balanced rank's size
     per_param = max(memory.per_param_bytes(rank_numel), memory.step_per_param_bytes(rank_numel))
     # the loss's backward transient (the last layer's workspace) only on the rank holding it
