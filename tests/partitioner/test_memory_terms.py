@@ -150,3 +150,21 @@ def test_the_per_layer_cut_keeps_the_loss_input_and_frees_the_loss_at_i():
     torch_kw = dict(kw, zero_stage=0)
     assert partition(_loss_profile(20_000, 30_000), 2, **torch_kw).rank_memory_breakdown == \
         partition(_loss_profile(None, None), 2, **torch_kw).rank_memory_breakdown
+
+
+def test_a_first_layer_fed_token_ids_has_no_backward_workspace():
+    """With token ids in, the first layer's backward makes its weight gradient only (an
+    embedding): its unknown workspace is 0, not the 2 x output bytes estimated for other layers
+    (an embedding-only rank 0 under zb-h2 was over-predicted by 18% against MemTracker)."""
+    def prof(ws: int | None) -> Profile:
+        first = LayerCost(forward_s=1e-3, backward_s=2e-3, param_bytes=40_000, activation_bytes=100,
+                          output_bytes=8_000, output_saved_bytes=0, workspace_bytes=ws)
+        rest = LayerCost(forward_s=1e-3, backward_s=2e-3, param_bytes=4_000, activation_bytes=50_000,
+                         output_bytes=8_000, output_saved_bytes=0)
+        return Profile([first, rest, rest], meta={"input_requires_grad": False})
+
+    kw = dict(schedule="zb-h2", microbatches=4, zero_stage=0, simulate=False, method="parameters")
+    unknown, zero, estimate = (partition(prof(ws), 2, **kw) for ws in (None, 0, 16_000))
+    assert unknown.stage_ranges == [(0, 1), (1, 3)]
+    assert unknown.rank_memory_breakdown == zero.rank_memory_breakdown
+    assert estimate.rank_memory_bytes[0] > unknown.rank_memory_bytes[0]
