@@ -3,6 +3,7 @@ the stage-count advice of an infeasible layout, and the search's pruning (issue 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import partitioner.planner as planner
@@ -91,3 +92,40 @@ def test_the_advice_is_the_sweep_over_stage_counts(schedule, monkeypatch):
 def _uncached_counts(schedule, p, m, v, act, pend):  # noqa: ANN001
     from partitioner.memory import held_and_pending
     return held_and_pending(build_schedule(schedule, p, m, v), [act] * p * v, [pend] * p * v)
+
+
+def _random_profile(n: int, seed: int) -> Profile:
+    """Unequal layers, a heavy head, fixed costs (per action and per step) and a link."""
+    from partitioner import FixedCosts
+    rng = np.random.default_rng(seed)
+    f = rng.uniform(1e-3, 3e-3, n)
+    f[-1] *= 3
+    layers = [LayerCost(float(x), float(rng.uniform(1.5, 2.5) * x), int(rng.integers(1e6, 4e6)),
+                        int(rng.integers(2e6, 8e6)), 200_000, weight_grad_s=float(0.8 * x)) for x in f]
+    fixed = FixedCosts(action_s=float(rng.choice([0.0, 1e-4, 1e-3])), message_latency_s=1e-5, link_bytes_per_s=1e9,
+                       step_s=1e-3, optimizer_s_per_byte={"adamw": 1e-10})
+    return Profile(layers, fixed=fixed)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pruning_changes_no_choice_and_every_bound_is_below_its_step(seed):
+    """The search's pruning (each layout's lower bound against the (top + 1)-th best step) gives
+    the unpruned search's choice and table head; every bound is below its layout's step."""
+    n, p, B = (9, 3, 24) if seed % 2 else (10, 2, 32)
+    prof = _random_profile(n, seed)
+    limit = None
+    kw = dict(profile_microbatch=4, scaling="linear", top=3)
+    if seed >= 3:   # a limit about half the layouts miss without recomputation
+        plain = sorted(c.peak_memory_bytes for c in search(prof, p, B, prune=False, activation_checkpointing=False,
+                                                           **kw).candidates if c.peak_memory_bytes)
+        limit = plain[len(plain) // 2]
+    full = search(prof, p, B, prune=False, memory_limit_bytes=limit, **kw)
+    fast = search(prof, p, B, prune=True, memory_limit_bytes=limit, **kw)
+    for c in full.candidates:
+        if c.step_s is not None:
+            assert c.lower_bound_s <= c.step_s * (1 + 1e-12), (c.label, c.lower_bound_s, c.step_s)
+    assert fast.chosen.label == full.chosen.label and fast.plan.step_s == full.plan.step_s
+    assert fast.plan.stage_ranges == full.plan.stage_ranges
+    head = [(c.label, c.step_s) for c in full.candidates if c.status == "ok"][:4]
+    assert [(c.label, c.step_s) for c in fast.candidates if c.status == "ok"][:4] == head
+    assert fast.count("pruned") > 0, "nothing pruned: the comparison checks nothing"
