@@ -107,7 +107,7 @@ def _random_profile(n: int, seed: int) -> Profile:
     return Profile(layers, fixed=fixed)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(4))
 def test_pruning_changes_no_choice_and_every_bound_is_below_its_step(seed):
     """The search's pruning (each layout's lower bound against the (top + 1)-th best step) gives
     the unpruned search's choice and table head; every bound is below its layout's step."""
@@ -115,7 +115,7 @@ def test_pruning_changes_no_choice_and_every_bound_is_below_its_step(seed):
     prof = _random_profile(n, seed)
     limit = None
     kw = dict(profile_microbatch=4, scaling="linear", top=3)
-    if seed >= 3:   # a limit about half the layouts miss without recomputation
+    if seed >= 2:   # a limit about half the layouts miss without recomputation
         plain = sorted(c.peak_memory_bytes for c in search(prof, p, B, prune=False, activation_checkpointing=False,
                                                            **kw).candidates if c.peak_memory_bytes)
         limit = plain[len(plain) // 2]
