@@ -317,7 +317,7 @@ def schedule_states(schedule) -> list[list[State]]:  # noqa: ANN001 - an engine.
     for r, acts in enumerate(schedule.actions):
         mine = schedule.stages_of(r)
         held, pend = dict.fromkeys(mine, 0), dict.fromkeys(mine, 0)
-        seen: list[State] = []
+        seen: dict[State, None] = {}   # insertion-ordered set
         for a in acts:
             if a.kind in ("F", "I"):
                 (held if a.kind == "F" else pend)[a.stage] += 1
@@ -326,13 +326,29 @@ def schedule_states(schedule) -> list[list[State]]:  # noqa: ANN001 - an engine.
                 pend[a.stage] -= a.kind == "W"
             else:
                 continue
-            st = (tuple(held[c] for c in mine), tuple(pend[c] for c in mine))
-            if st not in seen:
-                seen.append(st)
-        flat = [h + g for h, g in seen]
-        out.append([st for st, x in zip(seen, flat)
-                    if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in flat)])
+            seen[(tuple(held[c] for c in mine), tuple(pend[c] for c in mine))] = None
+        front = _undominated([h + g for h, g in seen])
+        out.append([st for st, keep in zip(seen, front) if keep])
     return out
+
+
+def _undominated(flat: list[tuple[int, ...]]) -> list[bool]:
+    """For each (distinct) vector, whether no other vector is >= it in every component.
+    A vector dominated by another is dominated by an undominated one with a larger sum, so
+    scanning by decreasing sum compares each only with the maxima found so far (a front of a
+    few states, not all of them: schedules of many ranks and microbatches have thousands).
+
+    >>> _undominated([(1, 0), (2, 1), (0, 3), (2, 0)])
+    [False, True, True, False]
+    """
+    keep = [False] * len(flat)
+    front: list[tuple[int, ...]] = []
+    for i in sorted(range(len(flat)), key=lambda i: -sum(flat[i])):
+        x = flat[i]
+        if not any(all(b >= a for a, b in zip(x, y)) for y in front):
+            front.append(x)
+            keep[i] = True
+    return keep
 
 
 def peak_state(states: list[State], held_bytes: list[float], pending_bytes: list[float]) -> State:

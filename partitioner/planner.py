@@ -139,6 +139,7 @@ class _Problem:
     out_saved: np.ndarray | None = None       # per layer: bytes of its output it saved itself
     transfers: tuple[int, str] = (0, "step")  # the runtime's receive lookahead and send_wait
     loss_cut: tuple[float, float] = (0.0, 0.0)  # per-layer cut: the loss input kept, the loss's saved freed at I
+    explain: bool = True                      # an infeasible search says why (and what would fit)
 
     @property
     def n(self) -> int:
@@ -552,6 +553,8 @@ def _optimal(prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], l
                                            recompute_time=prob.f, checkpointing=prob.ckpt, return_variants=True,
                                            **prob.common)
     except Infeasible as e:
+        if not prob.explain:   # only whether it fits is asked (``_other_loss_fits``)
+            raise PartitionError(str(e)) from None
         raise PartitionError(_infeasible_message(e, prob) + _other_loss_fits(prob)) from None
     recompute = [bool(x) for x in var] if prob.ckpt == "auto" else [prob.ckpt == "on"] * prob.k
     tie_break = ("; among equal bottlenecks, the smallest sum of stage times" if prob.link or prob.ckpt == "auto"
@@ -956,6 +959,7 @@ def _other_loss_fits(prob: _Problem) -> str:
     under which the same layout fits the same limits (its exact per-rank peaks), or nothing."""
     for name, make in prob.loss_variants.items():
         alt = make()
+        alt.explain = False
         try:
             bounds, recompute = _search("optimal", alt, [])
         except PartitionError:
@@ -979,13 +983,23 @@ def _more_stages(prob: _Problem) -> str:
             continue   # not even the state fits (nothing in flight): skip building the schedule
         inf2, pend2 = inflight_per_chunk(prob.schedule, p2, prob.m, v), None
         if SCHEDULE_INFO[prob.schedule].splits_backward:   # the gradients kept from I to W too
-            inf2, pend2 = held_and_pending(build_schedule(prob.schedule, p2, prob.m, v),
-                                           [float(prob.act.mean())] * p2 * v, [float(prob.pend.mean())] * p2 * v)
+            inf2, pend2 = map(list, _advice_counts(prob.schedule, p2, prob.m, v, float(prob.act.mean()),
+                                                   float(prob.pend.mean())))
         if fits_any(p2 * v, n, static=c["static"], act=c["act"], out=c["out"], inflight=inf2,
                     shared=c["shared"], caps=cap / v, recompute_time=prob.f, checkpointing=prob.ckpt,
                     pend=c["pend"], pending=pend2):
             return f", or use {p2} stages"
     return ""
+
+
+@functools.lru_cache(maxsize=1024)
+def _advice_counts(schedule: str, p: int, m: int, v: int, act: float, pend: float
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:func:`held_and_pending` of a schedule at another stage count, every chunk costing the
+    mean layer: the layouts of one search that differ only in zb-h2's cap (the advice builds the
+    default one) ask the same counts."""
+    held, pending = held_and_pending(build_schedule(schedule, p, m, v), [act] * p * v, [pend] * p * v)
+    return tuple(held), tuple(pending)
 
 
 def _infeasible_v_message(prob: _Problem) -> str:

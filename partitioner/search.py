@@ -24,7 +24,8 @@ every size (no fixed cost: it under-predicts small microbatches); it must be ask
 candidate's ``profile`` field, and the table, say which of these priced it.
 
 Branch and bound keeps it fast: a layout whose lower bound (its compute spread over the ranks,
-or its largest layer, plus the fixed cost of its actions) is no better than the
+or its largest layer, or with one chunk per rank its busiest stage's work plus the pipeline's fill
+over every split, plus the fixed cost of its actions) is no better than the
 ``top + 1``-th best predicted step cannot enter the table, and is marked ``pruned`` unsolved.
 zbv's exact V split costs O(p n^4) (``partitioner.vsplit``); above ``v_split_budget`` it is
 ``skipped``, with a note.
@@ -52,6 +53,7 @@ from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule
 from .costs import LayerCost, Profile  # noqa: F401 - LayerCost: the doctests
 from .plan import PartitionError, Plan, format_search
 from .planner import checkpointing_mode, partition
+from .solve import pipeline_lower_bound
 
 __all__ = ["AUTO", "Candidate", "SearchResult", "search", "candidate_layouts", "microbatch_counts",
            "inflight_values", "scale_profile", "affine_profile", "V_SPLIT_BUDGET", "SCALINGS"]
@@ -349,16 +351,24 @@ def _checkpointing(mode: Any, memory_limit_bytes: Any) -> str:
 
 def _lower_bound(prof: Profile, c: Candidate, p: int) -> float:
     """A bound no split of this layout can beat: the busiest rank computes at least the mean
-    share and the largest layer, m times, plus two fixed-cost actions per microbatch and chunk
-    (F and a backward), plus the per-step fixed cost."""
-    work = [layer.forward_s + layer.backward_s for layer in prof.layers]
+    share and the largest layer, m times; with one chunk per rank, stage j also waits for the
+    first forward to reach it (and, with an atomic backward, for the last backward to return):
+    :func:`partitioner.solve.pipeline_lower_bound`. Plus two fixed-cost actions per microbatch
+    and chunk (F and a backward) and the per-step fixed cost."""
+    info = SCHEDULE_INFO[c.schedule]
+    back = [min(x.backward_s, x.split_backward_s) if info.splits_backward else x.backward_s for x in prof.layers]
+    fwd = [layer.forward_s for layer in prof.layers]
+    work = [f + b for f, b in zip(fwd, back)]
     fixed = prof.fixed
     # the cheapest of the runtime's modes (engine.schedules.send_mode)
     modes = ([fixed.runtime_costs(w) for w in ("compute", "yield", "step")] if fixed is not None
              else [(0.0, 0.0)])
     action, step = min(a for a, _ in modes), min(s for _, s in modes)
     m, v = c.microbatches, c.virtual_stages
-    return m * max(sum(work) / p, max(work)) + 2 * m * v * action + step
+    compute = m * max(sum(work) / p, max(work))
+    if info.chunks_per_rank == 1 and p > 1:
+        compute = max(compute, pipeline_lower_bound(work, p, m, carried=fwd if info.splits_backward else None))
+    return compute + 2 * m * v * action + step
 
 
 def _solve(c: Candidate, prof: Profile, p: int, kwargs: dict[str, Any]) -> None:

@@ -82,3 +82,35 @@ def test_planner_speed_script_tiny(tmp_path):
     _run("scripts/planner_speed.py", "--tiny", "--json", str(out))
     rows = json.loads(out.read_text())
     assert rows and rows[0]["layers"] == 60 and rows[0]["cpu_s"] > 0 and rows[0]["split_search"] == "local search"
+
+
+def _script(name: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_mlp_search_check_reads_the_head_to_head_medians_and_judges_the_choice():
+    """scripts/mlp_search_check.py's table from a bench result: the measured figure is the
+    confirmation's median, the rank is by it, and both checks can fail."""
+    mod = _script("mlp_search_check")
+    sweep = [{"section": "sweep", "layout": name, "chosen": rank == 1, "search_rank": rank, "predicted_step_s": pred,
+              "step_s": first, "plan_stage_ranges": [[0, 7], [7, 14]]}
+             for rank, (name, pred, first) in enumerate([("zb-h2 m=4", 0.100, 0.300), ("1f1b m=4", 0.105, 0.100),
+                                                         ("zb-h1 m=8", 0.110, 0.120)], start=1)]
+    conf = {"layouts": [{"layout": "zb-h2 m=4", "step_s": 0.104, "step_s_rounds": [0.104]},
+                        {"layout": "1f1b m=4", "step_s": 0.101, "step_s_rounds": [0.101]}]}
+    result = {"rows": [{"section": "auto", "layout": "zb-h2 m=4"}, *sweep], "auto": {"confirmation": conf}}
+    rows = mod.table_rows(result)
+    assert [(x["layout"], x["measured_s"], x["measured_rank"]) for x in rows] == [
+        ("zb-h2 m=4", 0.104, 2), ("1f1b m=4", 0.101, 1), ("zb-h1 m=8", 0.120, 3)]
+    verdict = mod.check(rows)
+    assert verdict["within_tolerance"] and not verdict["no_slower_than_best"]
+    assert verdict["fastest"] == "1f1b m=4" and verdict["chosen_over_fastest"] == 0.104 / 0.101
+    conf["layouts"][0]["step_s"] = 0.0995   # now the fastest, and still within 10%
+    assert mod.check(mod.table_rows(result))["no_slower_than_best"]
+    conf["layouts"][0]["step_s"] = 0.0899   # 10.1% under its prediction
+    assert not mod.check(mod.table_rows(result))["within_tolerance"]
+    assert "bench.sweep_max=5" in mod.overrides() and "model.depth=12" in mod.overrides()

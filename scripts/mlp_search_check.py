@@ -1,0 +1,137 @@
+"""Issue 39's MLP check: the search's choice measured against its prediction and its top five.
+
+The model: the project's residual MLP with 12 blocks of 256 -> 1024 -> 256 (plus its input layer
+and head), batch 256 on 3 stages, the bench's profile taken at 32 samples (8 microbatches) and
+the search's other microbatch sizes profiled each in turn (``experiments.bench.auto``). The
+search runs over every schedule, chunk count, microbatch count and zb-h2 cap, and its five
+best-predicted layouts are run by the bench's own harness (``python -m experiments.bench`` with
+``bench.sweep=true bench.sweep_max=5 bench.sweep_confirm=5``: fresh processes, one thread per
+rank, ``--rounds`` alternating rounds, the median of every timed step; then the five again, head
+to head, in fresh rounds). The measured figure of the table is that head-to-head median.
+
+Prints one table (layout, search rank, predicted ms, measured ms, error, rank by measured) and
+the issue's two checks:
+
+- the chosen layout's measured step is within 10% of its prediction;
+- it is no slower than the fastest measured layout of the five (chosen / fastest <= 1).
+
+Timings need a quiet machine: on a shared one each 3-rank run gets a different share of the
+cores, and the check says nothing. Run::
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python scripts/mlp_search_check.py            # the issue's case
+    PYTHONPATH=. python scripts/mlp_search_check.py --rounds 5 --json out.json
+    PYTHONPATH=. python scripts/mlp_search_check.py --tiny                        # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+__all__ = ["OVERRIDES", "check", "main", "overrides", "table_rows"]
+
+OVERRIDES = ["experiment=mlp_profile", "model.depth=12", "model.dim=256", "model.width=1024", "model.profile=uniform",
+             "data=synthetic", "pipeline.stages=3", "pipeline.microbatches=8", "train.batch_size=256",
+             "bench.systems=[pipeshard]", "bench.schedules=[1f1b]", "bench.methods=[]", "bench.sweep=true"]
+"""The issue's case as ``python -m experiments.bench`` overrides (profiled at 256 / 8 = 32 samples)."""
+
+TOLERANCE = 0.10
+"""The issue's bound on the chosen layout's |measured / predicted - 1|."""
+
+
+def overrides(*, top: int = 5, rounds: int = 3, steps: int = 7, warmup: int = 2, tiny: bool = False) -> list[str]:
+    """The bench overrides of the check (``tiny``: 4 blocks, batch 24, one step: a smoke run)."""
+    out = OVERRIDES + [f"bench.sweep_max={top}", f"bench.sweep_confirm={top}", f"bench.rounds={rounds}",
+                       f"bench.steps={steps}", f"bench.warmup_steps={warmup}"]
+    if tiny:
+        out += ["model.depth=4", "model.dim=32", "model.width=64", "train.batch_size=24",
+                "pipeline.microbatches=4", "partitioner.search.max_microbatches=8"]
+    return out
+
+
+def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per layout of the sweep: its search rank and prediction, its first-pass and
+    head-to-head medians (``measured_s``: the head-to-head one where it ran again), the error
+    of the prediction and its rank by measured step (1 = fastest)."""
+    again = {x["layout"]: x for x in (result.get("auto", {}).get("confirmation") or {}).get("layouts", [])}
+    rows = []
+    for r in result["rows"]:
+        if r.get("section") != "sweep":
+            continue
+        conf = again.get(r["layout"], {})
+        measured = conf.get("step_s") or r.get("step_s")
+        pred = r.get("predicted_step_s")
+        rows.append({"layout": r["layout"], "chosen": bool(r.get("chosen")), "search_rank": r.get("search_rank"),
+                     "predicted_s": pred, "first_pass_s": r.get("step_s"), "measured_s": measured,
+                     "measured_rounds_s": conf.get("step_s_rounds") or r.get("step_s_rounds"),
+                     "error": (measured / pred - 1) if measured and pred else None,
+                     "stage_ranges": r.get("plan_stage_ranges"), "run_error": r.get("error")})
+    ok = sorted((x for x in rows if x["measured_s"]), key=lambda x: x["measured_s"])
+    for i, x in enumerate(ok):
+        x["measured_rank"] = i + 1
+    return sorted(rows, key=lambda x: x["search_rank"] or 0)
+
+
+def check(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's two checks on :func:`table_rows` (None where the chosen layout did not run)."""
+    chosen = next((x for x in rows if x["chosen"]), None)
+    ok = [x for x in rows if x["measured_s"]]
+    if chosen is None or not chosen["measured_s"] or not ok:
+        return {"chosen": chosen and chosen["layout"], "within_tolerance": None, "no_slower_than_best": None}
+    best = min(ok, key=lambda x: x["measured_s"])
+    return {"chosen": chosen["layout"], "predicted_s": chosen["predicted_s"], "measured_s": chosen["measured_s"],
+            "error": chosen["error"], "within_tolerance": abs(chosen["error"]) <= TOLERANCE,
+            "fastest": best["layout"], "fastest_s": best["measured_s"],
+            "chosen_over_fastest": chosen["measured_s"] / best["measured_s"],
+            "no_slower_than_best": chosen["measured_s"] <= best["measured_s"]}
+
+
+def _format(rows: list[dict[str, Any]]) -> str:
+    head = f"{'layout':34s} {'search':>6s} {'predicted ms':>12s} {'measured ms':>11s} {'first pass':>10s} " \
+           f"{'error':>7s} {'measured rank':>13s}"
+    lines = [head, "-" * len(head)]
+    for x in rows:
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1e3:.1f}"
+        lines.append(f"{x['layout'] + (' *' if x['chosen'] else ''):34s} {x['search_rank']!s:>6s} "
+                     f"{ms(x['predicted_s']):>12s} {ms(x['measured_s']):>11s} {ms(x['first_pass_s']):>10s} "
+                     f"{'-' if x['error'] is None else format(x['error'], '+.1%'):>7s} "
+                     f"{x.get('measured_rank', '-')!s:>13s}" + (f"  ERROR {x['run_error'][:60]}" if x['run_error'] else ""))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--top", type=int, default=5, help="layouts of the search measured (its best predicted)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per pass (medians pooled)")
+    ap.add_argument("--steps", type=int, default=7, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
+    ap.add_argument("--tiny", action="store_true", help="a small model, 1 round of 1 step (a smoke run)")
+    ap.add_argument("--json", help="write the rows, the checks and the bench's meta here")
+    args = ap.parse_args()
+    from experiments.bench.run import run_bench
+    from experiments.config import compose_config
+
+    tiny = dict(top=2, rounds=1, steps=1, warmup=1) if args.tiny else {}
+    kw = {**dict(top=args.top, rounds=args.rounds, steps=args.steps, warmup=args.warmup), **tiny}
+    cfg = compose_config(*overrides(tiny=args.tiny, **kw))
+    load0 = os.getloadavg()
+    result = run_bench(cfg)
+    rows = table_rows(result)
+    verdict = check(rows)
+    print(f"\nthe search's top {kw['top']}, measured ({kw['rounds']} rounds of {kw['steps']} steps, then again "
+          f"head to head; * = chosen; error = measured / predicted - 1):")
+    print(_format(rows))
+    print("\n" + json.dumps(verdict, indent=1))
+    print(f"load average start {load0[0]:.1f} end {os.getloadavg()[0]:.1f} (2 shared cores: timings under load "
+          "measure the neighbours too)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"rows": rows, "check": verdict, "overrides": overrides(tiny=args.tiny, **kw),
+                       "search": result.get("search"), "meta": result.get("meta")}, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
