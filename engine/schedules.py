@@ -30,7 +30,7 @@ import operator
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Sequence, Union
 
 __all__ = [
     "ActionKind",
@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 ActionKind = Literal["F", "B", "I", "W"]
+Cost = Union[float, Sequence[float]]
 _KINDS = ("F", "B", "I", "W")
 _ACTION_RE = re.compile(r"^\s*(\d+)([FBIW])(\d+)\s*$")
 
@@ -96,6 +97,7 @@ SCHEDULE_INFO: dict[str, ScheduleInfo] = {i.name: i for i in (
     ScheduleInfo("zb-h1", splits_backward=True),
     ScheduleInfo("zb-h2", splits_backward=True, memory_knob=True),
     ScheduleInfo("zbv", placement="v", chunks_per_rank=2, splits_backward=True),
+    ScheduleInfo("zb-auto", splits_backward=True, memory_knob=True),
 )}
 SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_INFO)
 
@@ -345,7 +347,8 @@ def _int_arg(value: object, name: str) -> int:
 
 def build_schedule(
     name: str, num_stages: int, microbatches: int, virtual_stages: int = 1, *,
-    max_inflight: int | None = None,
+    max_inflight: int | None = None, forward_s: Cost | None = None, backward_s: Cost | None = None,
+    weight_s: Cost | None = None, comm_s: Cost | None = None, steps: int = 1,
 ) -> Schedule:
     """Build a named schedule for ``num_stages`` ranks and ``microbatches`` microbatches.
 
@@ -354,6 +357,14 @@ def build_schedule(
     ``num_stages`` (as zb-h1) to ``2 * num_stages - 1`` (the default, ZB-H2); each one
     above ``num_stages`` removes one weight-gradient time per rank from zb-h1's bubble
     (see ``_zb_h2``).
+
+    ``zb-auto`` (``engine.autoschedule``) is built from costs: ``forward_s``, ``backward_s``
+    (the full backward), ``weight_s`` (its weight-gradient part) per chunk and ``comm_s`` per
+    boundary, each one float or a list (the simulator's arguments; default 1, 2, 1 and 0, the
+    paper's F = I = W), under ``max_inflight`` (default ``num_stages``, 1F1B's memory; 2p is
+    the paper's ZB-2p), for ``steps`` consecutive steps (1: the optimizer step synchronises the
+    ranks, as pipeshard's runtime does; more: the steady state of a rank-local step). The costs
+    are part of its identity: the same arguments build the same schedule.
 
     >>> build_schedule("interleaved-1f1b", 2, 4, virtual_stages=2).num_chunks
     4
@@ -370,7 +381,50 @@ def build_schedule(
         raise ValueError(f"microbatches must be >= 1, got {m}")
     _check_virtual(info, p, m, v)
     cap = _check_inflight(info, p, max_inflight)
+    costs = _auto_costs(info.name, p, forward_s, backward_s, weight_s, comm_s, steps)
+    if costs is not None:
+        return _built_auto(p, m, cap, *costs)  # type: ignore[arg-type]
     return _built(info.name, p, m, v, cap)
+
+
+def _auto_costs(name: str, p: int, forward_s: Cost | None, backward_s: Cost | None,
+                weight_s: Cost | None, comm_s: Cost | None, steps: int) -> tuple | None:
+    """zb-auto's costs as hashable per-chunk tuples (None for another schedule, which takes
+    none)."""
+    given = [x is not None for x in (forward_s, backward_s, weight_s, comm_s)]
+    if name != "zb-auto":
+        if any(given) or steps != 1:
+            raise ValueError(f"forward_s, backward_s, weight_s, comm_s and steps build zb-auto "
+                             f"from costs; {name!r} takes none of them: drop them")
+        return None
+
+    def per(value: Cost | None, default: float, n: int, what: str) -> tuple[float, ...]:
+        if value is None:
+            return (default,) * n
+        vals = [float(value)] * n if isinstance(value, (int, float)) else [float(x) for x in value]
+        if len(vals) != n or any(not x >= 0 for x in vals):
+            raise ValueError(f"zb-auto's {what} must be one float >= 0 or {n} of them "
+                             f"(one per {'boundary' if what == 'comm_s' else 'chunk'}), got {value!r}")
+        return tuple(vals)
+
+    f = per(forward_s, 1.0, p, "forward_s")
+    b = per(backward_s, 2.0, p, "backward_s")
+    w = per(weight_s, 0.0, p, "weight_s") if weight_s is not None \
+        else tuple(x / 2 for x in b)
+    if any(x > y for x, y in zip(w, b)):
+        raise ValueError(f"zb-auto's weight_s is part of backward_s, so it cannot exceed it: "
+                         f"weight_s={list(w)}, backward_s={list(b)}")
+    c = per(comm_s, 0.0, max(p - 1, 0), "comm_s")
+    if int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    return f, b, w, c, int(steps)
+
+
+@functools.lru_cache(maxsize=64)
+def _built_auto(p: int, m: int, cap: int, f: tuple[float, ...], b: tuple[float, ...],
+                w: tuple[float, ...], c: tuple[float, ...], steps: int) -> Schedule:
+    from engine.autoschedule import build_auto
+    return Schedule("zb-auto", p, m, 1, build_auto(p, m, cap, f, b, w, c, steps), "loop", cap)
 
 
 @functools.lru_cache(maxsize=256)
@@ -378,6 +432,8 @@ def _built(name: str, p: int, m: int, v: int, cap: int | None) -> Schedule:
     """A named schedule is a pure function of its arguments: built once and shared (a
     planner searching layouts asks for the same one many times; ``validate`` then checks it
     once). Treat a built schedule as read-only."""
+    if name == "zb-auto":
+        return _built_auto(p, m, cap, *_auto_costs(name, p, None, None, None, None, 1))  # type: ignore
     if name == "interleaved-1f1b":
         actions = _interleaved(p, m, v)
     elif name == "zb-h2":
@@ -411,6 +467,12 @@ def _check_virtual(info: ScheduleInfo, p: int, m: int, v: int) -> None:
 
 
 def _check_inflight(info: ScheduleInfo, p: int, max_inflight: int | None) -> int | None:
+    if info.name == "zb-auto":
+        cap = p if max_inflight is None else _int_arg(max_inflight, "max_inflight")
+        if cap < 1:
+            raise ValueError(f"zb-auto's max_inflight (microbatches a rank may hold) must be >= 1, "
+                             f"got {cap}; num_stages ({p}) is 1F1B's memory, 2 * num_stages ZB-2p's")
+        return cap
     if not info.memory_knob:
         if max_inflight is not None:
             knobs = [n for n, i in SCHEDULE_INFO.items() if i.memory_knob]

@@ -179,8 +179,8 @@ def test_placement_is_the_one_chunk_to_rank_map():
 
 def test_schedule_facts_table():
     assert SCHEDULES == tuple(SCHEDULE_INFO)
-    assert {n for n, i in SCHEDULE_INFO.items() if i.splits_backward} == {"zb-h1", "zb-h2", "zbv"}
-    assert [n for n, i in SCHEDULE_INFO.items() if i.memory_knob] == ["zb-h2"]
+    assert {n for n, i in SCHEDULE_INFO.items() if i.splits_backward} == {"zb-h1", "zb-h2", "zbv", "zb-auto"}
+    assert [n for n, i in SCHEDULE_INFO.items() if i.memory_knob] == ["zb-h2", "zb-auto"]
     assert SCHEDULE_INFO["zbv"].virtual_stages() == 2
     assert SCHEDULE_INFO["interleaved-1f1b"].virtual_stages(3) == 3
     assert SCHEDULE_INFO["1f1b"].virtual_stages() == 1
