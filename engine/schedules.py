@@ -70,7 +70,8 @@ class ScheduleInfo:
     ``placement``: ``"loop"`` (chunk s on rank s % p, Megatron) or ``"v"`` (chunk s on rank
     s for s < p, on rank 2p-1-s after: the first and last chunks share rank 0).
     ``chunks_per_rank``: a fixed number of model chunks per rank, or None when
-    ``virtual_stages`` (>= 2) chooses it. ``splits_backward``: runs I and W separately.
+    ``virtual_stages`` (>= 2) chooses it. ``splits_backward``: runs I and W separately
+    (dualpipev: some; its overlapped F+B pairs take full backwards).
     ``memory_knob``: accepts ``max_inflight`` (microbatches a rank may hold).
     ``microbatch_multiple``: microbatches must be a multiple of the stage count.
 
@@ -98,6 +99,7 @@ SCHEDULE_INFO: dict[str, ScheduleInfo] = {i.name: i for i in (
     ScheduleInfo("zb-h2", splits_backward=True, memory_knob=True),
     ScheduleInfo("zbv", placement="v", chunks_per_rank=2, splits_backward=True),
     ScheduleInfo("zb-auto", splits_backward=True, memory_knob=True),
+    ScheduleInfo("dualpipev", placement="v", chunks_per_rank=2, splits_backward=True),
 )}
 SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_INFO)
 
@@ -439,7 +441,8 @@ def _built(name: str, p: int, m: int, v: int, cap: int | None) -> Schedule:
     elif name == "zb-h2":
         actions = _zb_h2(p, m, cap)  # type: ignore[arg-type]
     else:
-        actions = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1, "zbv": _zbv}[name](p, m)
+        actions = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1, "zbv": _zbv,
+                   "dualpipev": _dualpipev}[name](p, m)
     return Schedule(name, p, m, v, actions, SCHEDULE_INFO[name].placement, cap)
 
 
@@ -458,6 +461,9 @@ def _check_virtual(info: ScheduleInfo, p: int, m: int, v: int) -> None:
             f"{info.name} runs exactly {info.chunks_per_rank} model chunks per rank "
             f"({info.placement} placement); pass virtual_stages={info.chunks_per_rank} and "
             f"{info.chunks_per_rank} x num_stages stage ranges, got virtual_stages={v}")
+    if info.name == "dualpipev" and m < 2 * p:
+        raise ValueError(f"dualpipev needs at least 2 * num_stages microbatches (one per chunk of "
+                         f"its V, as torch's ScheduleDualPipeV), got m={m}, p={p}: use m >= {2 * p}")
     if info.microbatch_multiple and m % p:
         lo, hi = (m // p) * p, (m // p + 1) * p
         hint = f"{lo} or {hi}" if lo else f"{hi}"
@@ -605,6 +611,73 @@ def _zbv(p: int, m: int) -> list[list[Action]]:
                     if i < m:
                         acts.append(Action(token[0], chunk[token[1]], i))
         out.append(acts)
+    return out
+
+
+class _RankOrder:
+    """Builds one rank's list for :func:`_dualpipev`: per (chunk, kind) microbatch counters, an
+    I's W queued until asked for (a B takes the microbatch of both)."""
+
+    def __init__(self) -> None:
+        self.acts: list[Action] = []
+        self.next: dict[tuple[int, str], int] = {}
+        self.weights: deque[tuple[int, int]] = deque()
+
+    def add(self, kind: str, chunk: int) -> None:
+        key = (chunk, "F" if kind == "F" else "I")   # B and I share the backward counter
+        i = self.next.get(key, 0)
+        self.next[key] = i + 1
+        self.acts.append(Action(kind, chunk, i))
+        if kind == "I":
+            self.weights.append((chunk, i))
+
+    def weight(self) -> None:
+        if self.weights:
+            chunk, i = self.weights.popleft()
+            self.acts.append(Action("W", chunk, i))
+
+
+def _dualpipev(p: int, m: int) -> list[list[Action]]:
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V; torch 2.13's ``ScheduleDualPipeV``):
+    2p chunks in a V (rank r holds ``a = r`` and ``b = 2p-1-r``), m >= 2p. Per rank, in phases:
+
+        2(p-1-r) x [Fa]             fill
+        r+1      x [Fa Fb]
+        p-1-r    x [Ib W Fb]        zero-bubble start on the way up
+        m-2p+1+r x [Fa Bb  Fb Ba]   main phase: each pair (an F of one chunk, a B of the
+                                    other) is one overlapped step on a device; run in order here
+        p-1-r    x [Bb  Fb Ba]
+        r+1      x [b a]            B's, then I's from the middle (odd ranks switch before the
+                                    b action, even ranks after it)
+        p-1-r    x [W a]
+        r+1      x [W]              the deferred weight gradients
+
+    where W is the oldest I's weight gradient, if any. The order is torch's, with each
+    overlapped pair as its forward then its full backward."""
+    out = []
+    for r in range(p):
+        a, b, o = r, 2 * p - 1 - r, _RankOrder()
+        for _ in range(2 * (p - 1 - r)):
+            o.add("F", a)
+        for _ in range(r + 1):
+            o.add("F", a), o.add("F", b)
+        for _ in range(p - 1 - r):
+            o.add("I", b), o.weight(), o.add("F", b)
+        for _ in range(m - 2 * p + 1 + r):
+            o.add("F", a), o.add("B", b), o.add("F", b), o.add("B", a)
+        for _ in range(p - 1 - r):
+            o.add("B", b), o.add("F", b), o.add("B", a)
+        split = False
+        for k in range(r + 1):
+            split = split or (k == (r + 1) // 2 and r % 2 == 1)
+            o.add("I" if split else "B", b)
+            split = split or (k == (r + 1) // 2 and r % 2 == 0)
+            o.add("I" if split else "B", a)
+        for _ in range(p - 1 - r):
+            o.weight(), o.add("I" if split else "B", a)
+        for _ in range(r + 1):
+            o.weight()
+        out.append(o.acts)
     return out
 
 
