@@ -60,7 +60,8 @@ class _State:
 
 def greedy(p: int, m: int, cap: int, f: Sequence[float], i: Sequence[float], w: Sequence[float],
            c: Sequence[float], prefer_i: bool = True, slack: float = 0.0,
-           lead: Sequence[int] | None = None, reserve: int = 0) -> list[list[Action]]:
+           lead: Sequence[int] | None = None, reserve: int = 0,
+           hold: float = 1.0) -> list[list[Action]]:
     """One rank per chunk (chunk r on rank r); per-rank action lists for ``m`` microbatches that
     never hold more than ``cap`` microbatches (an F holds one until its W).
 
@@ -68,7 +69,8 @@ def greedy(p: int, m: int, cap: int, f: Sequence[float], i: Sequence[float], w: 
     boundary transfer times (``p - 1``); ``lead``: per rank, the most forwards it may run ahead
     of its input gradients (None: only ``cap`` limits them); ``reserve``: weight gradients a rank
     keeps pending for its cool-down (a W fills an earlier gap only beyond them, or when memory
-    needs it).
+    needs it); ``hold``: the part of a microbatch's memory kept from its I to its W (1: all of
+    it, as pipeshard's runtime keeps the saved tensors until W).
 
     >>> [" ".join(map(str, a)) for a in greedy(2, 2, 2, [1, 1], [1, 1], [1, 1], [0])]
     ['0F0 0F1 0I0 0W0 0I1 0W1', '1F0 1I0 1F1 1I1 1W0 1W1']
@@ -76,7 +78,7 @@ def greedy(p: int, m: int, cap: int, f: Sequence[float], i: Sequence[float], w: 
     st = _State(p, m)
     todo = 3 * m * p
     lead = list(lead) if lead is not None else [m] * p
-    decisions = [_decide(st, r, p, m, cap, f, i, w, c, prefer_i, slack, lead[r], reserve) for r in range(p)]
+    decisions = [_decide(st, r, p, m, cap, f, i, w, c, prefer_i, slack, lead[r], reserve, hold) for r in range(p)]
     while todo:
         r = min(range(p), key=lambda q: (decisions[q][0], q))
         start, kind = decisions[r]
@@ -87,7 +89,7 @@ def greedy(p: int, m: int, cap: int, f: Sequence[float], i: Sequence[float], w: 
         todo -= 1
         for q in (r - 1, r, r + 1):
             if 0 <= q < p:
-                decisions[q] = _decide(st, q, p, m, cap, f, i, w, c, prefer_i, slack, lead[q], reserve)
+                decisions[q] = _decide(st, q, p, m, cap, f, i, w, c, prefer_i, slack, lead[q], reserve, hold)
     return st.acts
 
 
@@ -120,7 +122,7 @@ def _arrival_bound(st: _State, r: int, p: int, m: int, f: Sequence[float], i: Se
 
 def _decide(st: _State, r: int, p: int, m: int, cap: int, f: Sequence[float], i: Sequence[float],
             w: Sequence[float], c: Sequence[float], prefer_i: bool, slack: float,
-            lead: int, reserve: int = 0) -> tuple[float, str]:
+            lead: int, reserve: int = 0, hold: float = 1.0) -> tuple[float, str]:
     """(start, kind) of rank ``r``'s next action, or (inf, "") when it cannot tell yet."""
     t = st.free[r]
     has_w = st.nw[r] < st.ni[r]
@@ -128,8 +130,8 @@ def _decide(st: _State, r: int, p: int, m: int, cap: int, f: Sequence[float], i:
         return (t, "W") if has_w else (_INF, "")
     t_i = _ready_i(st, r, p, c)
     t_f_raw = _ready_f(st, r, m, c)
-    held = st.nf[r] - st.nw[r]
-    t_f = t_f_raw if held < cap and st.nf[r] - st.ni[r] < lead else _INF
+    held = st.nf[r] - (1.0 - hold) * st.ni[r] - hold * st.nw[r]
+    t_f = t_f_raw if held + 1.0 <= cap + 1e-9 and st.nf[r] - st.ni[r] < lead else _INF
     if t_i <= t and (prefer_i or t_f > t):
         return t, "I"
     if t_f <= t:
@@ -166,16 +168,18 @@ def _commit(st: _State, r: int, kind: str, start: float, f: Sequence[float], i: 
     st.acts[r].append(Action(kind, r, k))
 
 
-def _inflight_ok(acts: list[Action], cap: int) -> bool:
-    held = 0
+def _inflight_ok(acts: list[Action], cap: int, hold: float = 1.0) -> bool:
+    """Whether a rank's list keeps within ``cap`` microbatches' memory (``hold``: see greedy)."""
+    held = 0.0
     for a in acts:
-        held += 1 if a.kind == "F" else -1 if a.kind == "W" else 0
-        if held > cap:
+        held += {"F": 1.0, "I": hold - 1.0, "W": -hold}.get(a.kind, -1.0)
+        if held > cap + 1e-9:
             return False
     return True
 
 
-def _local_search(actions: list[list[Action]], cap: int, score, moves: int) -> tuple[list[list[Action]], float]:
+def _local_search(actions: list[list[Action]], cap: int, score, moves: int,
+                  hold: float = 1.0) -> tuple[list[list[Action]], float]:
     """Move single W's one place earlier or later on their rank while the score improves
     (first improvement; at most ``moves`` evaluations). A move keeps each W after its I and
     the in-flight bound; ``score`` returns inf for an order that cannot run."""
@@ -196,7 +200,7 @@ def _local_search(actions: list[list[Action]], cap: int, score, moves: int) -> t
                         continue
                     trial = list(acts)
                     trial[j], trial[k] = trial[k], trial[j]
-                    if not _inflight_ok(trial, cap):
+                    if not _inflight_ok(trial, cap, hold):
                         continue
                     cand = actions[:r] + [trial] + actions[r + 1:]
                     tried += 1
@@ -215,12 +219,13 @@ def _local_search(actions: list[list[Action]], cap: int, score, moves: int) -> t
 
 def build_auto(p: int, m: int, cap: int, f: Sequence[float], b: Sequence[float],
                w: Sequence[float], c: Sequence[float], steps: int = 1,
-               moves: int = 200) -> list[list[Action]]:
+               moves: int = 200, hold: float = 1.0) -> list[list[Action]]:
     """The best per-rank order found for these costs (see the module docstring).
 
     ``b`` is the full backward (``i = b - w``); ``steps``: consecutive steps the score
     simulates (1: the optimizer step synchronises the ranks; more: a rank-local step, so the
-    steady state counts); ``moves``: the local search's evaluation budget.
+    steady state counts); ``moves``: the local search's evaluation budget; ``hold``: the part of
+    a microbatch's memory kept from its I to its W (:func:`greedy`).
     """
     from engine.schedules import Schedule, _split_backward
     from engine.simulate import simulate
@@ -234,19 +239,21 @@ def build_auto(p: int, m: int, cap: int, f: Sequence[float], b: Sequence[float],
         except ValueError:   # an order the validator rejects (a move that would deadlock)
             return _INF
 
-    seeds = [greedy(p, m, cap, f, i, w, c, prefer_i, slack) for prefer_i, slack in KNOBS]
+    seeds = [greedy(p, m, cap, f, i, w, c, prefer_i, slack, hold=hold) for prefer_i, slack in KNOBS]
     for extra in (0, 1):   # forwards limited to the round trip: the rest of the bound defers W's
         lead = [min(x, cap) for x in leads(p, f, i, c, extra)]
-        seeds += [greedy(p, m, cap, f, i, w, c, True, slack, lead) for slack in (0.0, 0.5)]
+        for reserve in sorted({0, p // 2, p}):
+            seeds += [greedy(p, m, cap, f, i, w, c, True, slack, lead, reserve, hold)
+                      for slack in (0.0, 0.5)]
     x = max(min(cap - p, m - p), 0)   # the handcrafted orders, where the bound allows them
     seeds.append([_split_backward(r, m, min(m, p - r), r) for r in range(p)])           # zb-h1
     seeds.append([_split_backward(r, m, min(m, p - r + min(x, p - 1 - r)),              # zb-h2
                                   r + x - min(x, p - 1 - r)) for r in range(p)])
-    seeds = [a for a in seeds if all(_inflight_ok(acts, cap) for acts in a)]
+    seeds = [a for a in seeds if all(_inflight_ok(acts, cap, hold) for acts in a)]
     scored = sorted(((score(a), n, a) for n, a in enumerate(seeds)), key=lambda t: t[:2])
     best = scored[0][2]
     if moves > 0 and p * m <= 512:
-        best, _ = _local_search(best, cap, score, moves)
+        best, _ = _local_search(best, cap, score, moves, hold)
     return best
 
 

@@ -351,6 +351,7 @@ def build_schedule(
     name: str, num_stages: int, microbatches: int, virtual_stages: int = 1, *,
     max_inflight: int | None = None, forward_s: Cost | None = None, backward_s: Cost | None = None,
     weight_s: Cost | None = None, comm_s: Cost | None = None, steps: int = 1,
+    weight_hold: float = 1.0,
 ) -> Schedule:
     """Build a named schedule for ``num_stages`` ranks and ``microbatches`` microbatches.
 
@@ -365,8 +366,11 @@ def build_schedule(
     boundary, each one float or a list (the simulator's arguments; default 1, 2, 1 and 0, the
     paper's F = I = W), under ``max_inflight`` (default ``num_stages``, 1F1B's memory; 2p is
     the paper's ZB-2p), for ``steps`` consecutive steps (1: the optimizer step synchronises the
-    ranks, as pipeshard's runtime does; more: the steady state of a rank-local step). The costs
-    are part of its identity: the same arguments build the same schedule.
+    ranks, as pipeshard's runtime does; more: the steady state of a rank-local step).
+    ``weight_hold``: the part of a microbatch's memory still held between its I and its W, for
+    the bound (1, pipeshard's runtime, which keeps the saved tensors until W; the paper's GPT
+    accounting keeps 32h of 34h + 5as, about 0.43). The costs are part of its identity: the
+    same arguments build the same schedule.
 
     >>> build_schedule("interleaved-1f1b", 2, 4, virtual_stages=2).num_chunks
     4
@@ -383,20 +387,21 @@ def build_schedule(
         raise ValueError(f"microbatches must be >= 1, got {m}")
     _check_virtual(info, p, m, v)
     cap = _check_inflight(info, p, max_inflight)
-    costs = _auto_costs(info.name, p, forward_s, backward_s, weight_s, comm_s, steps)
+    costs = _auto_costs(info.name, p, forward_s, backward_s, weight_s, comm_s, steps, weight_hold)
     if costs is not None:
         return _built_auto(p, m, cap, *costs)  # type: ignore[arg-type]
     return _built(info.name, p, m, v, cap)
 
 
 def _auto_costs(name: str, p: int, forward_s: Cost | None, backward_s: Cost | None,
-                weight_s: Cost | None, comm_s: Cost | None, steps: int) -> tuple | None:
+                weight_s: Cost | None, comm_s: Cost | None, steps: int,
+                weight_hold: float = 1.0) -> tuple | None:
     """zb-auto's costs as hashable per-chunk tuples (None for another schedule, which takes
     none)."""
     given = [x is not None for x in (forward_s, backward_s, weight_s, comm_s)]
     if name != "zb-auto":
-        if any(given) or steps != 1:
-            raise ValueError(f"forward_s, backward_s, weight_s, comm_s and steps build zb-auto "
+        if any(given) or steps != 1 or weight_hold != 1.0:
+            raise ValueError(f"forward_s, backward_s, weight_s, comm_s, steps and weight_hold build zb-auto "
                              f"from costs; {name!r} takes none of them: drop them")
         return None
 
@@ -419,14 +424,18 @@ def _auto_costs(name: str, p: int, forward_s: Cost | None, backward_s: Cost | No
     c = per(comm_s, 0.0, max(p - 1, 0), "comm_s")
     if int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    return f, b, w, c, int(steps)
+    if not 0.0 <= float(weight_hold) <= 1.0:
+        raise ValueError(f"weight_hold is a fraction of a microbatch's memory, in [0, 1]; got "
+                         f"{weight_hold!r}")
+    return f, b, w, c, int(steps), float(weight_hold)
 
 
 @functools.lru_cache(maxsize=64)
 def _built_auto(p: int, m: int, cap: int, f: tuple[float, ...], b: tuple[float, ...],
-                w: tuple[float, ...], c: tuple[float, ...], steps: int) -> Schedule:
+                w: tuple[float, ...], c: tuple[float, ...], steps: int, hold: float) -> Schedule:
     from engine.autoschedule import build_auto
-    return Schedule("zb-auto", p, m, 1, build_auto(p, m, cap, f, b, w, c, steps), "loop", cap)
+    return Schedule("zb-auto", p, m, 1, build_auto(p, m, cap, f, b, w, c, steps, hold=hold),
+                    "loop", cap)
 
 
 @functools.lru_cache(maxsize=256)
