@@ -158,8 +158,24 @@ class Plan(JsonMixin):
         >>> res = plan.simulate()                         # doctest: +SKIP
         >>> res.step_s, res.bubble_fraction; res.to_png("timeline.png")  # doctest: +SKIP
         """
-        from engine.schedules import SCHEDULE_INFO, build_schedule, message_ends
         from engine.simulate import simulate
+
+        sched, f, b, w, comm = self._schedule_and_costs(forward_s, backward_s)
+        return simulate(sched, f, b, weight_s=w, comm_s=comm)
+
+    def build_schedule(self) -> Any:
+        """The schedule this plan runs (``engine.schedules.Schedule``): its named schedule, or for
+        ``zb-auto`` the one built from this plan's own per-chunk costs (those :meth:`simulate`
+        uses), each rank bounded by the in-flight count the memory model read (the same schedule
+        built without costs), so the plan's memory still holds. Pass it to ``engine.Pipeline``.
+
+        >>> plan.build_schedule().actions[0][:3]   # doctest: +SKIP
+        """
+        return self._schedule_and_costs(None, None)[0]
+
+    def _schedule_and_costs(self, forward_s: Sequence[float] | None, backward_s: Sequence[float] | None
+                            ) -> tuple[Any, list[float], list[float], list[float], Any]:
+        from engine.schedules import SCHEDULE_INFO, build_schedule, message_ends, peak_inflight
 
         a = self.action_s
         sched = build_schedule(self.schedule, self.num_stages, self.microbatches, self.virtual_stages,
@@ -176,7 +192,28 @@ class Plan(JsonMixin):
             f = [x + self.message_busy_s * k for x, k in zip(f, ends)]
             b = [x + self.message_busy_s * k for x, k in zip(b, ends)]
         comm = self.boundary_comm_s if len(f) > 1 and self.boundary_comm_s else 0.0
-        return simulate(sched, f, b, weight_s=w, comm_s=comm)
+        if self.schedule == "zb-auto" and len(f) == len(b) == len(w) == self.num_stages:
+            sched = build_schedule("zb-auto", self.num_stages, self.microbatches,
+                                   **self._auto_kwargs(peak_inflight(sched), f, b, w, comm))
+        return sched, f, b, w, comm
+
+    @staticmethod
+    def _auto_kwargs(caps: Sequence[int], f: Sequence[float], b: Sequence[float], w: Sequence[float],
+                     comm: Any) -> dict[str, Any]:
+        return {"max_inflight": tuple(caps), "forward_s": tuple(f), "backward_s": tuple(b),
+                "weight_s": tuple(w), "comm_s": comm if isinstance(comm, float) else tuple(comm)}
+
+    def schedule_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments that make ``engine.schedules.build_schedule(self.schedule,
+        num_stages, microbatches, virtual_stages, **kwargs)`` return :meth:`build_schedule`'s
+        schedule (hashable values): ``max_inflight`` for the named schedules, and for zb-auto its
+        per-rank bounds and this plan's costs."""
+        if self.schedule != "zb-auto":
+            return {"max_inflight": self.max_inflight}
+        from engine.schedules import build_schedule, peak_inflight
+        sched, f, b, w, comm = self._schedule_and_costs(None, None)
+        unit = build_schedule("zb-auto", self.num_stages, self.microbatches, max_inflight=self.max_inflight)
+        return self._auto_kwargs(peak_inflight(unit), f, b, w, comm)
 
     def predicted_step_s(self, sim: Any) -> float:
         """A whole step from its simulated schedule (an ``engine.simulate`` result): plus the

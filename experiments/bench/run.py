@@ -212,7 +212,9 @@ def _entries(systems: list[str], schedules: list[str], methods: list[str], spec:
                 for mode in _single_modes(systems, schedules)]
     if "pipeshard" in systems:
         for name in schedules:
-            pipeshard.append((name, _spec_of(spec, plans[name])))
+            extra_layout = ({"schedule_kwargs": tuple(sorted(plans[name].schedule_kwargs().items()))}
+                            if name == "zb-auto" else None)   # the plan's own zb-auto (its costs)
+            pipeshard.append((name, _spec_of(spec, plans[name])) + ((extra_layout,) if extra_layout else ()))
             entries.append(({"section": "systems", "method": "optimal"}, pipeshard_key(*pipeshard[-1]), name))
     if "torch-pipelining" in systems:
         entries += [({"section": "systems"}, ("torch-pipelining", name), None) for name in _torch_names(schedules)]

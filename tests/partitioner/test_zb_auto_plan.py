@@ -1,0 +1,38 @@
+"""The planner with zb-auto: the plan's schedule is built from the plan's own per-chunk costs,
+within the in-flight counts its memory model read; the search considers it."""
+from __future__ import annotations
+
+from engine.schedules import build_schedule, peak_inflight
+from engine.simulate import simulate
+from partitioner import LayerCost, Profile, partition, search
+
+
+def _profile() -> Profile:
+    # unequal layers, the backward's weight part varying: the split cannot balance them all
+    times = [(1.0, 2.0, 0.4), (3.0, 4.0, 2.5), (1.0, 3.0, 1.0), (2.0, 2.0, 0.2), (1.5, 4.0, 2.0),
+             (0.5, 1.0, 0.5), (2.5, 5.0, 2.0), (1.0, 1.5, 0.5)]
+    return Profile([LayerCost(f * 1e-3, b * 1e-3, 1 << 20, 4 << 20, 1 << 18, weight_grad_s=w * 1e-3)
+                    for f, b, w in times])
+
+
+def test_plan_builds_zb_auto_from_its_costs_within_its_memory():
+    plan = partition(_profile(), 3, schedule="zb-auto", microbatches=6, max_inflight=4)
+    sched = plan.build_schedule()
+    unit = build_schedule("zb-auto", 3, 6, max_inflight=4)
+    assert sched.name == "zb-auto" and sched.actions != unit.actions   # the costs changed it
+    assert all(a <= b for a, b in zip(peak_inflight(sched), peak_inflight(unit)))
+    again = build_schedule("zb-auto", 3, 6, **plan.schedule_kwargs())
+    assert again.actions == sched.actions
+    res = plan.simulate()
+    assert plan.step_s >= res.step_s
+    # the plan's schedule is the fastest of the two on the plan's costs
+    sched_, f, b, w, comm = plan._schedule_and_costs(None, None)
+    assert res.step_s <= simulate(unit, f, b, w, comm).step_s + 1e-12
+    assert not any("differs from the memory model" in n for n in plan.notes)
+
+
+def test_search_considers_zb_auto_beside_the_handcrafted():
+    res = search(_profile(), 3, 12, profile_microbatch=2, schedules=["zb-h1", "zb-h2", "zb-auto"],
+                 microbatches=[6])
+    names = {c.schedule for c in res.candidates if c.status == "ok"}
+    assert names == {"zb-h1", "zb-h2", "zb-auto"}
