@@ -36,7 +36,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from engine.schedules import Action
+from engine.schedules import Action, Schedule, _split_backward, register_cost_builder
+from engine.simulate import simulate
 
 __all__ = ["greedy", "build_auto", "leads", "KNOBS"]
 
@@ -58,19 +59,21 @@ class _State:
         self.acts: list[list[Action]] = [[] for _ in range(p)]
 
 
-def greedy(p: int, m: int, cap: int, f: Sequence[float], i: Sequence[float], w: Sequence[float],
+def greedy(p: int, m: int, cap: int | Sequence[int], f: Sequence[float], i: Sequence[float], w: Sequence[float],
            c: Sequence[float], prefer_i: bool = True, slack: float = 0.0,
            lead: Sequence[int] | None = None, reserve: int = 0,
-           hold: float = 1.0) -> list[list[Action]]:
+           hold: float = 1.0, cool: float | None = None) -> list[list[Action]]:
     """One rank per chunk (chunk r on rank r); per-rank action lists for ``m`` microbatches that
-    never hold more than ``cap`` microbatches (an F holds one until its W).
+    never hold more than ``cap`` microbatches (one bound, or one per rank; an F holds one until
+    its W).
 
     ``f``, ``i``, ``w``: per-chunk forward, input-gradient and weight-gradient times; ``c``: per
     boundary transfer times (``p - 1``); ``lead``: per rank, the most forwards it may run ahead
     of its input gradients (None: only ``cap`` limits them); ``reserve``: weight gradients a rank
     keeps pending for its cool-down (a W fills an earlier gap only beyond them, or when memory
     needs it); ``hold``: the part of a microbatch's memory kept from its I to its W (1: all of
-    it, as pipeshard's runtime keeps the saved tensors until W).
+    it, as pipeshard's runtime keeps the saved tensors until W); ``cool``: the W slack once the
+    rank has run its last forward (None: ``slack``).
 
     >>> [" ".join(map(str, a)) for a in greedy(2, 2, 2, [1, 1], [1, 1], [1, 1], [0])]
     ['0F0 0F1 0I0 0W0 0I1 0W1', '1F0 1I0 1F1 1I1 1W0 1W1']
@@ -78,7 +81,10 @@ def greedy(p: int, m: int, cap: int, f: Sequence[float], i: Sequence[float], w: 
     st = _State(p, m)
     todo = 3 * m * p
     lead = list(lead) if lead is not None else [m] * p
-    decisions = [_decide(st, r, p, m, cap, f, i, w, c, prefer_i, slack, lead[r], reserve, hold) for r in range(p)]
+    caps = _caps(cap, p)
+    knobs = (prefer_i, slack)
+    extra = (reserve, hold, cool)
+    decisions = [_decide(st, r, p, m, caps[r], f, i, w, c, *knobs, lead[r], *extra) for r in range(p)]
     while todo:
         r = min(range(p), key=lambda q: (decisions[q][0], q))
         start, kind = decisions[r]
@@ -89,7 +95,7 @@ def greedy(p: int, m: int, cap: int, f: Sequence[float], i: Sequence[float], w: 
         todo -= 1
         for q in (r - 1, r, r + 1):
             if 0 <= q < p:
-                decisions[q] = _decide(st, q, p, m, cap, f, i, w, c, prefer_i, slack, lead[q], reserve, hold)
+                decisions[q] = _decide(st, q, p, m, caps[q], f, i, w, c, *knobs, lead[q], *extra)
     return st.acts
 
 
@@ -122,7 +128,8 @@ def _arrival_bound(st: _State, r: int, p: int, m: int, f: Sequence[float], i: Se
 
 def _decide(st: _State, r: int, p: int, m: int, cap: int, f: Sequence[float], i: Sequence[float],
             w: Sequence[float], c: Sequence[float], prefer_i: bool, slack: float,
-            lead: int, reserve: int = 0, hold: float = 1.0) -> tuple[float, str]:
+            lead: int, reserve: int = 0, hold: float = 1.0,
+            cool: float | None = None) -> tuple[float, str]:
     """(start, kind) of rank ``r``'s next action, or (inf, "") when it cannot tell yet."""
     t = st.free[r]
     has_w = st.nw[r] < st.ni[r]
@@ -143,7 +150,7 @@ def _decide(st: _State, r: int, p: int, m: int, cap: int, f: Sequence[float], i:
             return t, "W"   # memory: the next F needs a W first
         lb = _arrival_bound(st, r, p, m, f, i, c, t_i, t_f)
         spare = st.ni[r] - st.nw[r] > reserve or st.nf[r] == m
-        if spare and t + w[r] <= lb + slack * w[r]:
+        if spare and t + w[r] <= lb + (slack if st.nf[r] < m or cool is None else cool) * w[r]:
             return t, "W"
     nxt = min(t_i, t_f)
     if nxt == _INF:
@@ -168,6 +175,10 @@ def _commit(st: _State, r: int, kind: str, start: float, f: Sequence[float], i: 
     st.acts[r].append(Action(kind, r, k))
 
 
+def _caps(cap: int | Sequence[int], p: int) -> list[int]:
+    return [int(cap)] * p if isinstance(cap, (int, float)) else [int(x) for x in cap]
+
+
 def _inflight_ok(acts: list[Action], cap: int, hold: float = 1.0) -> bool:
     """Whether a rank's list keeps within ``cap`` microbatches' memory (``hold``: see greedy)."""
     held = 0.0
@@ -178,7 +189,7 @@ def _inflight_ok(acts: list[Action], cap: int, hold: float = 1.0) -> bool:
     return True
 
 
-def _local_search(actions: list[list[Action]], cap: int, score, moves: int,
+def _local_search(actions: list[list[Action]], caps: Sequence[int], score, moves: int,
                   hold: float = 1.0) -> tuple[list[list[Action]], float]:
     """Move single W's one place earlier or later on their rank while the score improves
     (first improvement; at most ``moves`` evaluations). A move keeps each W after its I and
@@ -200,7 +211,7 @@ def _local_search(actions: list[list[Action]], cap: int, score, moves: int,
                         continue
                     trial = list(acts)
                     trial[j], trial[k] = trial[k], trial[j]
-                    if not _inflight_ok(trial, cap, hold):
+                    if not _inflight_ok(trial, caps[r], hold):
                         continue
                     cand = actions[:r] + [trial] + actions[r + 1:]
                     tried += 1
@@ -217,7 +228,7 @@ def _local_search(actions: list[list[Action]], cap: int, score, moves: int,
     return actions, best
 
 
-def build_auto(p: int, m: int, cap: int, f: Sequence[float], b: Sequence[float],
+def build_auto(p: int, m: int, cap: int | Sequence[int], f: Sequence[float], b: Sequence[float],
                w: Sequence[float], c: Sequence[float], steps: int = 1,
                moves: int = 200, hold: float = 1.0) -> list[list[Action]]:
     """The best per-rank order found for these costs (see the module docstring).
@@ -227,33 +238,31 @@ def build_auto(p: int, m: int, cap: int, f: Sequence[float], b: Sequence[float],
     steady state counts); ``moves``: the local search's evaluation budget; ``hold``: the part of
     a microbatch's memory kept from its I to its W (:func:`greedy`).
     """
-    from engine.schedules import Schedule, _split_backward
-    from engine.simulate import simulate
-
     i = [x - y for x, y in zip(b, w)]
 
     def score(actions: list[list[Action]]) -> float:
-        s = Schedule("zb-auto", p, m, 1, actions, "loop", cap)
+        s = Schedule("zb-auto", p, m, 1, actions, "loop", max(caps))
         try:
             return simulate(s, f, b, w, c, steps=steps).step_s
         except ValueError:   # an order the validator rejects (a move that would deadlock)
             return _INF
 
-    seeds = [greedy(p, m, cap, f, i, w, c, prefer_i, slack, hold=hold) for prefer_i, slack in KNOBS]
+    caps = _caps(cap, p)
+    seeds = [greedy(p, m, caps, f, i, w, c, prefer_i, slack, hold=hold) for prefer_i, slack in KNOBS]
     for extra in (0, 1):   # forwards limited to the round trip: the rest of the bound defers W's
-        lead = [min(x, cap) for x in leads(p, f, i, c, extra)]
+        lead = [min(x, k) for x, k in zip(leads(p, f, i, c, extra), caps)]
         for reserve in sorted({0, p // 2, p}):
-            seeds += [greedy(p, m, cap, f, i, w, c, True, slack, lead, reserve, hold)
-                      for slack in (0.0, 0.5)]
-    x = max(min(cap - p, m - p), 0)   # the handcrafted orders, where the bound allows them
+            seeds += [greedy(p, m, caps, f, i, w, c, True, slack, lead, reserve, hold, cool)
+                      for slack in (0.0, 0.5) for cool in (None, 1.0)]
+    x = max(min(min(caps) - p, m - p), 0)   # the handcrafted orders, where the bound allows them
     seeds.append([_split_backward(r, m, min(m, p - r), r) for r in range(p)])           # zb-h1
     seeds.append([_split_backward(r, m, min(m, p - r + min(x, p - 1 - r)),              # zb-h2
                                   r + x - min(x, p - 1 - r)) for r in range(p)])
-    seeds = [a for a in seeds if all(_inflight_ok(acts, cap, hold) for acts in a)]
+    seeds = [a for a in seeds if all(_inflight_ok(acts, k, hold) for acts, k in zip(a, caps))]
     scored = sorted(((score(a), n, a) for n, a in enumerate(seeds)), key=lambda t: t[:2])
     best = scored[0][2]
     if moves > 0 and p * m <= 512:
-        best, _ = _local_search(best, cap, score, moves, hold)
+        best, _ = _local_search(best, caps, score, moves, hold)
     return best
 
 
@@ -269,3 +278,6 @@ def leads(p: int, f: Sequence[float], i: Sequence[float], c: Sequence[float], ex
         trip = sum(f[q] + i[q] for q in range(r + 1, p)) + 2 * sum(c[r:]) + i[r]
         out.append(1 + max(0, math.ceil(trip / f[r] - 1e-9) - 1) + extra if f[r] > 0 else p + extra)
     return out
+
+
+register_cost_builder("zb-auto", build_auto)

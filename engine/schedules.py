@@ -30,7 +30,7 @@ import operator
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence, Union
+from typing import Callable, Literal, Mapping, Sequence, Union
 
 __all__ = [
     "ActionKind",
@@ -53,6 +53,7 @@ __all__ = [
     "validate",
     "ScheduleError",
     "lower",
+    "register_cost_builder",
 ]
 
 ActionKind = Literal["F", "B", "I", "W"]
@@ -349,7 +350,7 @@ def _int_arg(value: object, name: str) -> int:
 
 def build_schedule(
     name: str, num_stages: int, microbatches: int, virtual_stages: int = 1, *,
-    max_inflight: int | None = None, forward_s: Cost | None = None, backward_s: Cost | None = None,
+    max_inflight: int | Sequence[int] | None = None, forward_s: Cost | None = None, backward_s: Cost | None = None,
     weight_s: Cost | None = None, comm_s: Cost | None = None, steps: int = 1,
     weight_hold: float = 1.0,
 ) -> Schedule:
@@ -365,7 +366,8 @@ def build_schedule(
     (the full backward), ``weight_s`` (its weight-gradient part) per chunk and ``comm_s`` per
     boundary, each one float or a list (the simulator's arguments; default 1, 2, 1 and 0, the
     paper's F = I = W), under ``max_inflight`` (default ``num_stages``, 1F1B's memory; 2p is
-    the paper's ZB-2p), for ``steps`` consecutive steps (1: the optimizer step synchronises the
+    the paper's ZB-2p; or one bound per rank: the schedule's ``max_inflight`` is then the
+    largest), for ``steps`` consecutive steps (1: the optimizer step synchronises the
     ranks, as pipeshard's runtime does; more: the steady state of a rank-local step).
     ``weight_hold``: the part of a microbatch's memory still held between its I and its W, for
     the bound (1, pipeshard's runtime, which keeps the saved tensors until W; the paper's GPT
@@ -431,11 +433,21 @@ def _auto_costs(name: str, p: int, forward_s: Cost | None, backward_s: Cost | No
 
 
 @functools.lru_cache(maxsize=64)
-def _built_auto(p: int, m: int, cap: int, f: tuple[float, ...], b: tuple[float, ...],
+def _built_auto(p: int, m: int, cap: int | tuple[int, ...], f: tuple[float, ...], b: tuple[float, ...],
                 w: tuple[float, ...], c: tuple[float, ...], steps: int, hold: float) -> Schedule:
-    from engine.autoschedule import build_auto
-    return Schedule("zb-auto", p, m, 1, build_auto(p, m, cap, f, b, w, c, steps, hold=hold),
-                    "loop", cap)
+    top = cap if isinstance(cap, int) else max(cap)
+    build = _COST_BUILDERS["zb-auto"]
+    return Schedule("zb-auto", p, m, 1, build(p, m, cap, f, b, w, c, steps, hold=hold), "loop", top)
+
+
+_COST_BUILDERS: dict[str, Callable[..., list[list[Action]]]] = {}
+
+
+def register_cost_builder(name: str, build: Callable[..., list[list[Action]]]) -> None:
+    """Install the function that builds schedule ``name`` from costs. ``engine.autoschedule``
+    registers zb-auto's on import (``import engine`` imports it: this module cannot import it,
+    as it scores its orders with the simulator, which imports this module)."""
+    _COST_BUILDERS[name] = build
 
 
 @functools.lru_cache(maxsize=256)
@@ -481,8 +493,15 @@ def _check_virtual(info: ScheduleInfo, p: int, m: int, v: int) -> None:
             f"(microbatches run in groups of p, as in Megatron); got m={m}, p={p}: use m={hint}")
 
 
-def _check_inflight(info: ScheduleInfo, p: int, max_inflight: int | None) -> int | None:
+def _check_inflight(info: ScheduleInfo, p: int, max_inflight: int | Sequence[int] | None
+                    ) -> int | tuple[int, ...] | None:
     if info.name == "zb-auto":
+        if max_inflight is not None and not isinstance(max_inflight, int):   # one per rank
+            caps = tuple(_int_arg(x, "max_inflight") for x in max_inflight)  # type: ignore[union-attr]
+            if len(caps) != p or min(caps) < 1:
+                raise ValueError(f"zb-auto's max_inflight must be one int >= 1 or {p} of them (one "
+                                 f"per rank), got {max_inflight!r}")
+            return caps if len(set(caps)) > 1 else caps[0]   # type: ignore[return-value]
         cap = p if max_inflight is None else _int_arg(max_inflight, "max_inflight")
         if cap < 1:
             raise ValueError(f"zb-auto's max_inflight (microbatches a rank may hold) must be >= 1, "
