@@ -57,13 +57,10 @@ def test_handcrafted_bubbles_are_the_papers(row, paper):
 # models of its Table 3: 1.5B h=2304 a=24, the others a = h / 128), s = 1024
 HOLD = {"1.5B": 0.366, "6.2B": 0.432, "14.6B": 0.432, "28.3B": 0.432}
 ROWS = [(r, t) for r, t in zip(TABLE9, TABLE5) if r[1] == 8 and r[2] <= 32]   # the rest: docs
-MISSES = {("6.2B", 24)}   # 0.031 against 0.0029: docs/schedules.md
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row,paper", [
-    pytest.param(r, t, marks=[pytest.mark.xfail(strict=True, reason="zb-auto 0.031, ZB-2p 0.0029")]
-                 if (r[0], r[2]) in MISSES else []) for r, t in ROWS], ids=[f"{r[0]}-m{r[2]}" for r, _ in ROWS])
+@pytest.mark.parametrize("row,paper", ROWS, ids=[f"{r[0]}-m{r[2]}" for r, _ in ROWS])
 def test_zb_auto_at_zb_2p_memory(row, paper):
     _, p, m, f, i, w, c = row
     s = build_schedule("zb-auto", p, m, max_inflight=2 * p, forward_s=f, backward_s=i + w,
