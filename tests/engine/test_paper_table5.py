@@ -39,7 +39,9 @@ def bubble(schedule, row) -> float:
     return simulate(schedule, f, i + w, w, c, steps=STEPS).bubbles[-1]
 
 
-@pytest.mark.parametrize("row,paper", list(zip(TABLE9, TABLE5)), ids=[f"{r[0]}-m{r[2]}" for r in TABLE9])
+@pytest.mark.parametrize("row,paper", [pytest.param(r, t, marks=[pytest.mark.slow] if r[1] > 8 else [])
+                                       for r, t in zip(TABLE9, TABLE5)],   # p = 16, 32: seconds each
+                         ids=[f"{r[0]}-m{r[2]}" for r in TABLE9])
 def test_handcrafted_bubbles_are_the_papers(row, paper):
     _, p, m, *_ = row
     got = [bubble(build_schedule(name, p, m), row) for name in ("1f1b", "zb-h1", "zb-h2")]
