@@ -52,6 +52,7 @@ def test_same_arguments_same_schedule_and_costs_matter():
     assert lower(a) == lower(b)
 
 
+@pytest.mark.slow
 def test_steady_state_objective_beats_zb_h2_on_the_papers_costs():
     # the paper's Table 9 row 6.2B p=8 m=24 (ms): T_F, T_B (input grad), T_W, T_comm
     F, I, W, C = 29.718, 29.444, 19.927, 0.527
@@ -81,6 +82,7 @@ def test_costs_only_for_zb_auto():
         build_schedule("zb-h1", 2, 4, forward_s=1.0)
 
 
+@pytest.mark.slow
 def test_weight_hold_counts_a_pending_w_as_part_of_a_microbatch():
     # the paper's memory accounting (a W keeps about 0.43 of a microbatch after its I) lets
     # zb-auto defer more W's under the same bound, and the steady state gains from it
