@@ -167,7 +167,9 @@ class Plan(JsonMixin):
         """The schedule this plan runs (``engine.schedules.Schedule``): its named schedule, or for
         ``zb-auto`` the one built from this plan's own per-chunk costs (those :meth:`simulate`
         uses), each rank bounded by the in-flight count the memory model read (the same schedule
-        built without costs), so the plan's memory still holds. Pass it to ``engine.Pipeline``.
+        built without costs), when no rank of it holds or has pending more microbatches than the
+        memory model's peak; else zb-auto built without costs, the schedule the memory model read.
+        Either way the plan's memory holds. Pass it to ``engine.Pipeline``.
 
         >>> plan.build_schedule().actions[0][:3]   # doctest: +SKIP
         """
@@ -193,9 +195,27 @@ class Plan(JsonMixin):
             b = [x + self.message_busy_s * k for x, k in zip(b, ends)]
         comm = self.boundary_comm_s if len(f) > 1 and self.boundary_comm_s else 0.0
         if self.schedule == "zb-auto" and len(f) == len(b) == len(w) == self.num_stages:
-            sched = build_schedule("zb-auto", self.num_stages, self.microbatches,
+            built = build_schedule("zb-auto", self.num_stages, self.microbatches,
                                    **self._auto_kwargs(peak_inflight(sched), f, b, w, comm))
+            if self._within_memory(built):
+                sched = built
         return sched, f, b, w, comm
+
+    def _within_memory(self, schedule: Any) -> bool:
+        """Whether every state of ``schedule`` holds and has pending no more microbatches per
+        chunk than the memory model's peak (``stage_inflight``, ``stage_pending``): then no rank
+        needs more than the plan says, whatever the bytes per microbatch."""
+        from .memory import schedule_states
+
+        if len(self.stage_inflight) != self.num_chunks or len(self.stage_pending) != self.num_chunks:
+            return False
+        for r, states in enumerate(schedule_states(schedule)):
+            mine = schedule.stages_of(r)
+            for held, pend in states:
+                if any(h > self.stage_inflight[c] or g > self.stage_pending[c]
+                       for h, g, c in zip(held, pend, mine)):
+                    return False
+        return True
 
     @staticmethod
     def _auto_kwargs(caps: Sequence[int], f: Sequence[float], b: Sequence[float], w: Sequence[float],
@@ -213,6 +233,8 @@ class Plan(JsonMixin):
         from engine.schedules import build_schedule, peak_inflight
         sched, f, b, w, comm = self._schedule_and_costs(None, None)
         unit = build_schedule("zb-auto", self.num_stages, self.microbatches, max_inflight=self.max_inflight)
+        if sched is unit:   # the cost-built one would need more memory than planned
+            return {"max_inflight": self.max_inflight}
         return self._auto_kwargs(peak_inflight(unit), f, b, w, comm)
 
     def predicted_step_s(self, sim: Any) -> float:
