@@ -62,7 +62,8 @@ class _State:
 def greedy(p: int, m: int, cap: int | Sequence[int], f: Sequence[float], i: Sequence[float], w: Sequence[float],
            c: Sequence[float], prefer_i: bool = True, slack: float = 0.0,
            lead: Sequence[int] | None = None, reserve: int = 0,
-           hold: float = 1.0, cool: float | None = None) -> list[list[Action]]:
+           hold: float = 1.0, cool: float | None = None,
+           pending: Sequence[int] | None = None) -> list[list[Action]]:
     """One rank per chunk (chunk r on rank r); per-rank action lists for ``m`` microbatches that
     never hold more than ``cap`` microbatches (one bound, or one per rank; an F holds one until
     its W).
@@ -73,7 +74,8 @@ def greedy(p: int, m: int, cap: int | Sequence[int], f: Sequence[float], i: Sequ
     keeps pending for its cool-down (a W fills an earlier gap only beyond them, or when memory
     needs it); ``hold``: the part of a microbatch's memory kept from its I to its W (1: all of
     it, as pipeshard's runtime keeps the saved tensors until W); ``cool``: the W slack once the
-    rank has run its last forward (None: ``slack``).
+    rank has run its last forward (None: ``slack``); ``pending``: per rank, the most microbatches
+    whose I has run and W not yet (None: no bound beyond ``cap``).
 
     >>> [" ".join(map(str, a)) for a in greedy(2, 2, 2, [1, 1], [1, 1], [1, 1], [0])]
     ['0F0 0F1 0I0 0W0 0I1 0W1', '1F0 1I0 1F1 1I1 1W0 1W1']
@@ -84,7 +86,9 @@ def greedy(p: int, m: int, cap: int | Sequence[int], f: Sequence[float], i: Sequ
     caps = _caps(cap, p)
     knobs = (prefer_i, slack)
     extra = (reserve, hold, cool)
-    decisions = [_decide(st, r, p, m, caps[r], f, i, w, c, *knobs, lead[r], *extra) for r in range(p)]
+    pend = list(pending) if pending is not None else [m] * p
+    decisions = [_decide(st, r, p, m, caps[r], f, i, w, c, *knobs, lead[r], *extra, pend[r])
+                 for r in range(p)]
     while todo:
         r = min(range(p), key=lambda q: (decisions[q][0], q))
         start, kind = decisions[r]
@@ -95,7 +99,7 @@ def greedy(p: int, m: int, cap: int | Sequence[int], f: Sequence[float], i: Sequ
         todo -= 1
         for q in (r - 1, r, r + 1):
             if 0 <= q < p:
-                decisions[q] = _decide(st, q, p, m, caps[q], f, i, w, c, *knobs, lead[q], *extra)
+                decisions[q] = _decide(st, q, p, m, caps[q], f, i, w, c, *knobs, lead[q], *extra, pend[q])
     return st.acts
 
 
@@ -129,10 +133,12 @@ def _arrival_bound(st: _State, r: int, p: int, m: int, f: Sequence[float], i: Se
 def _decide(st: _State, r: int, p: int, m: int, cap: int, f: Sequence[float], i: Sequence[float],
             w: Sequence[float], c: Sequence[float], prefer_i: bool, slack: float,
             lead: int, reserve: int = 0, hold: float = 1.0,
-            cool: float | None = None) -> tuple[float, str]:
+            cool: float | None = None, pend: int = 1 << 30) -> tuple[float, str]:
     """(start, kind) of rank ``r``'s next action, or (inf, "") when it cannot tell yet."""
     t = st.free[r]
     has_w = st.nw[r] < st.ni[r]
+    if has_w and st.ni[r] - st.nw[r] >= pend:
+        return t, "W"   # as many pending weight gradients as allowed: none more before a W
     if st.ni[r] == m and st.nf[r] == m:
         return (t, "W") if has_w else (_INF, "")
     t_i = _ready_i(st, r, p, c)
@@ -179,18 +185,21 @@ def _caps(cap: int | Sequence[int], p: int) -> list[int]:
     return [int(cap)] * p if isinstance(cap, (int, float)) else [int(x) for x in cap]
 
 
-def _inflight_ok(acts: list[Action], cap: int, hold: float = 1.0) -> bool:
-    """Whether a rank's list keeps within ``cap`` microbatches' memory (``hold``: see greedy)."""
-    held = 0.0
+def _inflight_ok(acts: list[Action], cap: int, hold: float = 1.0, pend: int | None = None) -> bool:
+    """Whether a rank's list keeps within ``cap`` microbatches' memory (``hold``: see greedy)
+    and ``pend`` pending weight gradients."""
+    held, waiting = 0.0, 0
     for a in acts:
         held += {"F": 1.0, "I": hold - 1.0, "W": -hold}.get(a.kind, -1.0)
-        if held > cap + 1e-9:
+        waiting += {"I": 1, "W": -1}.get(a.kind, 0)
+        if held > cap + 1e-9 or (pend is not None and waiting > pend):
             return False
     return True
 
 
 def _local_search(actions: list[list[Action]], caps: Sequence[int], score, moves: int,
-                  hold: float = 1.0) -> tuple[list[list[Action]], float]:
+                  hold: float = 1.0, pend: Sequence[int | None] | None = None
+                  ) -> tuple[list[list[Action]], float]:
     """Move single W's one place earlier or later on their rank while the score improves
     (first improvement; at most ``moves`` evaluations). A move keeps each W after its I and
     the in-flight bound; ``score`` returns inf for an order that cannot run."""
@@ -211,7 +220,7 @@ def _local_search(actions: list[list[Action]], caps: Sequence[int], score, moves
                         continue
                     trial = list(acts)
                     trial[j], trial[k] = trial[k], trial[j]
-                    if not _inflight_ok(trial, caps[r], hold):
+                    if not _inflight_ok(trial, caps[r], hold, None if pend is None else pend[r]):
                         continue
                     cand = actions[:r] + [trial] + actions[r + 1:]
                     tried += 1
@@ -230,13 +239,15 @@ def _local_search(actions: list[list[Action]], caps: Sequence[int], score, moves
 
 def build_auto(p: int, m: int, cap: int | Sequence[int], f: Sequence[float], b: Sequence[float],
                w: Sequence[float], c: Sequence[float], steps: int = 1,
-               moves: int = 200, hold: float = 1.0) -> list[list[Action]]:
+               moves: int = 200, hold: float = 1.0,
+               pending: Sequence[int] | None = None) -> list[list[Action]]:
     """The best per-rank order found for these costs (see the module docstring).
 
     ``b`` is the full backward (``i = b - w``); ``steps``: consecutive steps the score
     simulates (1: the optimizer step synchronises the ranks; more: a rank-local step, so the
     steady state counts); ``moves``: the local search's evaluation budget; ``hold``: the part of
-    a microbatch's memory kept from its I to its W (:func:`greedy`).
+    a microbatch's memory kept from its I to its W (:func:`greedy`); ``pending``: per rank, the
+    most weight gradients pending (:func:`greedy`).
     """
     i = [x - y for x, y in zip(b, w)]
 
@@ -248,21 +259,23 @@ def build_auto(p: int, m: int, cap: int | Sequence[int], f: Sequence[float], b: 
             return _INF
 
     caps = _caps(cap, p)
-    seeds = [greedy(p, m, caps, f, i, w, c, prefer_i, slack, hold=hold) for prefer_i, slack in KNOBS]
+    seeds = [greedy(p, m, caps, f, i, w, c, prefer_i, slack, hold=hold, pending=pending)
+             for prefer_i, slack in KNOBS]
     for extra in (0, 1):   # forwards limited to the round trip: the rest of the bound defers W's
         lead = [min(x, k) for x, k in zip(leads(p, f, i, c, extra), caps)]
         for reserve in sorted({0, p // 2, p}):
-            seeds += [greedy(p, m, caps, f, i, w, c, True, slack, lead, reserve, hold, cool)
+            seeds += [greedy(p, m, caps, f, i, w, c, True, slack, lead, reserve, hold, cool, pending)
                       for slack in (0.0, 0.5) for cool in (None, 1.0)]
     x = max(min(min(caps) - p, m - p), 0)   # the handcrafted orders, where the bound allows them
     seeds.append([_split_backward(r, m, min(m, p - r), r) for r in range(p)])           # zb-h1
     seeds.append([_split_backward(r, m, min(m, p - r + min(x, p - 1 - r)),              # zb-h2
                                   r + x - min(x, p - 1 - r)) for r in range(p)])
-    seeds = [a for a in seeds if all(_inflight_ok(acts, k, hold) for acts, k in zip(a, caps))]
+    pend = list(pending) if pending is not None else [None] * p
+    seeds = [a for a in seeds if all(_inflight_ok(acts, k, hold, g) for acts, k, g in zip(a, caps, pend))]
     scored = sorted(((score(a), n, a) for n, a in enumerate(seeds)), key=lambda t: t[:2])
     best = scored[0][2]
     if moves > 0 and p * m <= 512:
-        best, _ = _local_search(best, caps, score, moves, hold)
+        best, _ = _local_search(best, caps, score, moves, hold, pend)
     return best
 
 

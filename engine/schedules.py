@@ -352,7 +352,7 @@ def build_schedule(
     name: str, num_stages: int, microbatches: int, virtual_stages: int = 1, *,
     max_inflight: int | Sequence[int] | None = None, forward_s: Cost | None = None, backward_s: Cost | None = None,
     weight_s: Cost | None = None, comm_s: Cost | None = None, steps: int = 1,
-    weight_hold: float = 1.0,
+    weight_hold: float = 1.0, max_pending: int | Sequence[int] | None = None,
 ) -> Schedule:
     """Build a named schedule for ``num_stages`` ranks and ``microbatches`` microbatches.
 
@@ -371,8 +371,9 @@ def build_schedule(
     ranks, as pipeshard's runtime does; more: the steady state of a rank-local step).
     ``weight_hold``: the part of a microbatch's memory still held between its I and its W, for
     the bound (1, pipeshard's runtime, which keeps the saved tensors until W; the paper's GPT
-    accounting keeps 32h of 34h + 5as, about 0.43). The costs are part of its identity: the
-    same arguments build the same schedule.
+    accounting keeps 32h of 34h + 5as, about 0.43). ``max_pending`` (one int or one per rank,
+    >= 1): the most microbatches whose I has run and W not yet (a plan bounds them by its memory
+    model's). The costs are part of its identity: the same arguments build the same schedule.
 
     >>> build_schedule("interleaved-1f1b", 2, 4, virtual_stages=2).num_chunks
     4
@@ -389,7 +390,8 @@ def build_schedule(
         raise ValueError(f"microbatches must be >= 1, got {m}")
     _check_virtual(info, p, m, v)
     cap = _check_inflight(info, p, max_inflight)
-    costs = _auto_costs(info.name, p, forward_s, backward_s, weight_s, comm_s, steps, weight_hold)
+    costs = _auto_costs(info.name, p, forward_s, backward_s, weight_s, comm_s, steps, weight_hold,
+                        max_pending)
     if costs is not None:
         return _built_auto(p, m, cap, *costs)  # type: ignore[arg-type]
     return _built(info.name, p, m, v, cap)
@@ -397,13 +399,13 @@ def build_schedule(
 
 def _auto_costs(name: str, p: int, forward_s: Cost | None, backward_s: Cost | None,
                 weight_s: Cost | None, comm_s: Cost | None, steps: int,
-                weight_hold: float = 1.0) -> tuple | None:
+                weight_hold: float = 1.0, max_pending: int | Sequence[int] | None = None) -> tuple | None:
     """zb-auto's costs as hashable per-chunk tuples (None for another schedule, which takes
     none)."""
     given = [x is not None for x in (forward_s, backward_s, weight_s, comm_s)]
     if name != "zb-auto":
-        if any(given) or steps != 1 or weight_hold != 1.0:
-            raise ValueError(f"forward_s, backward_s, weight_s, comm_s, steps and weight_hold build zb-auto "
+        if any(given) or steps != 1 or weight_hold != 1.0 or max_pending is not None:
+            raise ValueError(f"forward_s, backward_s, weight_s, comm_s, steps, weight_hold and max_pending build zb-auto "
                              f"from costs; {name!r} takes none of them: drop them")
         return None
 
@@ -429,15 +431,24 @@ def _auto_costs(name: str, p: int, forward_s: Cost | None, backward_s: Cost | No
     if not 0.0 <= float(weight_hold) <= 1.0:
         raise ValueError(f"weight_hold is a fraction of a microbatch's memory, in [0, 1]; got "
                          f"{weight_hold!r}")
-    return f, b, w, c, int(steps), float(weight_hold)
+    pend = None
+    if max_pending is not None:
+        pend = (tuple([_int_arg(max_pending, "max_pending")] * p) if isinstance(max_pending, int)
+                else tuple(_int_arg(x, "max_pending") for x in max_pending))
+        if len(pend) != p or min(pend) < 1:
+            raise ValueError(f"zb-auto's max_pending must be one int >= 1 or {p} of them (one per "
+                             f"rank), got {max_pending!r}")
+    return f, b, w, c, int(steps), float(weight_hold), pend
 
 
 @functools.lru_cache(maxsize=64)
 def _built_auto(p: int, m: int, cap: int | tuple[int, ...], f: tuple[float, ...], b: tuple[float, ...],
-                w: tuple[float, ...], c: tuple[float, ...], steps: int, hold: float) -> Schedule:
+                w: tuple[float, ...], c: tuple[float, ...], steps: int, hold: float,
+                pending: tuple[int, ...] | None = None) -> Schedule:
     top = cap if isinstance(cap, int) else max(cap)
     build = _COST_BUILDERS["zb-auto"]
-    return Schedule("zb-auto", p, m, 1, build(p, m, cap, f, b, w, c, steps, hold=hold), "loop", top)
+    return Schedule("zb-auto", p, m, 1, build(p, m, cap, f, b, w, c, steps, hold=hold, pending=pending),
+                    "loop", top)
 
 
 _COST_BUILDERS: dict[str, Callable[..., list[list[Action]]]] = {}

@@ -196,7 +196,8 @@ class Plan(JsonMixin):
         comm = self.boundary_comm_s if len(f) > 1 and self.boundary_comm_s else 0.0
         if self.schedule == "zb-auto" and len(f) == len(b) == len(w) == self.num_stages:
             built = build_schedule("zb-auto", self.num_stages, self.microbatches,
-                                   **self._auto_kwargs(peak_inflight(sched), f, b, w, comm))
+                                   **self._auto_kwargs(peak_inflight(sched), f, b, w, comm,
+                                                       self.stage_pending))
             if self._within_memory(built):
                 sched = built
         return sched, f, b, w, comm
@@ -219,9 +220,12 @@ class Plan(JsonMixin):
 
     @staticmethod
     def _auto_kwargs(caps: Sequence[int], f: Sequence[float], b: Sequence[float], w: Sequence[float],
-                     comm: Any) -> dict[str, Any]:
-        return {"max_inflight": tuple(caps), "forward_s": tuple(f), "backward_s": tuple(b),
-                "weight_s": tuple(w), "comm_s": comm if isinstance(comm, float) else tuple(comm)}
+                     comm: Any, pending: Sequence[int]) -> dict[str, Any]:
+        out = {"max_inflight": tuple(caps), "forward_s": tuple(f), "backward_s": tuple(b),
+               "weight_s": tuple(w), "comm_s": comm if isinstance(comm, float) else tuple(comm)}
+        if len(pending) == len(caps) and min(pending, default=0) >= 1:
+            out["max_pending"] = tuple(int(x) for x in pending)
+        return out
 
     def schedule_kwargs(self) -> dict[str, Any]:
         """Keyword arguments that make ``engine.schedules.build_schedule(self.schedule,
@@ -235,7 +239,7 @@ class Plan(JsonMixin):
         unit = build_schedule("zb-auto", self.num_stages, self.microbatches, max_inflight=self.max_inflight)
         if sched is unit:   # the cost-built one would need more memory than planned
             return {"max_inflight": self.max_inflight}
-        return self._auto_kwargs(peak_inflight(unit), f, b, w, comm)
+        return self._auto_kwargs(peak_inflight(unit), f, b, w, comm, self.stage_pending)
 
     def predicted_step_s(self, sim: Any) -> float:
         """A whole step from its simulated schedule (an ``engine.simulate`` result): plus the

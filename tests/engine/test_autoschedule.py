@@ -102,3 +102,18 @@ def test_weight_hold_counts_a_pending_w_as_part_of_a_microbatch():
     assert got[1] < got[0] - 0.02
     with pytest.raises(ValueError, match="weight_hold is a fraction"):
         build_schedule("zb-auto", p, m, weight_hold=1.5)
+
+
+def test_max_pending_bounds_the_deferred_weight_gradients():
+    f, b, w, c = _costs(4, 3)
+    s = build_schedule("zb-auto", 4, 9, max_inflight=6, max_pending=[2, 1, 3, 2], forward_s=f,
+                       backward_s=b, weight_s=w, comm_s=c)
+    validate(s)
+    for acts, bound in zip(s.actions, [2, 1, 3, 2]):
+        waiting = peak = 0
+        for a in acts:
+            waiting += {"I": 1, "W": -1}.get(a.kind, 0)
+            peak = max(peak, waiting)
+        assert peak <= bound
+    with pytest.raises(ValueError, match="max_pending must be one int >= 1 or 4"):
+        build_schedule("zb-auto", 4, 9, max_pending=[1, 1])

@@ -36,7 +36,7 @@ def test_plan_builds_zb_auto_from_its_costs_within_its_memory():
         _, f, b, w, comm = plan._schedule_and_costs(None, None)
         assert res.step_s <= simulate(unit, f, b, w, comm).step_s + 1e-12   # never slower
         assert not any("differs from the memory model" in n for n in plan.notes)
-    assert any(built.values())   # the costs do change the schedule somewhere
+    assert all(built.values())   # bounded by the memory model's pending counts too, the costs rule
 
 
 
