@@ -32,6 +32,7 @@ __all__ = ["run_peers", "run_bench", "TORCH_FOR_PIPESHARD"]
 TORCH_FOR_PIPESHARD: dict[str, tuple[str, ...]] = {
     "gpipe": ("gpipe",), "1f1b": ("1f1b",), "interleaved-1f1b": ("interleaved-1f1b",),
     "zb-h1": ("interleaved-zb", "zbv"), "zb-h2": ("interleaved-zb", "zbv"), "zbv": ("zbv",),
+    "zb-auto": ("interleaved-zb", "zbv"), "dualpipev": ("dualpipev",),
 }
 _PREDICTION_KEYS = ("section", "schedule", "method", "step_s", "predicted_step_s", "step_error",
                     "predicted_step_uncalibrated_s", "step_error_uncalibrated", "predicted_activation_bytes",
