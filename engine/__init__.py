@@ -37,6 +37,7 @@ __all__ = sorted(_EXPORTS)
 # later `import engine.launch` elsewhere cannot shadow them (both modules are light).
 from engine.launch import launch  # noqa: E402
 from engine.simulate import simulate  # noqa: E402
+import engine.autoschedule  # noqa: E402,F401 - registers zb-auto's builder with engine.schedules
 
 
 def __getattr__(name: str) -> Any:

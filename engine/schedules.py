@@ -30,7 +30,7 @@ import operator
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Callable, Literal, Mapping, Sequence, Union
 
 __all__ = [
     "ActionKind",
@@ -53,9 +53,11 @@ __all__ = [
     "validate",
     "ScheduleError",
     "lower",
+    "register_cost_builder",
 ]
 
 ActionKind = Literal["F", "B", "I", "W"]
+Cost = Union[float, Sequence[float]]
 _KINDS = ("F", "B", "I", "W")
 _ACTION_RE = re.compile(r"^\s*(\d+)([FBIW])(\d+)\s*$")
 
@@ -69,7 +71,8 @@ class ScheduleInfo:
     ``placement``: ``"loop"`` (chunk s on rank s % p, Megatron) or ``"v"`` (chunk s on rank
     s for s < p, on rank 2p-1-s after: the first and last chunks share rank 0).
     ``chunks_per_rank``: a fixed number of model chunks per rank, or None when
-    ``virtual_stages`` (>= 2) chooses it. ``splits_backward``: runs I and W separately.
+    ``virtual_stages`` (>= 2) chooses it. ``splits_backward``: runs I and W separately
+    (dualpipev: some; its overlapped F+B pairs take full backwards).
     ``memory_knob``: accepts ``max_inflight`` (microbatches a rank may hold).
     ``microbatch_multiple``: microbatches must be a multiple of the stage count.
 
@@ -96,6 +99,8 @@ SCHEDULE_INFO: dict[str, ScheduleInfo] = {i.name: i for i in (
     ScheduleInfo("zb-h1", splits_backward=True),
     ScheduleInfo("zb-h2", splits_backward=True, memory_knob=True),
     ScheduleInfo("zbv", placement="v", chunks_per_rank=2, splits_backward=True),
+    ScheduleInfo("zb-auto", splits_backward=True, memory_knob=True),
+    ScheduleInfo("dualpipev", placement="v", chunks_per_rank=2, splits_backward=True),
 )}
 SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_INFO)
 
@@ -345,7 +350,9 @@ def _int_arg(value: object, name: str) -> int:
 
 def build_schedule(
     name: str, num_stages: int, microbatches: int, virtual_stages: int = 1, *,
-    max_inflight: int | None = None,
+    max_inflight: int | Sequence[int] | None = None, forward_s: Cost | None = None, backward_s: Cost | None = None,
+    weight_s: Cost | None = None, comm_s: Cost | None = None, steps: int = 1,
+    weight_hold: float = 1.0, max_pending: int | Sequence[int] | None = None,
 ) -> Schedule:
     """Build a named schedule for ``num_stages`` ranks and ``microbatches`` microbatches.
 
@@ -354,6 +361,19 @@ def build_schedule(
     ``num_stages`` (as zb-h1) to ``2 * num_stages - 1`` (the default, ZB-H2); each one
     above ``num_stages`` removes one weight-gradient time per rank from zb-h1's bubble
     (see ``_zb_h2``).
+
+    ``zb-auto`` (``engine.autoschedule``) is built from costs: ``forward_s``, ``backward_s``
+    (the full backward), ``weight_s`` (its weight-gradient part) per chunk and ``comm_s`` per
+    boundary, each one float or a list (the simulator's arguments; default 1, 2, 1 and 0, the
+    paper's F = I = W), under ``max_inflight`` (default ``num_stages``, 1F1B's memory; 2p is
+    the paper's ZB-2p; or one bound per rank: the schedule's ``max_inflight`` is then the
+    largest), for ``steps`` consecutive steps (1: the optimizer step synchronises the
+    ranks, as pipeshard's runtime does; more: the steady state of a rank-local step).
+    ``weight_hold``: the part of a microbatch's memory still held between its I and its W, for
+    the bound (1, pipeshard's runtime, which keeps the saved tensors until W; the paper's GPT
+    accounting keeps 32h of 34h + 5as, about 0.43). ``max_pending`` (one int or one per rank,
+    >= 1): the most microbatches whose I has run and W not yet (a plan bounds them by its memory
+    model's). The costs are part of its identity: the same arguments build the same schedule.
 
     >>> build_schedule("interleaved-1f1b", 2, 4, virtual_stages=2).num_chunks
     4
@@ -370,7 +390,75 @@ def build_schedule(
         raise ValueError(f"microbatches must be >= 1, got {m}")
     _check_virtual(info, p, m, v)
     cap = _check_inflight(info, p, max_inflight)
+    costs = _auto_costs(info.name, p, forward_s, backward_s, weight_s, comm_s, steps, weight_hold,
+                        max_pending)
+    if costs is not None:
+        return _built_auto(p, m, cap, *costs)  # type: ignore[arg-type]
     return _built(info.name, p, m, v, cap)
+
+
+def _auto_costs(name: str, p: int, forward_s: Cost | None, backward_s: Cost | None,
+                weight_s: Cost | None, comm_s: Cost | None, steps: int,
+                weight_hold: float = 1.0, max_pending: int | Sequence[int] | None = None) -> tuple | None:
+    """zb-auto's costs as hashable per-chunk tuples (None for another schedule, which takes
+    none)."""
+    given = [x is not None for x in (forward_s, backward_s, weight_s, comm_s)]
+    if name != "zb-auto":
+        if any(given) or steps != 1 or weight_hold != 1.0 or max_pending is not None:
+            raise ValueError(f"forward_s, backward_s, weight_s, comm_s, steps, weight_hold and max_pending build zb-auto "
+                             f"from costs; {name!r} takes none of them: drop them")
+        return None
+
+    def per(value: Cost | None, default: float, n: int, what: str) -> tuple[float, ...]:
+        if value is None:
+            return (default,) * n
+        vals = [float(value)] * n if isinstance(value, (int, float)) else [float(x) for x in value]
+        if len(vals) != n or any(not x >= 0 for x in vals):
+            raise ValueError(f"zb-auto's {what} must be one float >= 0 or {n} of them "
+                             f"(one per {'boundary' if what == 'comm_s' else 'chunk'}), got {value!r}")
+        return tuple(vals)
+
+    f = per(forward_s, 1.0, p, "forward_s")
+    b = per(backward_s, 2.0, p, "backward_s")
+    w = per(weight_s, 0.0, p, "weight_s") if weight_s is not None \
+        else tuple(x / 2 for x in b)
+    if any(x > y for x, y in zip(w, b)):
+        raise ValueError(f"zb-auto's weight_s is part of backward_s, so it cannot exceed it: "
+                         f"weight_s={list(w)}, backward_s={list(b)}")
+    c = per(comm_s, 0.0, max(p - 1, 0), "comm_s")
+    if int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if not 0.0 <= float(weight_hold) <= 1.0:
+        raise ValueError(f"weight_hold is a fraction of a microbatch's memory, in [0, 1]; got "
+                         f"{weight_hold!r}")
+    pend = None
+    if max_pending is not None:
+        pend = (tuple([_int_arg(max_pending, "max_pending")] * p) if isinstance(max_pending, int)
+                else tuple(_int_arg(x, "max_pending") for x in max_pending))
+        if len(pend) != p or min(pend) < 1:
+            raise ValueError(f"zb-auto's max_pending must be one int >= 1 or {p} of them (one per "
+                             f"rank), got {max_pending!r}")
+    return f, b, w, c, int(steps), float(weight_hold), pend
+
+
+@functools.lru_cache(maxsize=64)
+def _built_auto(p: int, m: int, cap: int | tuple[int, ...], f: tuple[float, ...], b: tuple[float, ...],
+                w: tuple[float, ...], c: tuple[float, ...], steps: int, hold: float,
+                pending: tuple[int, ...] | None = None) -> Schedule:
+    top = cap if isinstance(cap, int) else max(cap)
+    build = _COST_BUILDERS["zb-auto"]
+    return Schedule("zb-auto", p, m, 1, build(p, m, cap, f, b, w, c, steps, hold=hold, pending=pending),
+                    "loop", top)
+
+
+_COST_BUILDERS: dict[str, Callable[..., list[list[Action]]]] = {}
+
+
+def register_cost_builder(name: str, build: Callable[..., list[list[Action]]]) -> None:
+    """Install the function that builds schedule ``name`` from costs. ``engine.autoschedule``
+    registers zb-auto's on import (``import engine`` imports it: this module cannot import it,
+    as it scores its orders with the simulator, which imports this module)."""
+    _COST_BUILDERS[name] = build
 
 
 @functools.lru_cache(maxsize=256)
@@ -378,12 +466,15 @@ def _built(name: str, p: int, m: int, v: int, cap: int | None) -> Schedule:
     """A named schedule is a pure function of its arguments: built once and shared (a
     planner searching layouts asks for the same one many times; ``validate`` then checks it
     once). Treat a built schedule as read-only."""
+    if name == "zb-auto":
+        return _built_auto(p, m, cap, *_auto_costs(name, p, None, None, None, None, 1))  # type: ignore
     if name == "interleaved-1f1b":
         actions = _interleaved(p, m, v)
     elif name == "zb-h2":
         actions = _zb_h2(p, m, cap)  # type: ignore[arg-type]
     else:
-        actions = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1, "zbv": _zbv}[name](p, m)
+        actions = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb-h1": _zb_h1, "zbv": _zbv,
+                   "dualpipev": _dualpipev}[name](p, m)
     return Schedule(name, p, m, v, actions, SCHEDULE_INFO[name].placement, cap)
 
 
@@ -402,6 +493,9 @@ def _check_virtual(info: ScheduleInfo, p: int, m: int, v: int) -> None:
             f"{info.name} runs exactly {info.chunks_per_rank} model chunks per rank "
             f"({info.placement} placement); pass virtual_stages={info.chunks_per_rank} and "
             f"{info.chunks_per_rank} x num_stages stage ranges, got virtual_stages={v}")
+    if info.name == "dualpipev" and m < 2 * p:
+        raise ValueError(f"dualpipev needs at least 2 * num_stages microbatches (one per chunk of "
+                         f"its V, as torch's ScheduleDualPipeV), got m={m}, p={p}: use m >= {2 * p}")
     if info.microbatch_multiple and m % p:
         lo, hi = (m // p) * p, (m // p + 1) * p
         hint = f"{lo} or {hi}" if lo else f"{hi}"
@@ -410,7 +504,20 @@ def _check_virtual(info: ScheduleInfo, p: int, m: int, v: int) -> None:
             f"(microbatches run in groups of p, as in Megatron); got m={m}, p={p}: use m={hint}")
 
 
-def _check_inflight(info: ScheduleInfo, p: int, max_inflight: int | None) -> int | None:
+def _check_inflight(info: ScheduleInfo, p: int, max_inflight: int | Sequence[int] | None
+                    ) -> int | tuple[int, ...] | None:
+    if info.name == "zb-auto":
+        if max_inflight is not None and not isinstance(max_inflight, int):   # one per rank
+            caps = tuple(_int_arg(x, "max_inflight") for x in max_inflight)  # type: ignore[union-attr]
+            if len(caps) != p or min(caps) < 1:
+                raise ValueError(f"zb-auto's max_inflight must be one int >= 1 or {p} of them (one "
+                                 f"per rank), got {max_inflight!r}")
+            return caps if len(set(caps)) > 1 else caps[0]   # type: ignore[return-value]
+        cap = p if max_inflight is None else _int_arg(max_inflight, "max_inflight")
+        if cap < 1:
+            raise ValueError(f"zb-auto's max_inflight (microbatches a rank may hold) must be >= 1, "
+                             f"got {cap}; num_stages ({p}) is 1F1B's memory, 2 * num_stages ZB-2p's")
+        return cap
     if not info.memory_knob:
         if max_inflight is not None:
             knobs = [n for n, i in SCHEDULE_INFO.items() if i.memory_knob]
@@ -543,6 +650,73 @@ def _zbv(p: int, m: int) -> list[list[Action]]:
                     if i < m:
                         acts.append(Action(token[0], chunk[token[1]], i))
         out.append(acts)
+    return out
+
+
+class _RankOrder:
+    """Builds one rank's list for :func:`_dualpipev`: per (chunk, kind) microbatch counters, an
+    I's W queued until asked for (a B takes the microbatch of both)."""
+
+    def __init__(self) -> None:
+        self.acts: list[Action] = []
+        self.next: dict[tuple[int, str], int] = {}
+        self.weights: deque[tuple[int, int]] = deque()
+
+    def add(self, kind: str, chunk: int) -> None:
+        key = (chunk, "F" if kind == "F" else "I")   # B and I share the backward counter
+        i = self.next.get(key, 0)
+        self.next[key] = i + 1
+        self.acts.append(Action(kind, chunk, i))
+        if kind == "I":
+            self.weights.append((chunk, i))
+
+    def weight(self) -> None:
+        if self.weights:
+            chunk, i = self.weights.popleft()
+            self.acts.append(Action("W", chunk, i))
+
+
+def _dualpipev(p: int, m: int) -> list[list[Action]]:
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V; torch 2.13's ``ScheduleDualPipeV``):
+    2p chunks in a V (rank r holds ``a = r`` and ``b = 2p-1-r``), m >= 2p. Per rank, in phases:
+
+        2(p-1-r) x [Fa]             fill
+        r+1      x [Fa Fb]
+        p-1-r    x [Ib W Fb]        zero-bubble start on the way up
+        m-2p+1+r x [Fa Bb  Fb Ba]   main phase: each pair (an F of one chunk, a B of the
+                                    other) is one overlapped step on a device; run in order here
+        p-1-r    x [Bb  Fb Ba]
+        r+1      x [b a]            B's, then I's from the middle (odd ranks switch before the
+                                    b action, even ranks after it)
+        p-1-r    x [W a]
+        r+1      x [W]              the deferred weight gradients
+
+    where W is the oldest I's weight gradient, if any. The order is torch's, with each
+    overlapped pair as its forward then its full backward."""
+    out = []
+    for r in range(p):
+        a, b, o = r, 2 * p - 1 - r, _RankOrder()
+        for _ in range(2 * (p - 1 - r)):
+            o.add("F", a)
+        for _ in range(r + 1):
+            o.add("F", a), o.add("F", b)
+        for _ in range(p - 1 - r):
+            o.add("I", b), o.weight(), o.add("F", b)
+        for _ in range(m - 2 * p + 1 + r):
+            o.add("F", a), o.add("B", b), o.add("F", b), o.add("B", a)
+        for _ in range(p - 1 - r):
+            o.add("B", b), o.add("F", b), o.add("B", a)
+        split = False
+        for k in range(r + 1):
+            split = split or (k == (r + 1) // 2 and r % 2 == 1)
+            o.add("I" if split else "B", b)
+            split = split or (k == (r + 1) // 2 and r % 2 == 0)
+            o.add("I" if split else "B", a)
+        for _ in range(p - 1 - r):
+            o.weight(), o.add("I" if split else "B", a)
+        for _ in range(r + 1):
+            o.weight()
+        out.append(o.acts)
     return out
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 from engine.schedules import Action, Schedule, depends_on, peak_inflight, validate
@@ -40,6 +40,12 @@ class SimResult:
     bubble_fraction: float
     peak_inflight: list[int]
     timeline: list[list[tuple[str, float, float]]]
+    steps_s: list[float] = field(default_factory=list)   # per step (``simulate(steps=N)``)
+    bubbles: list[float] = field(default_factory=list)   # per step
+
+    def __post_init__(self) -> None:
+        self.steps_s = self.steps_s or [self.step_s]
+        self.bubbles = self.bubbles or [self.bubble_fraction]
 
     def to_perfetto(self, path: str | os.PathLike[str]) -> None:
         """Write a Chrome trace (open in ui.perfetto.dev or chrome://tracing)."""
@@ -111,16 +117,33 @@ def simulate(
     backward_s: Cost,
     weight_s: Cost | None = None,
     comm_s: Cost = 0.0,
+    steps: int = 1,
 ) -> SimResult:
-    """Simulate one training step of ``schedule``.
+    """Simulate ``steps`` consecutive training steps of ``schedule``.
 
     ``forward_s``, ``backward_s`` (full backward) and ``weight_s`` (its weight-gradient
     part) are one float or one per chunk; ``comm_s`` is one float or one per boundary
     between chunk s and s + 1. An I costs ``backward - weight`` and a W ``weight``; if
     ``weight_s`` is None and the schedule splits backwards, half the backward is assumed.
     Activations count from a chunk's F until its B (or W).
+
+    ``steps > 1``: each rank runs its action list ``steps`` times back to back, with a
+    rank-local optimizer step between (no synchronisation across ranks: a rank starts step
+    k + 1 once it has finished step k and its inputs are there), so step k + 1's warm-up
+    overlaps step k's cool-down. ``steps_s[k]`` is step k's time (the largest, over ranks, of
+    the time between the rank's ends of steps k - 1 and k), ``bubbles[k]`` its bubble;
+    ``step_s`` and ``bubble_fraction`` are the last step's, the steady state. This is the
+    paper's bubble rate (arXiv 2401.10241, Table 5), which counts each rank from its own first
+    action.
+
+    >>> from engine.schedules import build_schedule
+    >>> r = simulate(build_schedule("zb-h2", 4, 8), 1.0, 2.0, 1.0, steps=3)
+    >>> r.steps_s, r.bubbles[-1]
+    ([27.0, 24.0, 24.0], 0.0)
     """
     validate(schedule)
+    if int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     n = schedule.num_chunks
     fwd = _per_chunk(forward_s, n, "forward_s")
     bwd = _per_chunk(backward_s, n, "backward_s")
@@ -129,9 +152,26 @@ def simulate(
         raise ValueError("weight_s is part of backward_s, so it cannot exceed it; check the costs")
     comm = _per_chunk(comm_s, n - 1, "comm_s")
     cost = {"F": fwd, "B": bwd, "W": wgt, "I": [b - w for b, w in zip(bwd, wgt)]}
-
+    m = schedule.microbatches
+    actions = [[Action(a.kind, a.stage, a.microbatch + k * m) for k in range(steps) for a in acts]
+               for acts in schedule.actions] if steps > 1 else schedule.actions
+    kinds = {(s, i + k * m): x for (s, i), x in schedule.backward_kind.items() for k in range(steps)}
+    timeline = _run(schedule, actions, kinds, cost, comm)
     p = schedule.num_stages
-    bwd_kind = schedule.backward_kind
+    busy = sum(e - b for row in timeline for _, b, e in row) / steps
+    per_rank = [len(acts) for acts in schedule.actions]
+    ends = [[row[(k + 1) * per_rank[r] - 1][2] if per_rank[r] else 0.0 for k in range(steps)]
+            for r, row in enumerate(timeline)]
+    steps_s = [max(e[k] - (e[k - 1] if k else 0.0) for e in ends) for k in range(steps)]
+    bubbles = [1.0 - busy / (p * t) if t > 0 else 0.0 for t in steps_s]
+    return SimResult(steps_s[-1], bubbles[-1], peak_inflight(schedule), timeline, steps_s, bubbles)
+
+
+def _run(schedule: Schedule, actions: list[list[Action]], bwd_kind: dict[tuple[int, int], str],
+         cost: dict[str, list[float]], comm: list[float]) -> list[list[tuple[str, float, float]]]:
+    """The event-driven run: each rank's actions in order, each as soon as its rank is free and
+    its inputs are there. Raises ``ValueError`` if some rank can never go on (a deadlock)."""
+    n, p = schedule.num_chunks, schedule.num_stages
     end: dict[tuple[str, int, int], float] = {}
     waiting: dict[tuple[str, int, int], list[int]] = {}
     free = [0.0] * p
@@ -140,7 +180,7 @@ def simulate(
     queue = deque(range(p))
     while queue:
         r = queue.popleft()
-        acts = schedule.actions[r]
+        acts = actions[r]
         while ptr[r] < len(acts):
             a = acts[ptr[r]]
             deps = depends_on(a, n, bwd_kind)
@@ -157,11 +197,9 @@ def simulate(
             timeline[r].append((str(a), start, finish))
             queue.extend(waiting.pop(key, []))
             ptr[r] += 1
-
-    step = max((row[-1][2] for row in timeline if row), default=0.0)
-    busy = sum(e - b for row in timeline for _, b, e in row)
-    bubble = 1.0 - busy / (p * step) if step > 0 else 0.0
-    return SimResult(step, bubble, peak_inflight(schedule), timeline)
+    if any(ptr[r] < len(actions[r]) for r in range(p)):
+        raise ValueError("the ranks' action lists deadlock when repeated over steps")
+    return timeline
 
 
 def _transfer(schedule: Schedule, src: int, dst: int, comm: list[float]) -> float:

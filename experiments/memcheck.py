@@ -46,7 +46,7 @@ BASE: tuple[str, ...] = ("model.dim=128", "model.layers=4", "model.seq_len=64",
 SMALL_VOCAB, LARGE_VOCAB = 256, 4096          # 2 x and 32 x model.dim
 # every schedule of engine.schedules.SCHEDULES with the chunks per rank it runs
 SCHEDULE_CHUNKS: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zb-h2": 1,
-                                   "zbv": 2}
+                                   "zbv": 2, "zb-auto": 1, "dualpipev": 2}
 
 
 @dataclass(frozen=True)

@@ -174,10 +174,12 @@ class Trainer:
         torch.set_num_threads(1)
         self.spec = build_model(self.cfg.model)
         device = None if self.tcfg.device == "auto" else str(self.tcfg.device)
+        kwargs = pipeline_kwargs(self.cfg, self.job.stage_ranges, ties=self.spec.ties, device=device,
+                                 recompute=self.plan.stage_recompute or None)
+        if kwargs["schedule"] == "zb-auto":   # built from the plan's per-chunk costs
+            kwargs["schedule"] = self.plan.build_schedule()
         self.pipe = Pipeline(self.spec.layers, loss_fn=self.spec.loss_fn,
-                             optimizer=OptimizerConfig(**engine_optimizer_kwargs(self.cfg)),
-                             **pipeline_kwargs(self.cfg, self.job.stage_ranges, ties=self.spec.ties,
-                                               device=device, recompute=self.plan.stage_recompute or None))
+                             optimizer=OptimizerConfig(**engine_optimizer_kwargs(self.cfg)), **kwargs)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.p = self.pipe.num_stages

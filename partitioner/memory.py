@@ -267,6 +267,8 @@ def inflight_per_chunk(schedule: str, num_stages: int, microbatches: int, virtua
     - zbv (V placement, rank r holds chunks r and 2p-1-r): with m >= 2p - 1, rank r peaks at
       2p chunk activations, 2p-1-r of chunk r and r+1 of chunk 2p-1-r; fewer microbatches are
       read from the engine's schedule.
+    - zb-auto (built from unit costs when none are given) and dualpipev: read from the
+      engine's schedule.
     """
     p, m, v = num_stages, microbatches, virtual_stages
     if schedule not in SCHEDULES:
@@ -286,6 +288,8 @@ def inflight_per_chunk(schedule: str, num_stages: int, microbatches: int, virtua
     if schedule == "zb-h2":
         cap = build_schedule(schedule, p, m, max_inflight=max_inflight).max_inflight
         return [min(cap, m)] * p
+    if schedule in ("zb-auto", "dualpipev"):   # read from the engine's schedule
+        return inflight_from_schedule(build_schedule(schedule, p, m, v, max_inflight=max_inflight))
     if schedule == "zbv":
         if m < 2 * p - 1:
             return inflight_from_schedule(build_schedule(schedule, p, m, v))

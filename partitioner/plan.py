@@ -158,8 +158,26 @@ class Plan(JsonMixin):
         >>> res = plan.simulate()                         # doctest: +SKIP
         >>> res.step_s, res.bubble_fraction; res.to_png("timeline.png")  # doctest: +SKIP
         """
-        from engine.schedules import SCHEDULE_INFO, build_schedule, message_ends
         from engine.simulate import simulate
+
+        sched, f, b, w, comm = self._schedule_and_costs(forward_s, backward_s)
+        return simulate(sched, f, b, weight_s=w, comm_s=comm)
+
+    def build_schedule(self) -> Any:
+        """The schedule this plan runs (``engine.schedules.Schedule``): its named schedule, or for
+        ``zb-auto`` the one built from this plan's own per-chunk costs (those :meth:`simulate`
+        uses), each rank bounded by the in-flight count the memory model read (the same schedule
+        built without costs), when no rank of it holds or has pending more microbatches than the
+        memory model's peak; else zb-auto built without costs, the schedule the memory model read.
+        Either way the plan's memory holds. Pass it to ``engine.Pipeline``.
+
+        >>> plan.build_schedule().actions[0][:3]   # doctest: +SKIP
+        """
+        return self._schedule_and_costs(None, None)[0]
+
+    def _schedule_and_costs(self, forward_s: Sequence[float] | None, backward_s: Sequence[float] | None
+                            ) -> tuple[Any, list[float], list[float], list[float], Any]:
+        from engine.schedules import SCHEDULE_INFO, build_schedule, message_ends, peak_inflight
 
         a = self.action_s
         sched = build_schedule(self.schedule, self.num_stages, self.microbatches, self.virtual_stages,
@@ -176,7 +194,52 @@ class Plan(JsonMixin):
             f = [x + self.message_busy_s * k for x, k in zip(f, ends)]
             b = [x + self.message_busy_s * k for x, k in zip(b, ends)]
         comm = self.boundary_comm_s if len(f) > 1 and self.boundary_comm_s else 0.0
-        return simulate(sched, f, b, weight_s=w, comm_s=comm)
+        if self.schedule == "zb-auto" and len(f) == len(b) == len(w) == self.num_stages:
+            built = build_schedule("zb-auto", self.num_stages, self.microbatches,
+                                   **self._auto_kwargs(peak_inflight(sched), f, b, w, comm,
+                                                       self.stage_pending))
+            if self._within_memory(built):
+                sched = built
+        return sched, f, b, w, comm
+
+    def _within_memory(self, schedule: Any) -> bool:
+        """Whether every state of ``schedule`` holds and has pending no more microbatches per
+        chunk than the memory model's peak (``stage_inflight``, ``stage_pending``): then no rank
+        needs more than the plan says, whatever the bytes per microbatch."""
+        from .memory import schedule_states
+
+        if len(self.stage_inflight) != self.num_chunks or len(self.stage_pending) != self.num_chunks:
+            return False
+        for r, states in enumerate(schedule_states(schedule)):
+            mine = schedule.stages_of(r)
+            for held, pend in states:
+                if any(h > self.stage_inflight[c] or g > self.stage_pending[c]
+                       for h, g, c in zip(held, pend, mine)):
+                    return False
+        return True
+
+    @staticmethod
+    def _auto_kwargs(caps: Sequence[int], f: Sequence[float], b: Sequence[float], w: Sequence[float],
+                     comm: Any, pending: Sequence[int]) -> dict[str, Any]:
+        out = {"max_inflight": tuple(caps), "forward_s": tuple(f), "backward_s": tuple(b),
+               "weight_s": tuple(w), "comm_s": comm if isinstance(comm, float) else tuple(comm)}
+        if len(pending) == len(caps) and min(pending, default=0) >= 1:
+            out["max_pending"] = tuple(int(x) for x in pending)
+        return out
+
+    def schedule_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments that make ``engine.schedules.build_schedule(self.schedule,
+        num_stages, microbatches, virtual_stages, **kwargs)`` return :meth:`build_schedule`'s
+        schedule (hashable values): ``max_inflight`` for the named schedules, and for zb-auto its
+        per-rank bounds and this plan's costs."""
+        if self.schedule != "zb-auto":
+            return {"max_inflight": self.max_inflight}
+        from engine.schedules import build_schedule, peak_inflight
+        sched, f, b, w, comm = self._schedule_and_costs(None, None)
+        unit = build_schedule("zb-auto", self.num_stages, self.microbatches, max_inflight=self.max_inflight)
+        if sched is unit:   # the cost-built one would need more memory than planned
+            return {"max_inflight": self.max_inflight}
+        return self._auto_kwargs(peak_inflight(unit), f, b, w, comm, self.stage_pending)
 
     def predicted_step_s(self, sim: Any) -> float:
         """A whole step from its simulated schedule (an ``engine.simulate`` result): plus the

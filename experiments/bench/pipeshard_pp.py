@@ -46,11 +46,19 @@ def median_stats(stats: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 def build_pipeline(spec: BenchSpec, schedule: str, **options: Any) -> Any:
     """This rank's ``engine.Pipeline`` for ``spec`` (plain SGD, the spec's split and seed);
-    ``options`` go to ``Pipeline`` (``virtual_stages``: default the schedule's)."""
+    ``options`` go to ``Pipeline`` (``virtual_stages``: default the schedule's), except
+    ``schedule_kwargs`` (``Plan.schedule_kwargs()`` as pairs): the schedule is then built with
+    them (zb-auto from the plan's costs)."""
     from engine import OptimizerConfig, Pipeline
 
     v = options.pop("virtual_stages", None) or schedule_chunks(schedule)
-    return Pipeline(spec.layers, spec.ranges_for(v), loss_fn=spec.loss_fn, schedule=schedule,
+    built: Any = schedule
+    if options.get("schedule_kwargs"):   # a plan's zb-auto: built from its costs (Plan.schedule_kwargs)
+        from engine.schedules import build_schedule
+        built = build_schedule(schedule, spec.num_stages, spec.microbatches, v,
+                               **dict(options.pop("schedule_kwargs")))
+    options.pop("schedule_kwargs", None)
+    return Pipeline(spec.layers, spec.ranges_for(v), loss_fn=spec.loss_fn, schedule=built,
                     microbatches=spec.microbatches, virtual_stages=v,
                     optimizer=OptimizerConfig(name="sgd", lr=spec.lr), seed=spec.seed, **options)
 

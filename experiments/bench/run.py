@@ -32,6 +32,7 @@ __all__ = ["run_peers", "run_bench", "TORCH_FOR_PIPESHARD"]
 TORCH_FOR_PIPESHARD: dict[str, tuple[str, ...]] = {
     "gpipe": ("gpipe",), "1f1b": ("1f1b",), "interleaved-1f1b": ("interleaved-1f1b",),
     "zb-h1": ("interleaved-zb", "zbv"), "zb-h2": ("interleaved-zb", "zbv"), "zbv": ("zbv",),
+    "zb-auto": ("interleaved-zb", "zbv"), "dualpipev": ("dualpipev",),
 }
 _PREDICTION_KEYS = ("section", "schedule", "method", "step_s", "predicted_step_s", "step_error",
                     "predicted_step_uncalibrated_s", "step_error_uncalibrated", "predicted_activation_bytes",
@@ -212,7 +213,9 @@ def _entries(systems: list[str], schedules: list[str], methods: list[str], spec:
                 for mode in _single_modes(systems, schedules)]
     if "pipeshard" in systems:
         for name in schedules:
-            pipeshard.append((name, _spec_of(spec, plans[name])))
+            extra_layout = ({"schedule_kwargs": tuple(sorted(plans[name].schedule_kwargs().items()))}
+                            if name == "zb-auto" else None)   # the plan's own zb-auto (its costs)
+            pipeshard.append((name, _spec_of(spec, plans[name])) + ((extra_layout,) if extra_layout else ()))
             entries.append(({"section": "systems", "method": "optimal"}, pipeshard_key(*pipeshard[-1]), name))
     if "torch-pipelining" in systems:
         entries += [({"section": "systems"}, ("torch-pipelining", name), None) for name in _torch_names(schedules)]

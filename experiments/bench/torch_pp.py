@@ -15,7 +15,8 @@ Schedules (``TORCH_SCHEDULES``; the name is the row's ``schedule``):
 ``gpipe`` (ScheduleGPipe), ``1f1b`` (Schedule1F1B), ``interleaved-1f1b``
 (ScheduleInterleaved1F1B, 2 chunks per rank, chunk c on rank c % p), ``interleaved-zb``
 (ScheduleInterleavedZeroBubble, same placement) and ``zbv`` (ScheduleZBVZeroBubble, 2 chunks
-per rank in a V: rank r holds chunks r and 2p - 1 - r).
+per rank in a V: rank r holds chunks r and 2p - 1 - r) and ``dualpipev`` (ScheduleDualPipeV,
+the same V, at least 2p microbatches).
 
 Example::
 
@@ -44,6 +45,7 @@ TORCH_SCHEDULES: dict[str, tuple[str, int, str]] = {
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
     "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2, "loop"),
     "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v"),
 }
 
 

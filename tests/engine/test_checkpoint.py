@@ -339,3 +339,26 @@ def test_resume_into_zbv_and_zb_h2_with_another_split(tmp_path):
                                        msg=lambda m: f"{schedule} {k}: {m}")
         for losses, _ in resumed:
             assert losses == pytest.approx(full[-1][0][-1:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_into_dualpipev_and_zb_auto_with_another_split(tmp_path):
+    """The same 1F1B checkpoint resumes as dualpipev (a V of 4 chunks on 2 ranks, 4 microbatches:
+    it needs 2p) and as zb-auto on 3 stages: the third step equals the uninterrupted run's."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist_helpers import run_workers
+    from _zero_harness import runtime_resume_job
+
+    full = run_workers(runtime_resume_job, 2, 2, 1, 0, 3, None, None, timeout_s=120)
+    run_workers(runtime_resume_job, 2, 2, 1, 0, 2, str(tmp_path), None, timeout_s=120)
+    want = {k: v for _, params in full for k, v in params.items()}
+    for world, schedule, virtual, m in ((2, "dualpipev", 2, 4), (3, "zb-auto", 1, 2)):
+        resumed = run_workers(runtime_resume_job, world, world, 1, 0, 1, None, str(tmp_path),
+                              schedule, virtual, "fp32", m, timeout_s=120)
+        got = {k: v for _, params in resumed for k, v in params.items()}
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6,
+                                       msg=lambda msg: f"{schedule} {k}: {msg}")
+        for losses, _ in resumed:
+            assert losses == pytest.approx(full[-1][0][-1:], rel=1e-5)

@@ -237,6 +237,23 @@ def test_parity_four_stages_every_schedule():
     _run_and_check(4, cases)
 
 
+def _zb_auto(p: int, m: int, cap: int):
+    """zb-auto built from unequal per-chunk costs (a Schedule object, as a planner passes it)."""
+    from engine.schedules import build_schedule
+    return build_schedule("zb-auto", p, m, max_inflight=cap, forward_s=[1.0, 2.0, 1.5, 0.5][:p],
+                          backward_s=[2.0, 3.0, 3.0, 1.5][:p], weight_s=[0.5, 1.5, 1.0, 0.5][:p],
+                          comm_s=0.1)
+
+
+@pytest.mark.parametrize("p,d", [(2, 1), (3, 1), (4, 1), (2, 2)])
+def test_parity_zb_auto_and_dualpipev(p, d):
+    m = 2 * p
+    cases = [dict(schedule="dualpipev", p=p, v=2, d=d, m=m),
+             dict(schedule=_zb_auto(p, m, p + 1), p=p, d=d, m=m),
+             dict(schedule=_zb_auto(p, m, 2), p=p, d=d, m=m)]   # less memory than 1F1B
+    _run_and_check(p * d, cases)
+
+
 def test_parity_three_stages():
     cases = [dict(schedule="1f1b", p=3, m=4), dict(schedule="zb-h1", p=3, m=4),
              dict(schedule="interleaved-1f1b", p=3, v=2, m=3),

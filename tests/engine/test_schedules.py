@@ -45,7 +45,7 @@ def valid_grid():
                 elif info.memory_knob:
                     for cap in sorted({p, (3 * p - 1) // 2, 2 * p - 1}):
                         yield name, p, m, 1, cap
-                else:
+                elif name != "dualpipev" or m >= 2 * p:
                     yield name, p, m, info.chunks_per_rank, None
 
 
@@ -153,7 +153,8 @@ def test_every_generator_validates(name, p, m, v, cap):
         assert {a.stage for a in s.actions[r]} == set(s.stages_of(r))
     assert s.placement == SCHEDULE_INFO[name].placement
     assert {a.kind for row in s.actions for a in row} <= (
-        {"F", "I", "W"} if SCHEDULE_INFO[name].splits_backward else {"F", "B"})
+        {"F", "I", "W"} if SCHEDULE_INFO[name].splits_backward else {"F", "B"}) | (
+        {"B"} if name == "dualpipev" else set())   # its overlapped pairs take full backwards
 
 
 def test_placement_is_the_one_chunk_to_rank_map():
@@ -179,8 +180,9 @@ def test_placement_is_the_one_chunk_to_rank_map():
 
 def test_schedule_facts_table():
     assert SCHEDULES == tuple(SCHEDULE_INFO)
-    assert {n for n, i in SCHEDULE_INFO.items() if i.splits_backward} == {"zb-h1", "zb-h2", "zbv"}
-    assert [n for n, i in SCHEDULE_INFO.items() if i.memory_knob] == ["zb-h2"]
+    assert {n for n, i in SCHEDULE_INFO.items() if i.splits_backward} == {"zb-h1", "zb-h2", "zbv", "zb-auto",
+                                                                          "dualpipev"}
+    assert [n for n, i in SCHEDULE_INFO.items() if i.memory_knob] == ["zb-h2", "zb-auto"]
     assert SCHEDULE_INFO["zbv"].virtual_stages() == 2
     assert SCHEDULE_INFO["interleaved-1f1b"].virtual_stages(3) == 3
     assert SCHEDULE_INFO["1f1b"].virtual_stages() == 1

@@ -47,11 +47,11 @@ def cases():
     for name in SCHEDULES:
         info = SCHEDULE_INFO[name]
         for p in (1, 2, 3, 4, 5):
-            for m in sorted({1, 2, p, p + 1, 2 * p + 1, 8}):
+            for m in sorted({1, 2, p, p + 1, 2 * p + 1, 8} | ({2 * p, 2 * p + 2, 3 * p, 4 * p} if name == "dualpipev" else set())):
                 vs = (2, 3) if info.chunks_per_rank is None else (info.chunks_per_rank,)
                 caps = sorted({p, 2 * p - 1}) if info.memory_knob else (None,)
                 for v in vs:
-                    if info.microbatch_multiple and m % p:
+                    if info.microbatch_multiple and m % p or name == "dualpipev" and m < 2 * p:
                         continue
                     for cap in caps:
                         yield name, p, m, v, cap
@@ -89,6 +89,22 @@ def test_zbv_is_torchs_zbv():
             for r in range(p):
                 theirs = pipelining.ScheduleZBVZeroBubble._calculate_single_rank_operations(fake, r)
                 assert [str(a) for a in theirs if a is not None] == [str(a) for a in ours[r]]
+
+
+def test_dualpipev_is_torchs_dualpipev():
+    """pipeshard's dualpipev runs torch's ScheduleDualPipeV per-rank order, each of torch's
+    overlapped F+B pairs (OVERLAP_F_B) as its two sub-actions in order."""
+    for p in range(1, 6):
+        for m in (2 * p, 2 * p + 1, 3 * p + 2, 8):
+            if m < 2 * p:
+                continue
+            fake = SimpleNamespace(pp_group_size=p, _n_microbatches=m, _num_stages=2 * p)
+            ours = to_torch(build_schedule("dualpipev", p, m, virtual_stages=2))
+            for r in range(p):
+                theirs = pipelining.ScheduleDualPipeV._calculate_single_rank_operations(fake, r)
+                flat = [str(x) for a in theirs if a is not None for x in (a.sub_actions or (a,))]
+                assert flat == [str(a) for a in ours[r]], (p, m, r)
+                assert any(a.sub_actions for a in theirs if a is not None) == (m > 2 * p - 1 - r or p > 1)
 
 
 def test_the_judge_catches_broken_schedules():

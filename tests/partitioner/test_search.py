@@ -134,7 +134,7 @@ def test_layouts_honour_each_schedules_rules():
     inter = {(c.virtual_stages, c.microbatches) for c in cands if c.schedule == "interleaved-1f1b"}
     assert inter == {(v, m) for v in (2, 3, 4) for m in (3, 6, 12, 24)}
     few = candidate_layouts(p, 5, ms)  # 5 layers: no room for 2 chunks per rank
-    assert {c.schedule for c in few} == {"gpipe", "1f1b", "zb-h1", "zb-h2"}
+    assert {c.schedule for c in few} == {"gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto"}
     only_h2 = candidate_layouts(p, n, [6], schedules=["zb-h2"])
     assert [c.max_inflight for c in only_h2] == inflight_values(p) == [3, 4, 5]
     with pytest.raises(ValueError, match="unknown schedules"):
