@@ -115,12 +115,19 @@ class Chunk:
         self.peak_bytes = 0
         self.refresh_params()
 
-    def refresh_params(self) -> None:
-        """Re-read the layers' parameters (after parameters were replaced, e.g. tied)."""
-        self._layer_params = [[p for p in m.parameters() if p.requires_grad]
-                              for m in self.module]
+    def refresh_params(self, params_of: Callable[[nn.Module], list[Tensor]] | None = None) -> None:
+        """Re-read the layers' parameters (after parameters were replaced, e.g. tied).
+        ``params_of(layer)``: the tensors a layer's forward differentiates, when they are not
+        its ``parameters()`` (FSDP2: the gathered ones; ``engine.fsdp``)."""
+        if params_of is None:
+            self._layer_params = [[p for p in m.parameters() if p.requires_grad]
+                                  for m in self.module]
+            every = list(self.module.parameters())
+        else:
+            self._layer_params = [list(params_of(m)) for m in self.module]
+            every = [p for ps in self._layer_params for p in ps]
         self.params = list({id(p): p for ps in self._layer_params for p in ps}.values())
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in every}
 
     @classmethod
     def build(cls, index: int, factories: LayerSpec, start: int, stop: int, seed: int = 0,
