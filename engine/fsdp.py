@@ -272,6 +272,34 @@ class FsdpStageOptimizer(TorchStageOptimizer):
     def memory_kinds(self) -> dict:
         return {}
 
+    # ---- checkpoints: whole tensors, so that a checkpoint loads into any layout --------------
+    def state_dict(self) -> dict:
+        """As the torch backend's, with whole (gathered) state tensors: a collective over the
+        data-parallel group."""
+        sd = super().state_dict()
+        sd["state"] = {n: {k: _full(v) for k, v in st.items()} for n, st in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Whole state tensors (any layout's checkpoint), each re-sharded like its parameter."""
+        state = {n: {k: _like(self.named[n], v) for k, v in st.items()}
+                 for n, st in sd.get("state", {}).items() if n in self.named}
+        super().load_state_dict({**sd, "state": state})
+
+    def layer_state_dict(self, layer: nn.Module) -> dict[str, Tensor]:
+        """``layer.state_dict()`` with whole tensors (a collective over the data-parallel group)."""
+        return {n: _full(t) for n, t in layer.state_dict().items()}
+
+    def load_layer_state_dict(self, layer: nn.Module, sd: dict[str, Tensor]) -> None:
+        """Load whole tensors into ``layer``, each parameter keeping only its shard."""
+        own = layer.state_dict()
+        missing = sorted(set(own) - set(sd))
+        if missing:
+            raise KeyError(f"checkpoint layer lacks {missing}")
+        with torch.no_grad():
+            for n, t in own.items():
+                _local(t).copy_(_local(_like(t, sd[n])))
+
     def full_grads(self) -> dict[str, Tensor]:
         """Whole gradients by name (a collective over the data-parallel group)."""
         return {n: _full(p.grad).detach().clone() for n, p in self.named.items()
@@ -284,6 +312,15 @@ class FsdpStageOptimizer(TorchStageOptimizer):
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like(ref: Tensor, whole: Tensor) -> Tensor:
+    """``whole`` placed as ``ref`` is (a DTensor's shard of it), or as is when ``ref`` is whole."""
+    if not hasattr(ref, "device_mesh") or whole.dim() == 0:
+        return whole.to(ref.device) if isinstance(whole, Tensor) else whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole.to(ref.device, ref.dtype), ref.device_mesh, ref.placements)
 
 
 def _full(t: Tensor) -> Tensor:

@@ -467,8 +467,9 @@ class Pipeline:
         The layers hold fp32 weights whatever the precision: with 16-bit weights, the
         optimizer's fp32 masters (a collective over the data-parallel group under ZeRO), so a
         checkpoint resumes exactly, with any split, replica count or precision."""
+        whole = getattr(self.optimizer, "layer_state_dict", lambda m: m.state_dict())
         if self._build_dtype() == torch.float32:
-            layers = {int(k): m.state_dict() for k, m in self.layer_module.items()}
+            layers = {int(k): whole(m) for k, m in self.layer_module.items()}
         else:
             layers = self._master_layers()
         return {"layers": layers, "optimizer": self.optimizer.state_dict(),
@@ -502,7 +503,8 @@ class Pipeline:
         for k, m in self.layer_module.items():
             if int(k) not in layers:
                 raise KeyError(f"checkpoint has no layer {k}; it comes from another model")
-            m.load_state_dict(layers[int(k)])
+            getattr(self.optimizer, "load_layer_state_dict", nn.Module.load_state_dict)(
+                m, layers[int(k)])
         if "optimizer" in sd:
             self.optimizer.load_state_dict(sd["optimizer"])
         if self._build_dtype() != torch.float32:
