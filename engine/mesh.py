@@ -73,8 +73,7 @@ class Mesh:
         self.device_mesh: Any = None
         self._groups: dict[str, Any] = {}
         self._submeshes: dict[str, Any] = {}
-        self.p2p_forward_group: Any = None
-        self.p2p_backward_group: Any = None
+        self._p2p: tuple[Any, Any] | None = None   # NCCL's per-direction groups
         if self.distributed:
             self._make_groups()
 
@@ -102,13 +101,21 @@ class Mesh:
                     ranks = [(r * p + j) * t + k for j in range(p)]
                     fwd, bwd = (dist.new_group(ranks) for _ in range(2))
                     if (r, k) == (self.replica, self.tp_rank):
-                        self.p2p_forward_group, self.p2p_backward_group = fwd, bwd
+                        self._p2p = (fwd, bwd)
             # Older NCCL process groups want a batched point-to-point call's group to have run a
             # collective first: initialise both communicators up front.
             dist.barrier(group=self.p2p_forward_group)
             dist.barrier(group=self.p2p_backward_group)
-        else:
-            self.p2p_forward_group = self.p2p_backward_group = self.pipeline_group
+
+    @property
+    def p2p_forward_group(self) -> Any:
+        """Activations' group: NCCL's own forward communicator, else the pipeline group."""
+        return self._p2p[0] if self._p2p is not None else self.pipeline_group
+
+    @property
+    def p2p_backward_group(self) -> Any:
+        """Gradients' group: NCCL's own backward communicator, else the pipeline group."""
+        return self._p2p[1] if self._p2p is not None else self.pipeline_group
 
     def group(self, axis: str) -> Any:
         """This rank's process group along ``axis`` ("pp", "dp" or "tp"); an axis of size 1 gets

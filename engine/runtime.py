@@ -310,10 +310,7 @@ class Pipeline:
         self.optimizer: StageOptimizer = make_optimizer(
             self.config, self.layer_module, self.mesh, microbatches=microbatches,
             precision=precision, nonfinite=nonfinite, norm_skip=norm_skip)
-        # ZeRO moves parameters into flat buffers, FSDP2 shards them: re-read them
-        params_of = getattr(self.optimizer, "compute_parameters", None)
-        for c in self.chunks.values():
-            c.refresh_params(params_of)
+        self._reread_params()
         self.p2p = P2P(self.mesh, comm_timeout_s, self.device)
         # The graph-node I/W split needs a backend that takes GradientEdge roots; else per-layer cuts.
         node_split = None if self.optimizer.accepts_gradient_edges else False
@@ -387,6 +384,13 @@ class Pipeline:
         return sched
 
     # ---- setup helpers -------------------------------------------------------------------------
+    def _reread_params(self) -> None:
+        """ZeRO moves parameters into flat buffers, FSDP2 shards them: the chunks re-read what
+        they differentiate (under FSDP2 the gathered parameters, ``engine.fsdp``)."""
+        params_of = getattr(self.optimizer, "compute_parameters", None)
+        for c in self.chunks.values():
+            c.refresh_params(params_of)
+
     def _build_dtype(self) -> torch.dtype:
         """The layers' dtype: the precision's weights, or fp32 under ZeRO-3 (FSDP2's masters)."""
         from engine.fsdp import weight_dtype_for

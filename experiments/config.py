@@ -937,6 +937,11 @@ def _check_model_and_data(cfg: Config) -> None:
             "between stages, but ZeRO-2 shards gradients during backward; set optimizer.zero_stage=1, or "
             "model.tie_embeddings=false"
         )
+    if int(cfg.optimizer.zero_stage) == 3 and tied:
+        raise ConfigError(
+            "optimizer.zero_stage=3 (FSDP2) does not support tied weights yet (model.tie_embeddings=true); "
+            "set model.tie_embeddings=false, or use optimizer.zero_stage=1"
+        )
     data_name = choice_text(cfg.data.name)
     if model_name == "mlp" and data_name != "synthetic":
         raise ConfigError(f"model=mlp takes feature vectors, not text; use data=synthetic (got data={data_name})")
