@@ -28,6 +28,9 @@ CASES = [dict(schedule=s, opt=o, reshard=r) for s in ("1f1b", "zb-h1", "zbv")
          for o, r in ((SGD, "true"), (ADAMW, "false"))]
 CASES += [dict(schedule="zb-h1", opt=SGD, reshard="false"), dict(schedule="1f1b", opt=ADAMW,
                                                                   reshard="true")]
+# FSDP2's MixedPrecisionPolicy: 16-bit compute and all-gathers, fp32 sharded masters and reduction.
+MIXED = [dict(schedule="zb-h1", opt=ADAMW, reshard="true", precision=p, steps=20)
+         for p in ("fp32", "bf16", "fp16")]
 
 
 def _factories():
@@ -50,11 +53,14 @@ def _worker(cases):
         pipe = Pipeline(_factories(), ranges(6, STAGES * v), loss_fn=nn.functional.mse_loss,
                         schedule=case["schedule"], microbatches=M, virtual_stages=v,
                         data_parallel=REPLICAS, seed=SEED, comm_timeout_s=60,
+                        precision=case.get("precision", "fp32"),
                         optimizer=OptimizerConfig(**case["opt"], zero_stage=3,
                                                   reshard_after_forward=case["reshard"]))
-        losses, grads, gathers, memory = [], [], [], None
-        for step in range(STEPS):
+        losses, grads, gathers, memory, skipped = [], [], [], None, 0
+        steps = case.get("steps", STEPS)
+        for step in range(steps):
             r = pipe.train_step(*_data(step), measure_memory=step == STEPS - 1)
+            skipped += r.skipped
             losses.append(r.loss)
             grads.append(pipe.optimizer.full_grads())
             gathers.append(r.stats["fsdp_all_gathers"])
@@ -66,7 +72,9 @@ def _worker(cases):
                     "memory": memory, "resident": resident, "whole_param_bytes": whole,
                     "layers": len(pipe.optimizer.layers), "program": [
                         a.kind for a in pipe.program if a.kind in ("F", "B", "I", "W")],
-                    "stage": pipe.mesh.pipeline_rank})
+                    "stage": pipe.mesh.pipeline_rank, "skipped": skipped, "dtypes": (
+                        str(pipe.optimizer.params[0].dtype),
+                        str(pipe.chunks[min(pipe.chunks)].params[0].dtype))})
     return out
 
 
@@ -88,7 +96,7 @@ def _resident_bytes(pipe) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_workers(_worker, STAGES * REPLICAS, CASES, timeout_s=600)
+    return run_workers(_worker, STAGES * REPLICAS, CASES + MIXED, timeout_s=600)
 
 
 def _reference(opt: dict):
@@ -146,3 +154,22 @@ def test_resident_parameter_bytes_halve_with_two_replicas(results):
             moments = {"sgd": 1, "adamw": 2}[case["opt"]["name"]]
             assert got["resident"]["Optstate"] >= moments * half, (got["resident"], half)
             assert got["resident"]["Optstate"] < (moments + 1) * half
+
+
+@pytest.mark.parametrize("kind", [1, 2], ids=["bf16", "fp16"])
+def test_mixed_precision_trains_and_stays_close_to_fp32(results, kind):
+    """bf16 / fp16: the gathered (computing) weights are 16-bit, the sharded masters fp32; the
+    loss falls and stays close to the fp32 run's over 20 AdamW steps (fp16: loss scaling)."""
+    fp32 = results[0][len(CASES)]["losses"]
+    for rank in results:
+        got = rank[len(CASES) + kind]
+        low = "torch.bfloat16" if kind == 1 else "torch.float16"
+        assert got["dtypes"] == ("torch.float32", low)
+        assert got["losses"] == results[0][len(CASES) + kind]["losses"]
+    low = results[0][len(CASES) + kind]
+    losses = low["losses"]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:3]) / 3, f"loss did not fall: {losses}"
+    assert low["skipped"] == 0
+    assert losses == pytest.approx(fp32, rel=2e-2, abs=1e-3)
+    assert fp32 != losses, "16-bit compute should change the arithmetic"
