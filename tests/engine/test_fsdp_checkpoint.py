@@ -1,9 +1,10 @@
 """ZeRO-3 (FSDP2) checkpoints on DCP (``engine.checkpoint``): the layers and the optimizer state
 are saved whole (gathered over each stage's data-parallel group), so a run resumes exactly in the
-same layout (pp2 x fsdp2, 4 ranks) and in another one (pp2 x 1 replica, the torch backend).
+same layout (pp2 x fsdp2, 4 ranks) and in others (pp2 x 1 replica: the torch backend, and
+FSDP2 over a one-rank data-parallel group).
 
-A 4-rank job trains 2 AdamW steps, saves, trains step 3; a second 4-rank job and a 2-rank job
-load the checkpoint and train step 3: the same loss and parameters (fp32, rtol 1e-6).
+A 4-rank job trains 2 AdamW steps, saves, trains step 3; a second 4-rank job
+and two 2-rank jobs load the checkpoint and train step 3: the same loss and parameters (fp32, rtol 1e-6).
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def _resume(root: str, replicas: int, zero: int):
 def test_fsdp_checkpoint_resumes_exactly(tmp_path):
     root = str(tmp_path / "ckpt")
     first = run_workers(_save_then_continue, 4, root, timeout_s=300)
-    for replicas, zero in ((2, 3), (1, 0)):
+    for replicas, zero in ((2, 3), (1, 0), (1, 3)):
         again = run_workers(_resume, 2 * replicas, root, replicas, zero, timeout_s=300)
         for rank, (loss, params) in enumerate(again):
             ref_loss, ref_params = first[rank % 2]   # the same pipeline rank, replica 0
