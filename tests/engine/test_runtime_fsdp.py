@@ -28,6 +28,9 @@ CASES = [dict(schedule=s, opt=o, reshard=r) for s in ("1f1b", "zb-h1", "zbv")
          for o, r in ((SGD, "true"), (ADAMW, "false"))]
 CASES += [dict(schedule="zb-h1", opt=SGD, reshard="false"), dict(schedule="1f1b", opt=ADAMW,
                                                                   reshard="true")]
+# the other schedules, and activation checkpointing (the backward's recompute gathers again)
+CASES += [dict(schedule=s, opt=SGD, reshard="true") for s in ("gpipe", "interleaved-1f1b", "zb-h2")]
+CASES += [dict(schedule=s, opt=SGD, reshard="true", recompute=True) for s in ("1f1b", "zb-h1")]
 # FSDP2's MixedPrecisionPolicy: 16-bit compute and all-gathers, fp32 sharded masters and reduction.
 MIXED = [dict(schedule="zb-h1", opt=ADAMW, reshard="true", precision=p, steps=20)
          for p in ("fp32", "bf16", "fp16")]
@@ -54,6 +57,7 @@ def _worker(cases):
                         schedule=case["schedule"], microbatches=M, virtual_stages=v,
                         data_parallel=REPLICAS, seed=SEED, comm_timeout_s=60,
                         precision=case.get("precision", "fp32"),
+                        activation_checkpointing=case.get("recompute", False),
                         optimizer=OptimizerConfig(**case["opt"], zero_stage=3,
                                                   reshard_after_forward=case["reshard"]))
         losses, grads, gathers, memory, skipped = [], [], [], None, 0
@@ -66,10 +70,11 @@ def _worker(cases):
             gathers.append(r.stats["fsdp_all_gathers"])
             memory = r.stats.get("memory_measured", memory)
         resident = _resident_bytes(pipe)
+        eval_loss = pipe.eval_step(*_data(STEPS))
         params = pipe.optimizer.full_parameters()
         whole = sum(t.numel() * t.element_size() for t in params.values())
         out.append({"losses": losses, "grads": grads, "params": params, "gathers": gathers,
-                    "memory": memory, "resident": resident, "whole_param_bytes": whole,
+                    "memory": memory, "resident": resident, "eval": eval_loss, "whole_param_bytes": whole,
                     "layers": len(pipe.optimizer.layers), "program": [
                         a.kind for a in pipe.program if a.kind in ("F", "B", "I", "W")],
                     "stage": pipe.mesh.pipeline_rank, "skipped": skipped, "dtypes": (
@@ -101,18 +106,22 @@ def results():
 
 def _reference(opt: dict):
     ref = reference(_factories(), _data, OptimizerConfig(**opt), STEPS, seed=SEED)
-    return ref["losses"], ref["grads"], ref["params"]
+    x, y = _data(STEPS)
+    with torch.no_grad():
+        ref["eval"] = float(nn.functional.mse_loss(ref["model"](x), y))
+    return ref["losses"], ref["grads"], ref["params"], ref["eval"]
 
 
 @pytest.mark.parametrize("k", range(len(CASES)),
                          ids=[f"{c['schedule']}-{c['opt']['name']}-reshard_{c['reshard']}"
-                              for c in CASES])
+                              f"{'-recompute' if c.get('recompute') else ''}" for c in CASES])
 def test_fsdp_matches_single_process(results, k):
-    ref_losses, ref_grads, ref_params = _reference(CASES[k]["opt"])
+    ref_losses, ref_grads, ref_params, ref_eval = _reference(CASES[k]["opt"])
     seen = set()
     for rank in results:
         got = rank[k]
         torch.testing.assert_close(got["losses"], ref_losses, rtol=1e-5, atol=1e-7)
+        assert got["eval"] == pytest.approx(ref_eval, rel=1e-5)   # forward-only, after training
         for step in range(STEPS):
             for name, g in got["grads"][step].items():
                 torch.testing.assert_close(g, ref_grads[step][name], rtol=1e-5, atol=1e-7,
@@ -125,7 +134,8 @@ def test_fsdp_matches_single_process(results, k):
 
 
 @pytest.mark.parametrize("k", range(len(CASES)),
-                         ids=[f"{c['schedule']}-reshard_{c['reshard']}" for c in CASES])
+                         ids=[f"{c['schedule']}-reshard_{c['reshard']}"
+                              f"{'-recompute' if c.get('recompute') else ''}" for c in CASES])
 def test_all_gathers_per_step(results, k):
     """W never all-gathers (its I left the layers gathered). Kept gathered: one all-gather per
     layer per step, at its first forward. Resharded: more than one per layer per step on the
@@ -136,7 +146,7 @@ def test_all_gathers_per_step(results, k):
             assert per_step.get("W", 0) == 0, per_step
             if CASES[k]["reshard"] == "false":
                 assert per_step == {"F": layers}, per_step
-            elif CASES[k]["schedule"] == "1f1b":
+            elif CASES[k]["schedule"] == "1f1b" and not CASES[k].get("recompute"):
                 assert per_step == {"F": M * layers, "B": M * layers}, per_step
             elif got["stage"] == 0:
                 assert sum(per_step.values()) > layers, per_step
