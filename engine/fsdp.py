@@ -40,7 +40,7 @@ Example::
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -269,9 +269,6 @@ class FsdpStageOptimizer(TorchStageOptimizer):
         return sum(_local(t).numel() * t.element_size() for st in self.opt.state.values()
                    for t in st.values() if isinstance(t, Tensor))
 
-    def memory_kinds(self) -> dict:
-        return {}
-
     # ---- checkpoints: whole tensors, so that a checkpoint loads into any layout --------------
     def state_dict(self) -> dict:
         """As the torch backend's, with whole (gathered) state tensors: a collective over the
@@ -325,8 +322,3 @@ def _like(ref: Tensor, whole: Tensor) -> Tensor:
 
 def _full(t: Tensor) -> Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def local_parameter_bytes(params: Sequence[Tensor]) -> int:
-    """Bytes this rank stores for ``params`` (a DTensor's local shard only)."""
-    return sum(_local(p).numel() * _local(p).element_size() for p in params)

@@ -27,7 +27,7 @@ from engine.comm import P2P
 from engine.executor import Executor, mean_loss
 from engine.mesh import Mesh
 from engine.optim import (NonFiniteError, OptimizerConfig, StageOptimizer,
-                          check_optimizer_config, compute_dtype, weight_dtype)
+                          check_optimizer_config, compute_dtype)
 from engine.stage import Chunk, build_layers
 
 __all__ = ["Pipeline", "StepResult", "check_stage_ranges", "default_recv_lookahead",
