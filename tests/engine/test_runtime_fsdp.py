@@ -183,3 +183,36 @@ def test_mixed_precision_trains_and_stays_close_to_fp32(results, kind):
     assert low["skipped"] == 0
     assert losses == pytest.approx(fp32, rel=2e-2, abs=1e-3)
     assert fp32 != losses, "16-bit compute should change the arithmetic"
+
+
+def _poisoned(step: int):
+    x, y = _data(step)
+    if step == 1:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    return x, y
+
+
+def _skip_worker(schedule: str):
+    from engine import Pipeline
+
+    torch.set_num_threads(1)
+    v = schedule_chunks(schedule)
+    pipe = Pipeline(_factories(), ranges(6, STAGES * v), loss_fn=nn.functional.mse_loss,
+                    schedule=schedule, microbatches=M, virtual_stages=v, data_parallel=REPLICAS,
+                    seed=SEED, nonfinite="skip", diagnose_every=0,
+                    optimizer=OptimizerConfig(**SGD, zero_stage=3, reshard_after_forward="true"))
+    skipped = [pipe.train_step(*_poisoned(step)).skipped for step in range(STEPS)]
+    return skipped, pipe.optimizer.full_parameters()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_nonfinite_step_is_skipped(schedule):
+    """A NaN in step 1's batch: the step is skipped on every rank (after the gradients' reduction,
+    the non-finite search replays the forward: gathers and reshards again), and the run equals
+    one process that trained on steps 0 and 2."""
+    ref = reference(_factories(), _data, OptimizerConfig(**SGD), [0, 2], seed=SEED)
+    for skipped, params in run_workers(_skip_worker, STAGES * REPLICAS, schedule, timeout_s=300):
+        assert skipped == [False, True, False]
+        for name, t in params.items():
+            torch.testing.assert_close(t, ref["params"][name], rtol=1e-5, atol=1e-7)
