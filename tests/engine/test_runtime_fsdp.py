@@ -216,3 +216,27 @@ def test_nonfinite_step_is_skipped(schedule):
         assert skipped == [False, True, False]
         for name, t in params.items():
             torch.testing.assert_close(t, ref["params"][name], rtol=1e-5, atol=1e-7)
+
+
+def _activation_worker():
+    from engine import Pipeline
+
+    torch.set_num_threads(1)
+    out = []
+    for schedule in ("1f1b", "zb-h1"):
+        for zero in (0, 3):
+            pipe = Pipeline(_factories(), ranges(6, STAGES), loss_fn=nn.functional.mse_loss,
+                            schedule=schedule, microbatches=M, data_parallel=REPLICAS, seed=SEED,
+                            optimizer=OptimizerConfig(**SGD, zero_stage=zero,
+                                                      reshard_after_forward="true"))
+            r = pipe.train_step(*_data(0), diagnose=True)
+            out.append(r.stats["peak_activation_bytes"])
+    return out
+
+
+def test_diagnostics_do_not_count_gathered_weights_as_activations():
+    """The diagnostic peak of saved activations leaves the parameters out; under ZeRO-3 the
+    gathered weights get new storage at each all-gather, so it reads their places live: the
+    figure equals the ZeRO-0 run's on every rank."""
+    for per_rank in run_workers(_activation_worker, STAGES * REPLICAS, timeout_s=300):
+        assert per_rank[0] == per_rank[1] > 0 and per_rank[2] == per_rank[3] > 0, per_rank
