@@ -1,4 +1,5 @@
-"""Which optimizer backend a rank gets: the torch one (``engine.optim``) or DeepSpeed ZeRO (``engine.zero``).
+"""Which optimizer backend a rank gets: the torch one (``engine.optim``), DeepSpeed ZeRO 1-2
+(``engine.zero``) or FSDP2 for ZeRO-3 (``engine.fsdp``).
 
 Example::
 
@@ -33,7 +34,14 @@ def make_optimizer(config: OptimizerConfig, module: torch.nn.Module, mesh: Any, 
     ``norm_skip``: names counted elsewhere in the global norm (the second copy of a tied
     parameter). The DeepSpeed backend is imported only when selected.
     """
-    if check_optimizer_config(config, precision) == "deepspeed":
+    backend = check_optimizer_config(config, precision)
+    if backend == "fsdp":
+        from engine.fsdp import FsdpStageOptimizer, resolve_reshard
+        return FsdpStageOptimizer(config, module, mesh, microbatches=microbatches,
+                                  precision=precision, nonfinite=nonfinite, norm_skip=norm_skip,
+                                  reshard_after_forward=resolve_reshard(
+                                      getattr(config, "reshard_after_forward", "auto")))
+    if backend == "deepspeed":
         from engine.zero import DeepSpeedStageOptimizer  # lazy: DeepSpeed is heavy
         return DeepSpeedStageOptimizer(config, module, dp_group=mesh.dp_group,
                                        pipeline_group=mesh.pipeline_group,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["OPTIMIZERS", "PRECISIONS", "GRAD_ACCUM_DTYPES", "ZERO_STAGES", "BACKENDS",
-           "NONFINITE", "precision_problem", "check_precision", "check_optimizer_name",
+           "NONFINITE", "FSDP_ZERO_STAGE", "precision_problem", "check_precision", "check_optimizer_name",
            "check_zero_stage", "check_nonfinite", "resolve_backend", "weight_bytes",
            "compute_name", "loss_scaled", "check_grad_accum_dtype"]
 
@@ -30,7 +30,8 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 # "*-autocast": fp32 weights and gradients, compute under torch.autocast.
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-autocast", "fp16-autocast")
 GRAD_ACCUM_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
-ZERO_STAGES: tuple[int, ...] = (0, 1, 2)
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2)   # DeepSpeed's
+FSDP_ZERO_STAGE = 3                          # ZeRO-3: torch's FSDP2 per stage (engine.fsdp)
 BACKENDS: tuple[str, ...] = ("auto", "torch", "deepspeed")
 NONFINITE: tuple[str, ...] = ("raise", "skip")
 
@@ -111,11 +112,11 @@ def check_optimizer_name(name: Any) -> str:
 
 
 def check_zero_stage(stage: Any) -> int:
-    """``stage`` as an int if it is one of :data:`ZERO_STAGES`, else ``ValueError``."""
-    if int(stage) not in ZERO_STAGES:
-        raise ValueError(f"zero_stage={stage} is not supported; use 0, 1 or 2 (ZeRO-3 partitions "
-                         "parameters, which a pipeline stage needs whole; every schedule works "
-                         "with 0, 1 and 2)")
+    """``stage`` as an int if it is one of :data:`ZERO_STAGES` (DeepSpeed's) or
+    :data:`FSDP_ZERO_STAGE` (torch's FSDP2), else ``ValueError``."""
+    if int(stage) not in ZERO_STAGES + (FSDP_ZERO_STAGE,):
+        raise ValueError(f"zero_stage={stage} is not supported; use 0, 1 or 2 (DeepSpeed) or 3 "
+                         "(FSDP2: parameters, gradients and optimizer state sharded)")
     return int(stage)
 
 
@@ -127,14 +128,21 @@ def check_nonfinite(value: Any) -> str:
 
 
 def resolve_backend(backend: str, zero_stage: int, precision: str = "fp32") -> str:
-    """``"torch"`` or ``"deepspeed"`` (``auto``: deepspeed iff ``zero_stage > 0`` or the
-    precision keeps 16-bit weights, whose fp32 masters live in DeepSpeed's optimizer).
+    """``"torch"``, ``"deepspeed"`` or ``"fsdp"`` (``auto``: fsdp for ``zero_stage=3``, deepspeed
+    iff ``zero_stage`` is 1 or 2 or the precision keeps 16-bit weights, whose fp32 masters live
+    in DeepSpeed's optimizer).
 
     >>> resolve_backend("auto", 1), resolve_backend("auto", 0, "bf16")
     ('deepspeed', 'deepspeed')
     """
     if backend not in BACKENDS:
         raise ValueError(f"optimizer.backend must be auto, torch or deepspeed, got {backend!r}")
+    if zero_stage == FSDP_ZERO_STAGE:
+        if backend != "auto":
+            raise ValueError(f"zero_stage=3 runs on torch's FSDP2, not the {backend} backend: set "
+                             "optimizer.backend=auto (DeepSpeed's ZeRO-3 cannot run pipeline "
+                             "stages), or use zero_stage 1 or 2 with DeepSpeed")
+        return "fsdp"
     low = weight_bytes(precision) < 4
     if backend == "auto":
         return "deepspeed" if zero_stage > 0 or low else "torch"

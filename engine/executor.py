@@ -93,6 +93,7 @@ class Executor:
         self.wait_before_compute = send_wait == "compute"
         self.yield_before_compute = send_wait == "yield"
         self.rank = p2p.mesh.pipeline_rank
+        self.compute_hooks = False   # the optimizer's before/after_compute run around each compute
         self.last = schedule.num_chunks - 1
 
     def run(self, program: Sequence[Any], x_mbs: list | None, y_mbs: list | None,
@@ -175,7 +176,12 @@ class _Step:
                 self.ex.p2p.wait_sends()
             elif self.ex.yield_before_compute:
                 self.ex.p2p.yield_to_sends()
+        hooks = self.optimizer if compute and self.ex.compute_hooks else None
+        if hooks is not None:   # engine.fsdp: all-gather accounting and the reshard policy
+            hooks.before_compute(it.kind, self.ex.chunks[it.stage], it.microbatch)
         op(it)
+        if hooks is not None:
+            hooks.after_compute(it.kind, self.ex.chunks[it.stage], it.microbatch, self.train)
         if compute:
             self._prefetch(pos)
 

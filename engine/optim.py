@@ -69,11 +69,12 @@ class OptimizerConfig:
     decay_steps: int | None = None       # cosine decay to min_lr_ratio * lr over this many steps
     min_lr_ratio: float = 0.1
     grad_clip: float | None = None       # global norm across the whole pipeline (and replicas)
-    zero_stage: int = 0                  # 0, 1, 2 (DeepSpeed)
+    zero_stage: int = 0                  # 0, 1, 2 (DeepSpeed); 3 (FSDP2, engine.fsdp)
     backend: str = "auto"                # auto | torch | deepspeed
     grad_accum_dtype: str = "fp32"       # fp32 | bf16 | fp16 (16-bit only with 16-bit weights)
     overlap_grad_reduce: bool = True     # torch backend, data_parallel > 1: all-reduce buckets during the last backward
     grad_bucket_mb: float = GRAD_BUCKET_MB  # data-parallel all-reduce bucket size (DDP's bucket_cap_mb)
+    reshard_after_forward: str = "auto"  # zero_stage=3: auto | true | false (engine.fsdp.resolve_reshard)
 
 
 class NonFiniteError(FloatingPointError):
@@ -144,22 +145,24 @@ def check_optimizer_config(config: OptimizerConfig, precision: str = "fp32") -> 
     return resolve_backend(config, precision)
 
 
-def make_torch_optimizer(config: OptimizerConfig, params: Sequence[Tensor]
+def make_torch_optimizer(config: OptimizerConfig, params: Sequence[Tensor], fused: bool = True
                          ) -> torch.optim.Optimizer:
     """The torch optimizer ``config`` names over ``params``, at the schedule's first lr. Fused
     kernels (CPU and CUDA): the step makes no temporaries the size of the parameters, which
-    ``engine.footprint`` relies on.
+    ``engine.footprint`` relies on. ``fused=False``: the foreach kernels (DTensor parameters,
+    ``engine.fsdp``: DTensor has no sharding rule for the fused SGD kernel).
 
     >>> opt = make_torch_optimizer(OptimizerConfig(name="sgd", lr=0.1), [torch.zeros(2, requires_grad=True)])
     """
     c, name = config, choices.check_optimizer_name(config.name)
     lr = lr_at(c, 0)
+    kernels = {"fused": True} if fused else {"foreach": True}
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=c.momentum, weight_decay=c.weight_decay,
-                               fused=True)
+                               **kernels)
     cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
     return cls(params, lr=lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay,
-               fused=True)
+               **kernels)
 
 
 @runtime_checkable

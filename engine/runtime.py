@@ -27,7 +27,7 @@ from engine.comm import P2P
 from engine.executor import Executor, mean_loss
 from engine.mesh import Mesh
 from engine.optim import (NonFiniteError, OptimizerConfig, StageOptimizer,
-                          check_optimizer_config, compute_dtype, weight_dtype)
+                          check_optimizer_config, compute_dtype)
 from engine.stage import Chunk, build_layers
 
 __all__ = ["Pipeline", "StepResult", "check_stage_ranges", "default_recv_lookahead",
@@ -293,7 +293,7 @@ class Pipeline:
         self.chunks: dict[int, Chunk] = {}
         for s in self.my_stages:
             start, stop = self.ranges[s]
-            built = [m.to(weight_dtype(precision)) for m in
+            built = [m.to(self._build_dtype()) for m in
                      build_layers(layers, start, stop, seed, self.device)]
             self.chunks[s] = Chunk(
                 s, start, built,
@@ -310,8 +310,7 @@ class Pipeline:
         self.optimizer: StageOptimizer = make_optimizer(
             self.config, self.layer_module, self.mesh, microbatches=microbatches,
             precision=precision, nonfinite=nonfinite, norm_skip=norm_skip)
-        for c in self.chunks.values():  # ZeRO moves parameters into flat buffers: re-read them
-            c.refresh_params()
+        self._reread_params()
         self.p2p = P2P(self.mesh, comm_timeout_s, self.device)
         # The graph-node I/W split needs a backend that takes GradientEdge roots; else per-layer cuts.
         node_split = None if self.optimizer.accepts_gradient_edges else False
@@ -326,6 +325,7 @@ class Pipeline:
         self.send_wait = default_send_wait(self.mesh.backend, sched, transport_threads, send_wait)
         self.executor = Executor(self.chunks, self.p2p, sched, lookahead=int(recv_lookahead),
                                  split=split, node_split=node_split, send_wait=self.send_wait)
+        self.executor.compute_hooks = hasattr(self.optimizer, "after_compute")  # engine.fsdp
         self.nonfinite = nonfinite
         self.diagnose_every = int(diagnose_every)
         self.memory_every = int(memory_every)
@@ -377,9 +377,26 @@ class Pipeline:
             check_optimizer_config(optimizer, precision)
             if int(optimizer.zero_stage) == 2:
                 _check_zero2_ties(ties, num_layers, stage_ranges, sched)
+            if int(optimizer.zero_stage) == 3 and ties:
+                raise ValueError(f"zero_stage=3 (FSDP2) does not support tied parameters yet "
+                                 f"({ties[0][0]} tied to {ties[0][1]}); untie them or use "
+                                 "zero_stage 0, 1 or 2")
         return sched
 
     # ---- setup helpers -------------------------------------------------------------------------
+    def _reread_params(self) -> None:
+        """ZeRO moves parameters into flat buffers, FSDP2 shards them: the chunks re-read what
+        they differentiate (under FSDP2 the gathered parameters, ``engine.fsdp``)."""
+        params_of = getattr(self.optimizer, "compute_parameters", None)
+        for c in self.chunks.values():
+            c.refresh_params(params_of)
+
+    def _build_dtype(self) -> torch.dtype:
+        """The layers' dtype: the precision's weights, or fp32 under ZeRO-3 (FSDP2's masters)."""
+        from engine.fsdp import weight_dtype_for
+
+        return weight_dtype_for(self.config.zero_stage, self.precision)
+
     def _autocast_factory(self) -> Callable[[], Any]:
         dtype = compute_dtype(self.precision)
         if dtype is None:
@@ -454,8 +471,9 @@ class Pipeline:
         The layers hold fp32 weights whatever the precision: with 16-bit weights, the
         optimizer's fp32 masters (a collective over the data-parallel group under ZeRO), so a
         checkpoint resumes exactly, with any split, replica count or precision."""
-        if weight_dtype(self.precision) == torch.float32:
-            layers = {int(k): m.state_dict() for k, m in self.layer_module.items()}
+        whole = getattr(self.optimizer, "layer_state_dict", lambda m: m.state_dict())
+        if self._build_dtype() == torch.float32:
+            layers = {int(k): whole(m) for k, m in self.layer_module.items()}
         else:
             layers = self._master_layers()
         return {"layers": layers, "optimizer": self.optimizer.state_dict(),
@@ -489,10 +507,11 @@ class Pipeline:
         for k, m in self.layer_module.items():
             if int(k) not in layers:
                 raise KeyError(f"checkpoint has no layer {k}; it comes from another model")
-            m.load_state_dict(layers[int(k)])
+            getattr(self.optimizer, "load_layer_state_dict", nn.Module.load_state_dict)(
+                m, layers[int(k)])
         if "optimizer" in sd:
             self.optimizer.load_state_dict(sd["optimizer"])
-        if weight_dtype(self.precision) != torch.float32:
+        if self._build_dtype() != torch.float32:
             self.optimizer.load_master_weights({f"{k}.{n}": t for k, params in layers.items()
                                                 for n, t in params.items()})
         self.step_count = int(sd.get("step", self.step_count))
@@ -552,6 +571,8 @@ class Pipeline:
                               - stats["optimizer_s"])
         if diagnose:
             stats["optimizer_state_bytes"] = self.optimizer.optimizer_state_bytes()
+        if hasattr(self.optimizer, "all_gathers"):   # engine.fsdp: per action kind
+            stats["fsdp_all_gathers"] = dict(self.optimizer.all_gathers)
         self.step_count += 1
         return StepResult(loss, bool(skipped), norm, self.optimizer.lr(), dt, stats)
 

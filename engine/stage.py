@@ -115,12 +115,29 @@ class Chunk:
         self.peak_bytes = 0
         self.refresh_params()
 
-    def refresh_params(self) -> None:
-        """Re-read the layers' parameters (after parameters were replaced, e.g. tied)."""
-        self._layer_params = [[p for p in m.parameters() if p.requires_grad]
-                              for m in self.module]
+    def refresh_params(self, params_of: Callable[[nn.Module], list[Tensor]] | None = None) -> None:
+        """Re-read the layers' parameters (after parameters were replaced, e.g. tied).
+        ``params_of(layer)``: the tensors a layer's forward differentiates, when they are not
+        its ``parameters()`` (FSDP2: the gathered ones; ``engine.fsdp``)."""
+        if params_of is None:
+            self._layer_params = [[p for p in m.parameters() if p.requires_grad]
+                                  for m in self.module]
+            every = list(self.module.parameters())
+        else:
+            self._layer_params = [list(params_of(m)) for m in self.module]
+            every = [p for ps in self._layer_params for p in ps]
         self.params = list({id(p): p for ps in self._layer_params for p in ps}.values())
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        self._every_param = every
+        # FSDP2's gathered parameters get new storage at each all-gather: read their places live
+        self._moving_params = params_of is not None
+        self._fixed_ptrs = {p.untyped_storage().data_ptr() for p in every}
+
+    @property
+    def _param_ptrs(self) -> set[int]:
+        """Where the parameters' storages are now (the diagnostics leave them out)."""
+        if not self._moving_params:
+            return self._fixed_ptrs
+        return {p.untyped_storage().data_ptr() for p in self._every_param}
 
     @classmethod
     def build(cls, index: int, factories: LayerSpec, start: int, stop: int, seed: int = 0,
@@ -230,13 +247,14 @@ class Chunk:
         return pack, lambda t: t
 
     def _count(self, ts: Sequence[Tensor], seen: dict[int, int]) -> None:
+        params = self._param_ptrs
         for t in ts:
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 continue
             ptr = st.data_ptr()
-            if ptr not in self._param_ptrs:
+            if ptr not in params:
                 seen[ptr] = st.nbytes()
 
     # ---- backward ----------------------------------------------------------------------------

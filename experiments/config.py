@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import re
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -219,7 +220,8 @@ class PipelineConfig:
     microbatches: Any = 4  # microbatches per step per replica (m), or auto: the planner chooses (a divisor of the batch per replica)
     virtual_stages: int = 1  # model chunks per rank (v); the schedule says which (>= 2: interleaved-1f1b, 2: zbv); chosen under schedule=auto
     max_inflight: Optional[int] = None  # zb-h2: most microbatches a rank holds, stages..2*stages-1 (null: 2*stages-1); chosen under schedule=auto
-    data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel
+    data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel * tensor_parallel
+    tensor_parallel: int = 1  # tensor-parallel ranks per stage (t; the mesh's innermost axis); only 1 is built so far
     activation_checkpointing: Union[bool, str] = False  # false | true (every chunk recomputes) | auto (the partitioner decides per chunk)
     comm_timeout_s: float = 60.0  # a point-to-point transfer waiting longer than this fails the job
     nonfinite: NonFinite = NonFinite["raise"]  # a non-finite loss/gradient: raise (stop) | skip (drop the step)
@@ -267,11 +269,12 @@ class OptimConfig:
     decay_steps: Optional[int] = None  # cosine decay to min_lr_ratio * lr over this many steps; null = constant (the optimizer options set ${train.steps})
     min_lr_ratio: float = 0.1  # floor of the cosine decay, as a fraction of lr
     grad_clip: Optional[float] = 1.0  # clip the global gradient norm (whole pipeline); null = off
-    zero_stage: int = 0  # DeepSpeed ZeRO stage over the data-parallel group: 0, 1 or 2
+    zero_stage: int = 0  # ZeRO stage over each stage's data-parallel group: 0, 1 or 2 (DeepSpeed), 3 (torch FSDP2: parameters, gradients and optimizer state sharded)
     backend: OptimizerBackend = OptimizerBackend["auto"]  # auto | torch | deepspeed (auto: deepspeed iff zero_stage > 0 or 16-bit weights)
     grad_accum_dtype: GradAccumDtype = GradAccumDtype["fp32"]  # gradients accumulated over microbatches in: fp32 | bf16 | fp16 (= the 16-bit weights')
     overlap_grad_reduce: bool = True  # torch backend, data_parallel > 1: all-reduce each gradient bucket over the replicas during the last backward, as soon as it is final (DDP's overlap); false: one reduction after the schedule
     grad_bucket_mb: float = GRAD_BUCKET_MB  # size of a data-parallel all-reduce bucket (DDP's bucket_cap_mb)
+    reshard_after_forward: str = "auto"  # zero_stage=3: free each layer's gathered weights after its forward and backward (true), keep them for the whole step (false: one all-gather per layer per step), or auto (true iff partitioner.memory_limit is set)
 
 
 @dataclass
@@ -675,7 +678,11 @@ def optimizer_kwargs(cfg: Any) -> dict:
     if isinstance(cfg, OptimConfig):
         opt = cfg
     elif isinstance(cfg, Config) or (isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is Config):
-        opt = as_config(cfg).optimizer  # the whole config
+        whole = as_config(cfg)  # the whole config
+        opt = whole.optimizer
+        if str(opt.reshard_after_forward).lower() == "auto":  # auto: reshard iff memory-limited
+            limited = whole.partitioner.memory_limit not in (None, "")
+            opt = dataclasses.replace(opt, reshard_after_forward="true" if limited else "false")
     else:
         opt = _typed(OptimConfig, cfg, "optimizer")
     return {**_plain(opt), "betas": None if opt.betas is None else tuple(float(b) for b in opt.betas)}
@@ -691,6 +698,7 @@ def validate_config(cfg: Any) -> Config:
     """
     cfg = as_config(cfg)
     _check_counts(cfg)
+    _check_tensor_parallel(cfg)
     _check_batch(cfg)
     _check_schedule(cfg)
     _check_layers(cfg)
@@ -752,6 +760,16 @@ def _check_counts(cfg: Config) -> None:
                        ("train.steps", int(cfg.train.steps))):
         if value < 1:
             raise ConfigError(f"{key}={value}; it must be at least 1")
+
+
+def _check_tensor_parallel(cfg: Config) -> None:
+    tp = int(cfg.pipeline.tensor_parallel)
+    if tp < 1:
+        raise ConfigError(f"pipeline.tensor_parallel={tp}; it must be at least 1")
+    if tp > 1:
+        raise ConfigError(f"pipeline.tensor_parallel={tp}: tensor parallelism is not built yet (the mesh has "
+                          "its tp axis, the layers no tensor-parallel plan); set pipeline.tensor_parallel=1 and "
+                          "use pipeline.data_parallel (with optimizer.zero_stage=3 to shard the weights) instead")
 
 
 def _check_batch(cfg: Config) -> None:
@@ -857,11 +875,19 @@ def _check_memory_limit(cfg: Config) -> None:
 
 
 def _check_optimizer(cfg: Config) -> None:
-    from engine.choices import ZERO_STAGES, check_grad_accum_dtype, resolve_backend
+    from engine.choices import FSDP_ZERO_STAGE, ZERO_STAGES, check_grad_accum_dtype, resolve_backend
 
     zero = int(cfg.optimizer.zero_stage)
-    if zero not in ZERO_STAGES:
-        raise ConfigError(f"optimizer.zero_stage={zero}; choose 0 (off), 1 (optimizer state) or 2 (+ gradients)")
+    if zero not in ZERO_STAGES + (FSDP_ZERO_STAGE,):
+        raise ConfigError(f"optimizer.zero_stage={zero}; choose 0 (off), 1 (optimizer state), 2 (+ gradients) "
+                          "or 3 (+ parameters, on torch's FSDP2)")
+    if str(cfg.optimizer.reshard_after_forward).lower() not in ("auto", "true", "false"):
+        raise ConfigError(f"optimizer.reshard_after_forward={cfg.optimizer.reshard_after_forward!r}; "
+                          "choose auto, true or false")
+    if zero == FSDP_ZERO_STAGE and choice_text(cfg.optimizer.backend) != "auto":
+        raise ConfigError(f"optimizer.zero_stage=3 runs on torch's FSDP2, not optimizer.backend="
+                          f"{choice_text(cfg.optimizer.backend)} (DeepSpeed's ZeRO-3 cannot run pipeline "
+                          "stages); set optimizer.backend=auto, or use optimizer.zero_stage=1 or 2")
     if float(cfg.optimizer.lr) <= 0:
         raise ConfigError("optimizer.lr must be positive, e.g. optimizer.lr=3e-3")
     precision = choice_text(cfg.precision)
@@ -910,6 +936,11 @@ def _check_model_and_data(cfg: Config) -> None:
             "the embedding (first stage) and the head (last stage) share a weight whose gradients are summed "
             "between stages, but ZeRO-2 shards gradients during backward; set optimizer.zero_stage=1, or "
             "model.tie_embeddings=false"
+        )
+    if int(cfg.optimizer.zero_stage) == 3 and tied:
+        raise ConfigError(
+            "optimizer.zero_stage=3 (FSDP2) does not support tied weights yet (model.tie_embeddings=true); "
+            "set model.tie_embeddings=false, or use optimizer.zero_stage=1"
         )
     data_name = choice_text(cfg.data.name)
     if model_name == "mlp" and data_name != "synthetic":

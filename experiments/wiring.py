@@ -57,9 +57,10 @@ def _batch_per_replica(cfg: Any) -> int:
 
 
 def world_size(cfg: Any) -> int:
-    """Processes the job needs: `pipeline.stages * pipeline.data_parallel`."""
+    """Processes the job needs: `pipeline.stages * pipeline.data_parallel * pipeline.tensor_parallel`
+    (engine.mesh's rank order)."""
     p = as_config(cfg).pipeline
-    return int(p.stages) * int(p.data_parallel)
+    return int(p.stages) * int(p.data_parallel) * int(p.tensor_parallel)
 
 
 def run_name(cfg: Any) -> str:
@@ -134,7 +135,9 @@ def _planner_kwargs(cfg: Config) -> dict[str, Any]:
     link = part.link_bytes_per_s
     return {
         "data_parallel": int(p.data_parallel),
-        "zero_stage": int(opt.zero_stage),
+        # The planner's memory model stops at ZeRO-2 (whole weights): ZeRO-3 (FSDP2) is planned as
+        # ZeRO-2, an upper bound on its weight memory, until the model has ZeRO-3's terms.
+        "zero_stage": min(int(opt.zero_stage), 2),
         "optimizer": _text(opt.name),
         "memory_limit_bytes": parse_memory_limit(part.memory_limit),
         "method": _text(part.method),

@@ -154,16 +154,29 @@ def test_stage_range_count_must_match_the_layout():
 
 
 def test_zero_stage_unsupported(base_cfg):
-    with pytest.raises(ConfigError, match=r"optimizer.zero_stage=3; choose 0 \(off\), 1"):
-        validate_config(_cfg(base_cfg, optimizer__zero_stage=3))
+    with pytest.raises(ConfigError, match=r"optimizer.zero_stage=4; choose 0 \(off\), 1"):
+        validate_config(_cfg(base_cfg, optimizer__zero_stage=4))
+    with pytest.raises(ConfigError, match="zero_stage=3 runs on torch's FSDP2, not optimizer.backend="
+                                          "deepspeed .*set optimizer.backend=auto"):
+        validate_config(_cfg(base_cfg, optimizer__zero_stage=3, optimizer__backend="deepspeed"))
+    with pytest.raises(ConfigError, match="zero_stage=3 .* does not support tied weights yet"):
+        validate_config(_cfg(base_cfg, optimizer__zero_stage=3, model__tie_embeddings=True))
+    with pytest.raises(ConfigError, match="reshard_after_forward='sometimes'; choose auto, true"):
+        validate_config(_cfg(base_cfg, optimizer__reshard_after_forward="sometimes"))
+    with pytest.raises(ConfigError, match="pipeline.tensor_parallel=2: tensor parallelism is not "
+                                          "built yet"):
+        validate_config(_cfg(base_cfg, pipeline__tensor_parallel=2))
+    validate_config(_cfg(base_cfg, optimizer__zero_stage=3, model__tie_embeddings=False))
     with pytest.raises(ConfigError, match="needs DeepSpeed; set optimizer.backend=auto"):
         validate_config(_cfg(base_cfg, optimizer__zero_stage=1, optimizer__backend="torch"))
     with pytest.raises(ConfigError, match="zero_stage=2 cannot be used with "
                                           "model.tie_embeddings=true .*optimizer.zero_stage=1"):
         validate_config(_cfg(base_cfg, optimizer__zero_stage=2, model__tie_embeddings=True))
     validate_config(_cfg(base_cfg, optimizer__zero_stage=2, pipeline__schedule="zb-h1"))
-    with pytest.raises(ValueError, match="zero_stage=3 is not supported; use 0, 1 or 2"):
-        _check(optimizer=OptimizerConfig(zero_stage=3))
+    with pytest.raises(ValueError, match="zero_stage=4 is not supported; use 0, 1 or 2"):
+        _check(optimizer=OptimizerConfig(zero_stage=4))
+    with pytest.raises(ValueError, match="zero_stage=3 .FSDP2. does not support tied parameters"):
+        _check(optimizer=OptimizerConfig(zero_stage=3), ties=[("0.weight", "3.weight")])
     with pytest.raises(ValueError, match="needs backend='deepspeed'"):
         resolve_backend(OptimizerConfig(zero_stage=1, backend="torch"))
     with pytest.raises(ValueError, match="across pipeline stages 0 and 2: .* use zero_stage=1"):

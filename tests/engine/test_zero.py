@@ -180,7 +180,8 @@ def test_zero2_with_cross_stage_ties_is_refused():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(zero_stage=3), "zero_stage=3 is not supported"),
+    (dict(zero_stage=3), "zero_stage=3 runs on torch's FSDP2, not the deepspeed backend"),
+    (dict(zero_stage=4), "zero_stage=4 is not supported"),
     (dict(name="lamb"), "optimizer 'lamb' is not supported"),
 ])
 def test_bad_configs_are_refused(bad, match):
