@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from experiments.models.hf_moe import RouterSpec, layer_stats, router_spec, routers_in
+
 
 __all__ = [
     "ARCHS",
@@ -55,6 +57,8 @@ __all__ = [
     "meta_layer",
     "model_class",
     "attention_mask",
+    "attention_implementation",
+    "additive_mask",
 ]
 
 ARCHS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox")
@@ -77,8 +81,8 @@ INCOMPATIBLE = {
 log = logging.getLogger(__name__)
 
 
-def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None = None
-                   ) -> torch.Tensor | None:
+def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None = None,
+                   explicit: bool = False) -> torch.Tensor | None:
     """The boolean attention mask `[b, 1, q, kv]` (True = attend) for the last `q_len` of the
     `kv` positions of `padding` (`[b, kv]`, 1 = token, 0 = left padding), causal, with an
     optional sliding window (key `j` visible from query `i` iff `i - window < j <= i`).
@@ -92,7 +96,7 @@ def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None 
     if padding is None:
         return None
     kv = padding.shape[1]
-    if (window is None or kv < window) and (q_len == 1 or q_len == kv) and bool(padding.all()):
+    if not explicit and (window is None or kv < window) and (q_len == 1 or q_len == kv) and bool(padding.all()):
         return None
     q_pos = torch.arange(kv - q_len, kv, device=padding.device)[:, None]
     k_pos = torch.arange(kv, device=padding.device)[None, :]
@@ -140,27 +144,52 @@ class HFBlock(nn.Module):
     `window`: the layer's sliding attention window (Mistral, Qwen2 sliding layers), or None.
     """
 
-    def __init__(self, block: nn.Module, rotary: nn.Module | None = None, window: int | None = None) -> None:
+    def __init__(self, block: nn.Module, rotary: nn.Module | None = None, window: int | None = None,
+                 router: RouterSpec | None = None) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary
         self.window = window
+        self.router = router
+        self._routers = routers_in(block, router) if router is not None else []
         self._cache_arg, self._args = _call_names(block)
+        config = getattr(getattr(block, "self_attn", None), "config", None)
+        self.eager = getattr(config, "_attn_implementation", "sdpa") == "eager"
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
         return None if self.rotary is None else self.rotary(hidden, position_ids)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Any:
+        """Hidden states in and out; in an MoE model `(hidden, router stats)` in (or hidden
+        alone into the first layer) and out, this layer's routing sums added
+        (`experiments.models.hf_moe`)."""
+        hidden, stats = (x if isinstance(x, tuple) else (x, None))
         t = hidden.shape[1]
         positions = torch.arange(t, device=hidden.device).unsqueeze(0)
         mask = None
         if self.window is not None and t >= self.window:
             mask = attention_mask(torch.ones(1, t, dtype=torch.long, device=hidden.device), t, self.window)
-        return self.run(hidden, mask=mask, position_ids=positions)
+        if self.router is None:
+            return self.run(hidden, mask=mask, position_ids=positions)
+        logits: list[torch.Tensor] = []
+        index = self.router.index
+        hooks = [m.register_forward_hook(lambda _m, _i, out: logits.append(out[index])) for m in self._routers]
+        try:
+            out = self.run(hidden, mask=mask, position_ids=positions)
+        finally:
+            for h in hooks:
+                h.remove()
+        if stats is None:
+            stats = torch.zeros(self.router.width, dtype=torch.float32, device=hidden.device)
+        for z in logits:
+            stats = stats + layer_stats(z, self.router.top_k)
+        return out, stats
 
     def run(self, hidden: torch.Tensor, *, mask: torch.Tensor | None, position_ids: torch.Tensor,
             cache: Any = None, position_embeddings: Any = None) -> torch.Tensor:
         """The layer with an explicit mask (None = causal), positions and optional KV cache."""
+        if self.eager and (mask is None or mask.dtype == torch.bool):
+            mask = additive_mask(mask, hidden.shape[1], self.window, hidden.dtype, hidden.device)
         kwargs: dict[str, Any] = {"attention_mask": mask}
         if "position_ids" in self._args:
             kwargs["position_ids"] = position_ids
@@ -187,7 +216,10 @@ class HFHead(nn.Module):
         self.lm_head = lm_head
         self.fused = fused
 
-    def forward(self, hidden: torch.Tensor) -> Any:
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Any:
+        if isinstance(x, tuple):  # an MoE model's (hidden, router stats): the stats go on to the loss
+            return self.forward(x[0]), x[1]
+        hidden = x
         if self.fused:
             from experiments.models.loss import HeadOutput
 
@@ -312,8 +344,35 @@ def config_from_json(config_json: str) -> Any:
 
     d = json.loads(config_json)
     config = AutoConfig.for_model(d.pop("model_type"), **d)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention_implementation(config)
     return config
+
+
+def attention_implementation(config: Any) -> str:
+    """"sdpa" where the model class supports it, else "eager" (gpt-oss: attention sinks).
+
+    >>> from transformers import AutoConfig
+    >>> attention_implementation(AutoConfig.for_model("llama"))
+    'sdpa'
+    """
+    return "sdpa" if getattr(model_class(config), "_supports_sdpa", False) else "eager"
+
+
+def additive_mask(mask: torch.Tensor | None, q_len: int, window: int | None, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor | None:
+    """The float mask eager attention adds to its scores (0 = attend, the dtype's minimum =
+    not) for a boolean mask of :func:`attention_mask`; for None (SDPA's causal flag) the causal
+    mask of `q_len` positions (with the window), or None for one query (it sees every key).
+
+    >>> additive_mask(None, 2, None, torch.float32, torch.device("cpu"))[0, 0].tolist()
+    [[0.0, -3.4028234663852886e+38], [0.0, 0.0]]
+    """
+    if mask is None:
+        if q_len == 1:
+            return None
+        mask = attention_mask(torch.ones(1, q_len, dtype=torch.long, device=device), q_len, window, explicit=True)
+    out = torch.zeros(mask.shape, dtype=dtype, device=device)
+    return out.masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 @functools.lru_cache(maxsize=8)
@@ -347,7 +406,8 @@ def meta_layer(config_json: str, index: int) -> nn.Module:
         if lay.rotary:
             with torch.device("cpu"):
                 rotary = type(get(lay.rotary))(config=model.config)
-        return HFBlock(copy.deepcopy(get(f"{lay.layers}.{index - 1}")), rotary, _window(model.config, index - 1))
+        return HFBlock(copy.deepcopy(get(f"{lay.layers}.{index - 1}")), rotary, _window(model.config, index - 1),
+                       router_spec(model))
     if index == n + 1:
         return HFHead(copy.deepcopy(get(lay.norm)), copy.deepcopy(get(lay.head)))
     raise IndexError(f"pipeline layer {index} does not exist (the model has {n + 2})")
@@ -383,7 +443,8 @@ def layers_from_hf(model: nn.Module) -> list[nn.Module]:
     first = HFTokenEmbedding(get(lay.embed), get(lay.positions) if lay.positions else None,
                              get(lay.dropout) if lay.dropout else None)
     rotary = get(lay.rotary) if lay.rotary else None
-    blocks = [HFBlock(b, rotary, _window(model.config, i)) for i, b in enumerate(get(lay.layers))]
+    router = router_spec(model)
+    blocks = [HFBlock(b, rotary, _window(model.config, i), router) for i, b in enumerate(get(lay.layers))]
     return [first, *blocks, HFHead(get(lay.norm), get(lay.head))]
 
 

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from pathlib import Path
@@ -32,7 +33,7 @@ from experiments.models.hf import (_ambient_meta, config_from_json, layer_prefix
                                    meta_reference)
 
 __all__ = ["resolve_pretrained", "pretrained_config_json", "pretrained_facts", "weight_map",
-           "checkpoint_names", "load_hf_layer", "read_tensors", "INDEX", "SINGLE"]
+           "checkpoint_names", "layer_tensors", "load_hf_layer", "read_tensors", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -92,35 +93,41 @@ def weight_map(path: str) -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=8)
-def checkpoint_names(path: str) -> dict[str, str]:
-    """Model parameter name -> the name it has in the directory's files.
+def checkpoint_names(path: str) -> dict[str, tuple[str, str | None]]:
+    """Stored tensor name -> (the model parameter it loads into, the matched source pattern of
+    the weight converter that builds it, or None for a plain rename).
 
     Files may name tensors differently from the modules (older layouts, e.g. GPT-NeoX's
-    `embed_out`, or a checkpoint saved from the base model without its prefix); transformers'
-    own renaming rules for the model type translate them, as `from_pretrained` does. Weights
-    that need a tensor conversion (fused or split on load) are refused.
+    `embed_out`, a checkpoint saved from the base model without its prefix) or store weights
+    that transformers converts on load (Mixtral's and Qwen-MoE's per-expert matrices, stacked
+    into one `[experts, ...]` parameter). transformers' own conversion mapping for the model
+    type (`get_model_conversion_mapping`) and its `rename_source_key` translate every name, as
+    `from_pretrained` does; for a converted weight the name is the converter's first target.
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     model, _ = meta_reference(pretrained_config_json(path))
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    renamings, converters = _transforms(get_model_conversion_mapping(model), WeightRenaming, WeightConverter)
     meta_sd = model.state_dict()
-    out: dict[str, str] = {}
+    out: dict[str, tuple[str, str | None]] = {}
     for key in weight_map(path):
-        name, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
-        if converter is not None:
-            raise ValueError(f"{path}: tensor {key!r} needs a weight conversion ({converter!r}) on load; "
-                             "pipeshard loads tensors as stored, so this checkpoint layout is not supported")
-        out.setdefault(name, key)
+        name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
+        if name not in meta_sd and key in meta_sd:  # as from_pretrained: a name already right stays
+            name, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta_sd)
+        out[key] = (name, pattern)
     return out
 
 
-def read_tensors(path: str | Path, names: dict[str, str], dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+def _transforms(conversions: list, renaming: type, converter: type) -> tuple[list, list]:
+    return ([c for c in conversions if isinstance(c, renaming)],
+            [c for c in conversions if isinstance(c, converter)])
+
+
+def read_tensors(path: str | Path, names: dict[str, str], dtypes: dict[str, torch.dtype] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """Read `{local: hf_name}` from the directory's safetensors files, each file opened once,
-    cast to `dtypes[local]`."""
+    cast to `dtypes[local]` when given."""
     from safetensors import safe_open
 
     root = resolve_pretrained(path)
@@ -132,8 +139,76 @@ def read_tensors(path: str | Path, names: dict[str, str], dtypes: dict[str, torc
     for fname, locals_ in sorted(by_file.items()):
         with safe_open(str(root / fname), framework="pt") as f:
             for local in locals_:
-                out[local] = f.get_tensor(names[local]).to(dtypes[local])
+                t = f.get_tensor(names[local])
+                out[local] = t if dtypes is None else t.to(dtypes[local])
     return out
+
+
+def _owner(name: str, prefixes: dict[str, str]) -> str | None:
+    """The layer-local name of model parameter `name`, or None when the layer does not hold it."""
+    for local, full in prefixes.items():
+        if name.startswith(full + "."):
+            return f"{local}.{name[len(full) + 1:]}"
+    return None
+
+
+def layer_tensors(path: str, index: int) -> dict[str, torch.Tensor]:
+    """Pipeline layer `index`'s tensors (layer-local names), read and converted exactly as
+    `from_pretrained` converts them (transformers' `WeightConverter.convert` on this layer's
+    stored tensors only): no other layer's tensor is read."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key
+
+    config_json = pretrained_config_json(path)
+    model, lay = meta_reference(config_json)
+    prefixes = layer_prefixes(lay, index)
+    plan = checkpoint_names(path)
+    mine = sorted((k for k, (name, _) in plan.items() if _owner(name, prefixes)), key=dot_natural_key)
+    stored = read_tensors(path, {k: k for k in mine})
+    if (index == lay.num_layers + 1 and getattr(model.config, "tie_word_embeddings", False)
+            and not any(_owner(plan[k][0], {"lm_head": lay.head}) for k in mine)):
+        embed = [k for k, (name, _) in plan.items() if name == f"{lay.embed}.weight"]
+        stored.update(read_tensors(path, {k: k for k in embed}))  # tied head: the file has the embedding only
+        mine += embed
+        plan = {**plan, **{k: (f"{lay.head}.weight", None) for k in embed}}
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    _, converters = _transforms(get_model_conversion_mapping(model), WeightRenaming, WeightConverter)
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    mappings: dict[str, Any] = {}
+    for key in mine:
+        name, pattern = plan[key]
+        if pattern is None:
+            mapping = mappings.setdefault(name, WeightRenaming(key, name))
+            pattern = key
+        else:
+            mapping = mappings.setdefault(name, copy.deepcopy(by_pattern[pattern]))
+        mapping.add_tensor(name, key, pattern, stored.pop(key))
+    out: dict[str, torch.Tensor] = {}
+    for first, mapping in mappings.items():
+        for target, value in mapping.convert(first, model=model, config=model.config).items():
+            local = _owner(target, prefixes)
+            if local is None:
+                raise KeyError(f"{path}: converting {first!r} gave {target!r}, outside pipeline layer {index}")
+            out[local] = value[0] if isinstance(value, list) else value
+    return out
+
+
+def _rebuild_buffers(layer: nn.Module, reference: nn.Module) -> None:
+    """Buffers a module computes at construction (not stored: gemma's `embed_scale`, rotary
+    `inv_freq`), made real and filled by the model class's own `_init_weights`, which leaves
+    every loaded tensor alone (transformers' `_is_hf_initialized` flag, as in from_pretrained)."""
+    loaded = [t for t in [*layer.parameters(), *layer.buffers()] if not t.is_meta]
+    for t in loaded:
+        t._is_hf_initialized = True
+    for module in layer.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None and buf.is_meta:
+                module.register_buffer(name, torch.empty_like(buf, device="cpu"),
+                                       persistent=name not in module._non_persistent_buffers_set)
+    with torch.no_grad():
+        layer.apply(reference._init_weights)
+    for t in loaded:
+        del t._is_hf_initialized
 
 
 def load_hf_layer(path: str, index: int) -> nn.Module:
@@ -143,27 +218,22 @@ def load_hf_layer(path: str, index: int) -> nn.Module:
     if _ambient_meta():
         return layer
     model, lay = meta_reference(config_json)
-    prefixes = layer_prefixes(lay, index)
-    stored = checkpoint_names(path)
+    tensors = layer_tensors(path, index)
     wanted = layer.state_dict(keep_vars=True)
-    names: dict[str, str] = {}
-    missing: list[str] = []
-    for local in wanted:
-        head, _, rest = local.partition(".")
-        full = f"{prefixes[head]}.{rest}"
-        if full not in stored and local == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
-            full = f"{lay.embed}.weight"  # tied head: the file stores the embedding only
-        if full in stored:
-            names[local] = stored[full]
-        else:
-            missing.append(full)
+    missing = [k for k in wanted if k not in tensors]
     if missing:
-        raise KeyError(f"{path} has no tensors {missing} for pipeline layer {index}; the weights do not "
+        prefixes = layer_prefixes(lay, index)
+        full = [f"{prefixes[k.partition('.')[0]]}.{k.partition('.')[2]}" for k in missing]
+        raise KeyError(f"{path} has no tensors {full} for pipeline layer {index}; the weights do not "
                        "match config.json (re-save the model with save_pretrained)")
-    tensors = read_tensors(path, names, {k: v.dtype for k, v in wanted.items()})
-    layer.load_state_dict(tensors, strict=True, assign=True)
+    extra = sorted(set(tensors) - set(wanted))
+    if extra:
+        raise KeyError(f"{path}: pipeline layer {index} got tensors it does not have: {extra}")
+    layer.load_state_dict({k: v.to(wanted[k].dtype) for k, v in tensors.items()}, strict=False, assign=True)
+    _rebuild_buffers(layer, model)
     left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"pipeline layer {index} of {path}: {left} were not loaded (buffers that "
                            "are not saved and not computed by the layer); this model type is not supported")
     return layer
+
