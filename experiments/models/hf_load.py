@@ -31,9 +31,10 @@ from torch import nn
 
 from experiments.models.hf import (_ambient_meta, config_from_json, layer_prefixes, meta_layer,
                                    meta_reference)
+from experiments.models.hf_moe import router_spec
 
 __all__ = ["resolve_pretrained", "pretrained_config_json", "pretrained_facts", "weight_map",
-           "checkpoint_names", "layer_tensors", "load_hf_layer", "read_tensors", "INDEX", "SINGLE"]
+           "checkpoint_names", "check_loadable", "rebuild_buffers", "layer_tensors", "load_hf_layer", "read_tensors", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -68,9 +69,11 @@ def pretrained_config_json(path: str) -> str:
 def pretrained_facts(path: str | Path) -> dict[str, Any]:
     """What the configuration checks need from a directory, without loading weights:
     `num_layers` (decoder layers), `vocab`, `tie`, `model_type`, `learned_positions` (max
-    positions for models with a learned position table, else None)."""
+    positions for models with a learned position table, else None). A directory a worker could
+    not load is refused here (:func:`check_loadable`)."""
     config_json = pretrained_config_json(str(path))
     _, lay = meta_reference(config_json)
+    check_loadable(str(path))
     config = config_from_json(config_json)
     learned = None
     if lay.positions:
@@ -124,10 +127,11 @@ def _transforms(conversions: list, renaming: type, converter: type) -> tuple[lis
             [c for c in conversions if isinstance(c, converter)])
 
 
-def read_tensors(path: str | Path, names: dict[str, str], dtypes: dict[str, torch.dtype] | None = None
-                 ) -> dict[str, torch.Tensor]:
+def read_tensors(path: str | Path, names: dict[str, str], dtypes: dict[str, torch.dtype] | None = None,
+                 meta: bool = False) -> dict[str, torch.Tensor]:
     """Read `{local: hf_name}` from the directory's safetensors files, each file opened once,
-    cast to `dtypes[local]` when given."""
+    cast to `dtypes[local]` when given; `meta`: tensors on the meta device with the stored
+    shapes and dtypes (from the files' headers, no data read)."""
     from safetensors import safe_open
 
     root = resolve_pretrained(path)
@@ -139,9 +143,20 @@ def read_tensors(path: str | Path, names: dict[str, str], dtypes: dict[str, torc
     for fname, locals_ in sorted(by_file.items()):
         with safe_open(str(root / fname), framework="pt") as f:
             for local in locals_:
-                t = f.get_tensor(names[local])
+                t = _header_tensor(f, names[local]) if meta else f.get_tensor(names[local])
                 out[local] = t if dtypes is None else t.to(dtypes[local])
     return out
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _header_tensor(f: Any, name: str) -> torch.Tensor:
+    """A meta tensor of the stored tensor's shape and dtype (its header; no data read)."""
+    part = f.get_slice(name)
+    return torch.empty(part.get_shape(), dtype=_ST_DTYPES[part.get_dtype()], device="meta")
 
 
 def _owner(name: str, prefixes: dict[str, str]) -> str | None:
@@ -152,10 +167,11 @@ def _owner(name: str, prefixes: dict[str, str]) -> str | None:
     return None
 
 
-def layer_tensors(path: str, index: int) -> dict[str, torch.Tensor]:
+def layer_tensors(path: str, index: int, meta: bool = False) -> dict[str, torch.Tensor]:
     """Pipeline layer `index`'s tensors (layer-local names), read and converted exactly as
     `from_pretrained` converts them (transformers' `WeightConverter.convert` on this layer's
-    stored tensors only): no other layer's tensor is read."""
+    stored tensors only): no other layer's tensor is read. `meta`: the same conversions on
+    meta tensors of the stored shapes (a dry run: what the layer would get, no data read)."""
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key
 
     config_json = pretrained_config_json(path)
@@ -163,11 +179,11 @@ def layer_tensors(path: str, index: int) -> dict[str, torch.Tensor]:
     prefixes = layer_prefixes(lay, index)
     plan = checkpoint_names(path)
     mine = sorted((k for k, (name, _) in plan.items() if _owner(name, prefixes)), key=dot_natural_key)
-    stored = read_tensors(path, {k: k for k in mine})
+    stored = read_tensors(path, {k: k for k in mine}, meta=meta)
     if (index == lay.num_layers + 1 and getattr(model.config, "tie_word_embeddings", False)
             and not any(_owner(plan[k][0], {"lm_head": lay.head}) for k in mine)):
         embed = [k for k, (name, _) in plan.items() if name == f"{lay.embed}.weight"]
-        stored.update(read_tensors(path, {k: k for k in embed}))  # tied head: the file has the embedding only
+        stored.update(read_tensors(path, {k: k for k in embed}, meta=meta))  # tied head: the file has the embedding only
         mine += embed
         plan = {**plan, **{k: (f"{lay.head}.weight", None) for k in embed}}
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -193,22 +209,84 @@ def layer_tensors(path: str, index: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rebuild_buffers(layer: nn.Module, reference: nn.Module) -> None:
+def _placeholder(buf: torch.Tensor) -> tuple[torch.Tensor, float | int]:
+    """A real copy of a meta buffer filled with a value no computation leaves (NaN, or the
+    integer minimum), and that value."""
+    mark = float("nan") if buf.is_floating_point() else torch.iinfo(buf.dtype).min
+    return torch.full(buf.shape, mark, dtype=buf.dtype, device="cpu"), mark
+
+
+def _unset(t: torch.Tensor, mark: float | int) -> bool:
+    return bool(t.isnan().any()) if t.is_floating_point() else bool((t == mark).any())
+
+
+def rebuild_buffers(layer: nn.Module, reference: nn.Module) -> list[str]:
     """Buffers a module computes at construction (not stored: gemma's `embed_scale`, rotary
     `inv_freq`), made real and filled by the model class's own `_init_weights`, which leaves
-    every loaded tensor alone (transformers' `_is_hf_initialized` flag, as in from_pretrained)."""
-    loaded = [t for t in [*layer.parameters(), *layer.buffers()] if not t.is_meta]
-    for t in loaded:
-        t._is_hf_initialized = True
-    for module in layer.modules():
+    every other tensor alone (transformers' `_is_hf_initialized` flag, as in from_pretrained);
+    returns the names of those it left unset. Works on a layer whose parameters are still on
+    the meta device too (the launcher's check, :func:`check_loadable`)."""
+    placed: dict[str, tuple[torch.Tensor, float | int]] = {}
+    for mname, module in layer.named_modules():
         for name, buf in list(module.named_buffers(recurse=False)):
-            if buf is not None and buf.is_meta:
-                module.register_buffer(name, torch.empty_like(buf, device="cpu"),
-                                       persistent=name not in module._non_persistent_buffers_set)
-    with torch.no_grad():
-        layer.apply(reference._init_weights)
-    for t in loaded:
-        del t._is_hf_initialized
+            if buf is not None and buf.is_meta and name in module._non_persistent_buffers_set:
+                real, mark = _placeholder(buf)
+                module.register_buffer(name, real, persistent=False)
+                placed[f"{mname}.{name}" if mname else name] = (real, mark)
+    kept = [t for t in [*layer.parameters(), *layer.buffers()] if all(t is not r for r, _ in placed.values())]
+    for t in kept:
+        t._is_hf_initialized = True
+    try:
+        with torch.no_grad():
+            layer.apply(reference._init_weights)
+    finally:
+        for t in kept:
+            del t._is_hf_initialized
+    return [n for n, (_, mark) in placed.items() if _unset(layer.get_buffer(n), mark)]
+
+
+@functools.lru_cache(maxsize=8)
+def check_loadable(path: str) -> None:
+    """Refuse, in the launching process, a directory a worker could not load: for every
+    pipeline layer, transformers' conversions run on meta tensors of the stored shapes
+    (:func:`layer_tensors` with `meta`) must give exactly the layer's tensors with their
+    shapes, every buffer not stored must be computed by the model class, and an MoE model's
+    routers must be found. A ValueError names what is wrong."""
+    config_json = pretrained_config_json(path)
+    model, lay = meta_reference(config_json)
+    router_spec(model)
+    for index in range(lay.num_layers + 2):
+        layer = meta_layer(config_json, index)
+        try:
+            got = layer_tensors(path, index, meta=True)
+        except Exception as exc:  # a converter failing on these shapes: the worker would fail alike
+            raise ValueError(f"{path}: converting the stored tensors of pipeline layer {index} fails "
+                             f"({type(exc).__name__}: {exc})") from None
+        _compare(path, index, lay, layer.state_dict(keep_vars=True), got)
+        left = rebuild_buffers(layer, model)
+        if left:
+            raise ValueError(f"{path}: pipeline layer {index} has buffers {left} that are neither stored nor "
+                             f"computed by {type(model).__name__}._init_weights; model type "
+                             f"{lay.model_type!r} is not supported")
+
+
+def _compare(path: str, index: int, lay: Any, wanted: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    """Raise naming the tensors (model names) a layer lacks, has too many of, or has in another shape."""
+    prefixes = layer_prefixes(lay, index)
+
+    def full(local: str) -> str:
+        head, _, rest = local.partition(".")
+        return f"{prefixes[head]}.{rest}"
+
+    missing = [full(k) for k in wanted if k not in got]
+    extra = [full(k) for k in got if k not in wanted]
+    shapes = [f"{full(k)} {tuple(got[k].shape)} (model: {tuple(v.shape)})" for k, v in wanted.items()
+              if k in got and tuple(got[k].shape) != tuple(v.shape)]
+    if missing or extra or shapes:
+        what = "; ".join(f"{name} {items}" for name, items in
+                         (("missing", missing), ("unexpected", extra), ("wrong shape", shapes)) if items)
+        raise ValueError(f"{path}: pipeline layer {index} would not load ({what}); the weights do not match "
+                         "config.json (re-save the model with save_pretrained)")
 
 
 def load_hf_layer(path: str, index: int) -> nn.Module:
@@ -220,18 +298,13 @@ def load_hf_layer(path: str, index: int) -> nn.Module:
     model, lay = meta_reference(config_json)
     tensors = layer_tensors(path, index)
     wanted = layer.state_dict(keep_vars=True)
-    missing = [k for k in wanted if k not in tensors]
-    if missing:
-        prefixes = layer_prefixes(lay, index)
-        full = [f"{prefixes[k.partition('.')[0]]}.{k.partition('.')[2]}" for k in missing]
-        raise KeyError(f"{path} has no tensors {full} for pipeline layer {index}; the weights do not "
-                       "match config.json (re-save the model with save_pretrained)")
-    extra = sorted(set(tensors) - set(wanted))
-    if extra:
-        raise KeyError(f"{path}: pipeline layer {index} got tensors it does not have: {extra}")
+    try:
+        _compare(path, index, lay, wanted, tensors)
+    except ValueError as exc:
+        raise KeyError(str(exc)) from None
     layer.load_state_dict({k: v.to(wanted[k].dtype) for k, v in tensors.items()}, strict=False, assign=True)
-    _rebuild_buffers(layer, model)
-    left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
+    left = rebuild_buffers(layer, model)
+    left += [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"pipeline layer {index} of {path}: {left} were not loaded (buffers that "
                            "are not saved and not computed by the layer); this model type is not supported")

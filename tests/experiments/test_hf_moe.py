@@ -43,7 +43,7 @@ FAMILIES = {
 AUX = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss")   # transformers adds the aux loss
 
 
-def save_moe(arch: str, path: Path, *, layers: int = 3, seed: int = 0) -> str:
+def save_moe(arch: str, path: Path, *, layers: int = 3, seed: int = 0, vocab: int = VOCAB) -> str:
     """A random tiny model of `arch` written by save_pretrained (transformers' stored layout)."""
     from transformers import AutoConfig
 
@@ -51,7 +51,7 @@ def save_moe(arch: str, path: Path, *, layers: int = 3, seed: int = 0) -> str:
 
     kw = {"num_key_value_heads": 2, **FAMILIES[arch]}
     cfg = AutoConfig.for_model(arch, hidden_size=48, num_hidden_layers=layers, num_attention_heads=4,
-                               intermediate_size=64, vocab_size=VOCAB, router_aux_loss_coef=0.1,
+                               intermediate_size=64, vocab_size=vocab, router_aux_loss_coef=0.1,
                                tie_word_embeddings=False, **kw)
     torch.manual_seed(seed)
     model_class(cfg)(cfg).save_pretrained(path)
@@ -240,3 +240,88 @@ def test_moe_training_through_two_ranks_equals_transformers_under_every_schedule
                     full = f"{layer_prefixes(lay, i)[head]}.{rest}"
                     torch.testing.assert_close(t, params[full], rtol=1e-5, atol=1e-6, msg=f"{case} {full}")
         print(case, "losses", losses, "aux", aux)
+
+
+# ---------------------------------------------------------------------------- the launcher
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _train(tmp_path: Path, path: str, *overrides: str):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    run_dir = tmp_path / "_".join(o.replace("=", "-").replace(".", "-") for o in overrides)
+    proc = subprocess.run([sys.executable, "-m", "experiments.train", "experiment=smoke", "partitioner.method=uniform",
+                           "logger.progress=false", "logger.timeline=false", "model=hf", f"model.pretrained={path}",
+                           "model.seq_len=16", "train.steps=3", *overrides, f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return proc, run_dir
+
+
+def _trained(tmp_path: Path, path: str, *overrides: str) -> list[dict]:
+    from experiments.tracking import read_metrics
+
+    proc, run_dir = _train(tmp_path, path, *overrides)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [r for r in read_metrics(run_dir) if "loss" in r]
+
+
+def _two_stages_equal_one(tmp_path: Path, arch: str, schedules: tuple[str, ...]) -> None:
+    path = save_moe(arch, tmp_path / arch, layers=4, seed=3, vocab=256)   # data=text: 256 byte symbols
+    one = _trained(tmp_path, path, "pipeline.stages=1")
+    assert all(r["aux_loss"] > 0 for r in one)
+    for schedule in schedules:
+        two = _trained(tmp_path, path, "pipeline.stages=2", f"pipeline.schedule={schedule}")
+        assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5, abs=1e-5), schedule
+        assert [r["aux_loss"] for r in two] == pytest.approx([r["aux_loss"] for r in one], rel=1e-5), schedule
+        print(arch, schedule, [(r["loss"], r["aux_loss"]) for r in two])
+
+
+@pytest.mark.slow
+def test_train_an_moe_checkpoint_on_two_stages_equals_one_stage(tmp_path):
+    _two_stages_equal_one(tmp_path, "mixtral", ("zb-h1",))
+
+
+@pytest.mark.slow
+def test_train_moe_checkpoints_on_two_stages_every_must_show_case(tmp_path):
+    _two_stages_equal_one(tmp_path, "mixtral", ("1f1b", "zbv"))
+    _two_stages_equal_one(tmp_path, "qwen3_moe", ("zb-h1", "1f1b"))
+
+
+def test_a_checkpoint_a_worker_could_not_load_is_refused_before_launch(dirs, tmp_path, monkeypatch):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from experiments.models import hf_load
+    from experiments.models.hf import meta_reference
+
+    broken = tmp_path / "broken"
+    shutil.copytree(save_moe("mixtral", tmp_path / "src", vocab=256), broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    proc, run_dir = _train(tmp_path, str(broken), "pipeline.stages=2")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "error: model.pretrained" in proc.stderr and "Traceback" not in proc.stderr
+    assert "converting the stored tensors of pipeline layer 2 fails" in proc.stderr   # experts 4 != 3
+    assert not (run_dir / "metrics.jsonl").exists()
+    del tensors["model.layers.0.block_sparse_moe.experts.1.w2.weight"]   # one expert fewer: a smaller stack
+    w1 = tensors["model.layers.1.block_sparse_moe.experts.2.w1.weight"]
+    tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"] = w1.clone()
+    shutil.copytree(broken, tmp_path / "smaller")
+    save_file(tensors, str(tmp_path / "smaller" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layer 1 would not load \(wrong shape \['model.layers.0.mlp.experts.down_proj "
+                                         r"\(3, 48, 64\) \(model: \(4, 48, 64\)\)'\]\)"):
+        hf_load.check_loadable(str(tmp_path / "smaller"))
+    # a buffer neither stored nor computed (here: gemma's embedding scale, with _init_weights switched off)
+    model, _ = meta_reference(hf_load.pretrained_config_json(dirs["gemma"]))
+    monkeypatch.setattr(model, "_init_weights", lambda module: None)
+    hf_load.check_loadable.cache_clear()
+    with pytest.raises(ValueError, match=r"pipeline layer 0 has buffers \['wte.embed_scale'\]"):
+        hf_load.check_loadable(dirs["gemma"])
+    hf_load.check_loadable.cache_clear()
