@@ -76,6 +76,14 @@ INCOMPATIBLE = {
     "falcon": "may use ALiBi position biases computed in its forward",
     "bloom": "uses ALiBi position biases computed in its forward",
     "mpt": "uses ALiBi position biases computed in its forward",
+    "cohere2_moe": "scales the logits in its forward",
+    "ctrl": "scales the embeddings and adds sinusoidal positions in its forward",
+    "doge": "builds a dynamic attention mask from the values in its forward",
+    # Found by the family survey of issue 41 (docs/hf_families.md): the loss through pipeshard's
+    # layers differed from transformers' for these, whose forward does work outside the modules.
+    "gpt_bigcode": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
+    "gpt_neox_japanese": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
+    "inkling_text": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
 }
 
 log = logging.getLogger(__name__)
@@ -266,6 +274,20 @@ def _kind(child: nn.Module) -> str:
     return "other"
 
 
+def _check_rotary(model: nn.Module, mtype: str) -> None:
+    """Refuse a rotary module that needs more than (hidden, positions): one table per layer
+    type (gemma3-style local/global rotary), which a block's own rotary cannot choose."""
+    for name, module in model.named_modules():
+        if "Rotary" not in type(module).__name__:
+            continue
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+        extra = [p.name for p in params[2:] if p.default is inspect.Parameter.empty
+                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if extra:
+            raise ValueError(f"model type {mtype!r} is not supported: its rotary embedding {name} takes "
+                             f"{extra} (a table per layer type), which pipeshard's blocks do not pass")
+
+
 def discover_layout(model: nn.Module) -> HFLayout:
     """Find the embedding, positions, dropout, decoder layers, final norm, rotary and head of a
     causal LM (any device, meta included); a clear error when it has another shape."""
@@ -273,6 +295,7 @@ def discover_layout(model: nn.Module) -> HFLayout:
     if mtype in INCOMPATIBLE:
         raise ValueError(f"model type {mtype!r} is not supported: it {INCOMPATIBLE[mtype]}, which "
                          "a pipeline of its modules cannot reproduce")
+    _check_rotary(model, mtype)
     base, prefix = model.base_model, model.base_model_prefix
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if base is model or head is None:
