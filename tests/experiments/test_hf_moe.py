@@ -325,3 +325,17 @@ def test_a_checkpoint_a_worker_could_not_load_is_refused_before_launch(dirs, tmp
     with pytest.raises(ValueError, match=r"pipeline layer 0 has buffers \['wte.embed_scale'\]"):
         hf_load.check_loadable(dirs["gemma"])
     hf_load.check_loadable.cache_clear()
+
+
+@pytest.mark.parametrize("mtype,reason", [("beam", "takes \\['layer_type'\\]"), ("ctrl", "sinusoidal positions"),
+                                          ("cohere2_moe", "scales the logits"), ("gpt_bigcode", "loss differed")])
+def test_families_a_pipeline_would_get_wrong_are_refused(mtype, reason):
+    from transformers import AutoConfig
+
+    from experiments.models.hf import discover_layout, model_class
+
+    cfg = AutoConfig.for_model(mtype)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    with pytest.raises(ValueError, match=f"{mtype}.*not supported.*{reason}"):
+        discover_layout(model)
