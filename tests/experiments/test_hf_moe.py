@@ -282,11 +282,13 @@ def _two_stages_equal_one(tmp_path: Path, arch: str, schedules: tuple[str, ...])
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_train_an_moe_checkpoint_on_two_stages_equals_one_stage(tmp_path):
     _two_stages_equal_one(tmp_path, "mixtral", ("zb-h1",))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_train_moe_checkpoints_on_two_stages_every_must_show_case(tmp_path):
     _two_stages_equal_one(tmp_path, "mixtral", ("1f1b", "zbv"))
     _two_stages_equal_one(tmp_path, "qwen3_moe", ("zb-h1", "1f1b"))
