@@ -84,6 +84,12 @@ INCOMPATIBLE = {
     "gpt_bigcode": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
     "gpt_neox_japanese": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
     "inkling_text": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
+    "nanochat": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
+    "seed_oss": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
+    "phimoe": "routes differently in training than pipeshard reproduces (its loss differed from transformers' by 1e-5)",
+    "biogpt": "computes its positions and scales its embeddings in its forward (pipeshard's layers failed)",
+    "rwkv": "has blocks that take no attention arguments (pipeshard's layers failed)",
+    "xlstm": "has no input embedding pipeshard can find",
 }
 
 log = logging.getLogger(__name__)
