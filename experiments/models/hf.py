@@ -58,6 +58,8 @@ __all__ = [
     "model_class",
     "attention_mask",
     "attention_implementation",
+    "family_scales",
+    "SCALED",
     "additive_mask",
 ]
 
@@ -67,16 +69,11 @@ ARCHS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox")
 # Model types whose forward does work outside the modules this adapter runs (it would silently
 # compute something else): refused with the reason.
 INCOMPATIBLE = {
-    "granite": "scales embeddings, residuals and logits by config multipliers in its forward",
-    "granitemoe": "scales embeddings, residuals and logits by config multipliers in its forward",
-    "cohere": "scales the logits in its forward",
-    "cohere2": "scales the logits in its forward",
     "gemma2": "soft-caps attention and logits and alternates sliding and global attention",
     "gemma3_text": "soft-caps logits and uses two rotary embeddings",
     "falcon": "may use ALiBi position biases computed in its forward",
     "bloom": "uses ALiBi position biases computed in its forward",
     "mpt": "uses ALiBi position biases computed in its forward",
-    "cohere2_moe": "scales the logits in its forward",
     "ctrl": "scales the embeddings and adds sinusoidal positions in its forward",
     "doge": "builds a dynamic attention mask from the values in its forward",
     # Found by the family survey of issue 41 (docs/hf_families.md): the loss through pipeshard's
@@ -92,7 +89,30 @@ INCOMPATIBLE = {
     "xlstm": "has no input embedding pipeshard can find",
 }
 
+# What these families' forward does outside their modules, and the adapter reproduces: a factor
+# on the embeddings, and a factor (or divisor) on the logits, read from the config.
+SCALED = {
+    "granite": ("embedding_multiplier", "logits_scaling", "divide"),
+    "granitemoe": ("embedding_multiplier", "logits_scaling", "divide"),
+    "cohere": (None, "logit_scale", "multiply"),
+    "cohere2": (None, "logit_scale", "multiply"),
+    "cohere2_moe": (None, "logit_scale", "multiply"),
+}
+
 log = logging.getLogger(__name__)
+
+
+def family_scales(config: Any) -> tuple[float | None, float | None, bool]:
+    """(embedding factor, logit factor, whether the logits are divided by it) of a family in
+    `SCALED`, as its transformers forward applies them; Nones for the others.
+
+    >>> from transformers import AutoConfig
+    >>> family_scales(AutoConfig.for_model("granite", embedding_multiplier=12.0, logits_scaling=8.0))
+    (12.0, 8.0, True)
+    """
+    embed, logit, how = SCALED.get(getattr(config, "model_type", ""), (None, None, "multiply"))
+    return (float(getattr(config, embed)) if embed else None,
+            float(getattr(config, logit)) if logit else None, how == "divide")
 
 
 def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None = None,
@@ -124,14 +144,18 @@ def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None 
 class HFTokenEmbedding(nn.Module):
     """Token embedding (+ learned positions, + dropout): `[b, t]` int64 -> `[b, t, d]`."""
 
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding | None = None, drop: nn.Module | None = None) -> None:
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding | None = None, drop: nn.Module | None = None,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.wte = wte
         self.wpe = wpe
         self.drop = drop if drop is not None else nn.Identity()
+        self.scale = scale   # granite's embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.wte(input_ids)
+        if self.scale is not None:
+            h = h * self.scale
         if self.wpe is not None:
             if position_ids is None:
                 t = input_ids.shape[1]
@@ -224,11 +248,18 @@ class HFHead(nn.Module):
     loss, `experiments.models.loss`) the forward returns `HeadOutput(norm(hidden), weight,
     bias)` instead, and `logits(hidden)` gives the logits either way (generation)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear, fused: bool = False) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, fused: bool = False, scale: float | None = None,
+                 divide: bool = False) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
         self.fused = fused
+        self.scale, self.divide = scale, divide   # cohere's logit_scale, granite's logits_scaling (divide)
+
+    def _scaled(self, t: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return t
+        return t / self.scale if self.divide else t * self.scale
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Any:
         if isinstance(x, tuple):  # an MoE model's (hidden, router stats): the stats go on to the loss
@@ -237,11 +268,13 @@ class HFHead(nn.Module):
         if self.fused:
             from experiments.models.loss import HeadOutput
 
-            return HeadOutput(self.norm(hidden), self.lm_head.weight, self.lm_head.bias)
+            if self.scale is not None and self.lm_head.bias is not None:
+                raise ValueError("model.loss=chunked cannot scale the logits of a head with a bias; use model.loss=full")
+            return HeadOutput(self._scaled(self.norm(hidden)), self.lm_head.weight, self.lm_head.bias)
         return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        return self._scaled(self.lm_head(self.norm(hidden)))
 
 
 # --------------------------------------------------------------------------- where the pieces are
@@ -429,7 +462,8 @@ def meta_layer(config_json: str, index: int) -> nn.Module:
     if index == 0:
         return HFTokenEmbedding(copy.deepcopy(get(lay.embed)),
                                 copy.deepcopy(get(lay.positions)) if lay.positions else None,
-                                copy.deepcopy(get(lay.dropout)) if lay.dropout else None)
+                                copy.deepcopy(get(lay.dropout)) if lay.dropout else None,
+                                family_scales(model.config)[0])
     if index <= n:
         rotary = None
         if lay.rotary:
@@ -438,7 +472,8 @@ def meta_layer(config_json: str, index: int) -> nn.Module:
         return HFBlock(copy.deepcopy(get(f"{lay.layers}.{index - 1}")), rotary, _window(model.config, index - 1),
                        router_spec(model))
     if index == n + 1:
-        return HFHead(copy.deepcopy(get(lay.norm)), copy.deepcopy(get(lay.head)))
+        _, logit, divide = family_scales(model.config)
+        return HFHead(copy.deepcopy(get(lay.norm)), copy.deepcopy(get(lay.head)), scale=logit, divide=divide)
     raise IndexError(f"pipeline layer {index} does not exist (the model has {n + 2})")
 
 
@@ -469,12 +504,13 @@ def layers_from_hf(model: nn.Module) -> list[nn.Module]:
     """Wrap an existing HF causal LM's own submodules as pipeshard layers (weights shared)."""
     lay = discover_layout(model)
     get = model.get_submodule
+    embed, logit, divide = family_scales(model.config)
     first = HFTokenEmbedding(get(lay.embed), get(lay.positions) if lay.positions else None,
-                             get(lay.dropout) if lay.dropout else None)
+                             get(lay.dropout) if lay.dropout else None, embed)
     rotary = get(lay.rotary) if lay.rotary else None
     router = router_spec(model)
     blocks = [HFBlock(b, rotary, _window(model.config, i), router) for i, b in enumerate(get(lay.layers))]
-    return [first, *blocks, HFHead(get(lay.norm), get(lay.head))]
+    return [first, *blocks, HFHead(get(lay.norm), get(lay.head), scale=logit, divide=divide)]
 
 
 # --------------------------------------------------------------------------- configs and specs

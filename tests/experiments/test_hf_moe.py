@@ -3,8 +3,9 @@ transformers' own model.
 
 - Loading: Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE checkpoints store one matrix per expert and
   transformers stacks them on load (its conversion mapping); DeepSeek-V2/V3 (MLA, shared
-  experts, a dense first layer), gpt-oss (eager attention with sinks, expert biases) and gemma
-  (an embedding scale buffer that no file holds) load too. Layer by layer, each layer reading
+  experts, a dense first layer), gpt-oss (eager attention with sinks, expert biases), gemma
+  (an embedding scale buffer that no file holds), granite (embedding / logit multipliers) and
+  cohere (logit scale) load too. Layer by layer, each layer reading
   only its own tensors, the forward equals the model's logits (fp32, 1e-5).
 - The router auxiliary loss: the layers' routing sums ride with the hidden states and the loss
   equals `model(ids, labels=..., output_router_logits=True).loss`, its gradients too.
@@ -39,6 +40,8 @@ FAMILIES = {
     "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, **MLA),
     "deepseek_v2": dict(n_routed_experts=4, num_experts_per_tok=2, **MLA),
     "gemma": dict(head_dim=12),
+    "granite": dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.05),
+    "cohere": dict(logit_scale=0.0625),
 }
 AUX = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss")   # transformers adds the aux loss
 
@@ -146,6 +149,21 @@ def test_router_aux_loss_and_gradients_equal_transformers(dirs, arch, loss):
     ref = dict(model.named_parameters())
     for name, p in layers[2].block.named_parameters():    # a middle layer: router, experts, attention
         torch.testing.assert_close(p.grad, ref[f"model.layers.1.{name}"].grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch", ["granite", "cohere"])
+@pytest.mark.parametrize("loss", ["full", "chunked"])
+def test_granite_multipliers_and_cohere_logit_scale_give_transformers_loss(dirs, arch, loss):
+    model = reference(dirs[arch])
+    spec = _spec(dirs[arch], loss=loss, loss_chunk=7)
+    layers = compose(spec.layers)
+    gen = torch.Generator().manual_seed(2)
+    x, y = (torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(2))
+    got = spec.loss_fn(layers(x), y)
+    want = model(x, labels=y, shift_labels=y).loss
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    head = layers[-1]
+    assert head.scale == (8.0 if arch == "granite" else 0.0625) and head.divide == (arch == "granite")
 
 
 def test_dense_and_aux_free_families_keep_plain_hidden_states(dirs):
@@ -331,7 +349,7 @@ def test_a_checkpoint_a_worker_could_not_load_is_refused_before_launch(dirs, tmp
 
 
 @pytest.mark.parametrize("mtype,reason", [("beam", "takes \\['layer_type'\\]"), ("ctrl", "sinusoidal positions"),
-                                          ("cohere2_moe", "scales the logits"), ("gpt_bigcode", "loss differed")])
+                                          ("doge", "dynamic attention mask"), ("gpt_bigcode", "loss differed")])
 def test_families_a_pipeline_would_get_wrong_are_refused(mtype, reason):
     from transformers import AutoConfig
 
