@@ -9,7 +9,9 @@
 - `step`: one `Pipeline.train_step` on the step's global batch (a pure function of seed, step);
 - `record`: every `train.log_every` steps the per-pipeline-rank figures are gathered and written
   as `rank_<name>` lists beside the plan's predictions; the loss-owning rank (last stage of
-  replica 0) writes `metrics.jsonl`, logs to W&B and shows progress;
+  replica 0) writes `metrics.jsonl`, logs to W&B and shows progress; an MoE model adds
+  `aux_loss` (the router auxiliary loss, mean over the microbatches: every step where the
+  writer holds the last chunk, on the gathered steps under the V placement, where rank 0 does);
 - `checkpoint`: every `checkpoint.every_steps` steps, and at the end or when stopped;
 - `finish`: the summary (loss, median step beside the predicted one) and the timeline
   re-simulated with the measured compute times.
@@ -279,9 +281,14 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self._batch_of(step)
         self.data_time = time.perf_counter() - t0
+        router_loss = self.spec.loss_fn if hasattr(self.spec.loss_fn, "pop") else None
+        if router_loss is not None:
+            router_loss.clear()   # what an evaluation left
         res = self.pipe.train_step(*batch, diagnose=self._logged(step + 1),
                                    measure_memory=self._measured(step))
         res.stats["data_time_s"] = self.data_time
+        if router_loss is not None:  # an MoE model: the router auxiliary loss, on the loss's rank
+            res.stats["aux_loss"] = router_loss.pop()
         self.losses.append(res.loss)
         self.times.append(res.step_time_s)
         return res
@@ -314,7 +321,9 @@ class Trainer:
         self.n_gathered += warm
         if all("memory_measured" in g for g in gathered[:self.p]):
             self._memory_figures(ranks, gathered, done)
+        aux = [g["aux_loss"] for g in gathered[:self.p] if g.get("aux_loss") is not None]
         extra = {"optimizer_state_bytes": [g.get("optimizer_state_bytes") for g in gathered],
+                 **({"aux_loss": aux[0]} if aux else {}),
                  "bubble_fraction": statistics.fmean(
                      s["idle_fraction"] for s in ranks if s["idle_fraction"] is not None)}
         return ranks, extra
@@ -337,6 +346,8 @@ class Trainer:
         """Gather (every `log_every` steps), evaluate, write metrics, show progress."""
         extra: dict[str, Any] = {"lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
                                  "data_time_s": self.data_time, "predicted_step_s": self.plan.step_s}
+        if res.stats.get("aux_loss") is not None:   # this rank holds the loss (else the gather brings it)
+            extra["aux_loss"] = res.stats["aux_loss"]
         ranks = None
         if self._logged(done) or "memory_measured" in res.stats:
             ranks, more = self._gather(res, done)

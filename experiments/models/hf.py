@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from experiments.models.hf_moe import RouterSpec, layer_stats, router_spec, routers_in
+
 
 __all__ = [
     "ARCHS",
@@ -55,6 +57,10 @@ __all__ = [
     "meta_layer",
     "model_class",
     "attention_mask",
+    "attention_implementation",
+    "family_scales",
+    "SCALED",
+    "additive_mask",
 ]
 
 ARCHS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox")
@@ -63,22 +69,54 @@ ARCHS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox")
 # Model types whose forward does work outside the modules this adapter runs (it would silently
 # compute something else): refused with the reason.
 INCOMPATIBLE = {
-    "granite": "scales embeddings, residuals and logits by config multipliers in its forward",
-    "granitemoe": "scales embeddings, residuals and logits by config multipliers in its forward",
-    "cohere": "scales the logits in its forward",
-    "cohere2": "scales the logits in its forward",
     "gemma2": "soft-caps attention and logits and alternates sliding and global attention",
     "gemma3_text": "soft-caps logits and uses two rotary embeddings",
     "falcon": "may use ALiBi position biases computed in its forward",
     "bloom": "uses ALiBi position biases computed in its forward",
     "mpt": "uses ALiBi position biases computed in its forward",
+    "ctrl": "scales the embeddings and adds sinusoidal positions in its forward",
+    "doge": "builds a dynamic attention mask from the values in its forward",
+    # Found by the family survey of issue 41 (docs/hf_families.md): the loss through pipeshard's
+    # layers differed from transformers' for these, whose forward does work outside the modules.
+    "gpt_bigcode": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
+    "gpt_neox_japanese": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
+    "inkling_text": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
+    "nanochat": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
+    "seed_oss": "does work outside its decoder layers (pipeshard's loss differed from transformers')",
+    "phimoe": "routes differently in training than pipeshard reproduces (its loss differed from transformers' by 1e-5)",
+    "biogpt": "computes its positions and scales its embeddings in its forward (pipeshard's layers failed)",
+    "rwkv": "has blocks that take no attention arguments (pipeshard's layers failed)",
+    "xlstm": "has no input embedding pipeshard can find",
+}
+
+# What these families' forward does outside their modules, and the adapter reproduces: a factor
+# on the embeddings, and a factor (or divisor) on the logits, read from the config.
+SCALED = {
+    "granite": ("embedding_multiplier", "logits_scaling", "divide"),
+    "granitemoe": ("embedding_multiplier", "logits_scaling", "divide"),
+    "cohere": (None, "logit_scale", "multiply"),
+    "cohere2": (None, "logit_scale", "multiply"),
+    "cohere2_moe": (None, "logit_scale", "multiply"),
 }
 
 log = logging.getLogger(__name__)
 
 
-def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None = None
-                   ) -> torch.Tensor | None:
+def family_scales(config: Any) -> tuple[float | None, float | None, bool]:
+    """(embedding factor, logit factor, whether the logits are divided by it) of a family in
+    `SCALED`, as its transformers forward applies them; Nones for the others.
+
+    >>> from transformers import AutoConfig
+    >>> family_scales(AutoConfig.for_model("granite", embedding_multiplier=12.0, logits_scaling=8.0))
+    (12.0, 8.0, True)
+    """
+    embed, logit, how = SCALED.get(getattr(config, "model_type", ""), (None, None, "multiply"))
+    return (float(getattr(config, embed)) if embed else None,
+            float(getattr(config, logit)) if logit else None, how == "divide")
+
+
+def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None = None,
+                   explicit: bool = False) -> torch.Tensor | None:
     """The boolean attention mask `[b, 1, q, kv]` (True = attend) for the last `q_len` of the
     `kv` positions of `padding` (`[b, kv]`, 1 = token, 0 = left padding), causal, with an
     optional sliding window (key `j` visible from query `i` iff `i - window < j <= i`).
@@ -92,7 +130,7 @@ def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None 
     if padding is None:
         return None
     kv = padding.shape[1]
-    if (window is None or kv < window) and (q_len == 1 or q_len == kv) and bool(padding.all()):
+    if not explicit and (window is None or kv < window) and (q_len == 1 or q_len == kv) and bool(padding.all()):
         return None
     q_pos = torch.arange(kv - q_len, kv, device=padding.device)[:, None]
     k_pos = torch.arange(kv, device=padding.device)[None, :]
@@ -106,14 +144,18 @@ def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None 
 class HFTokenEmbedding(nn.Module):
     """Token embedding (+ learned positions, + dropout): `[b, t]` int64 -> `[b, t, d]`."""
 
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding | None = None, drop: nn.Module | None = None) -> None:
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding | None = None, drop: nn.Module | None = None,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.wte = wte
         self.wpe = wpe
         self.drop = drop if drop is not None else nn.Identity()
+        self.scale = scale   # granite's embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.wte(input_ids)
+        if self.scale is not None:
+            h = h * self.scale
         if self.wpe is not None:
             if position_ids is None:
                 t = input_ids.shape[1]
@@ -140,27 +182,52 @@ class HFBlock(nn.Module):
     `window`: the layer's sliding attention window (Mistral, Qwen2 sliding layers), or None.
     """
 
-    def __init__(self, block: nn.Module, rotary: nn.Module | None = None, window: int | None = None) -> None:
+    def __init__(self, block: nn.Module, rotary: nn.Module | None = None, window: int | None = None,
+                 router: RouterSpec | None = None) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary
         self.window = window
+        self.router = router
+        self._routers = routers_in(block, router) if router is not None else []
         self._cache_arg, self._args = _call_names(block)
+        config = getattr(getattr(block, "self_attn", None), "config", None)
+        self.eager = getattr(config, "_attn_implementation", "sdpa") == "eager"
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
         return None if self.rotary is None else self.rotary(hidden, position_ids)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Any:
+        """Hidden states in and out; in an MoE model `(hidden, router stats)` in (or hidden
+        alone into the first layer) and out, this layer's routing sums added
+        (`experiments.models.hf_moe`)."""
+        hidden, stats = (x if isinstance(x, tuple) else (x, None))
         t = hidden.shape[1]
         positions = torch.arange(t, device=hidden.device).unsqueeze(0)
         mask = None
         if self.window is not None and t >= self.window:
             mask = attention_mask(torch.ones(1, t, dtype=torch.long, device=hidden.device), t, self.window)
-        return self.run(hidden, mask=mask, position_ids=positions)
+        if self.router is None:
+            return self.run(hidden, mask=mask, position_ids=positions)
+        logits: list[torch.Tensor] = []
+        index = self.router.index
+        hooks = [m.register_forward_hook(lambda _m, _i, out: logits.append(out[index])) for m in self._routers]
+        try:
+            out = self.run(hidden, mask=mask, position_ids=positions)
+        finally:
+            for h in hooks:
+                h.remove()
+        if stats is None:
+            stats = torch.zeros(self.router.width, dtype=torch.float32, device=hidden.device)
+        for z in logits:
+            stats = stats + layer_stats(z, self.router.top_k)
+        return out, stats
 
     def run(self, hidden: torch.Tensor, *, mask: torch.Tensor | None, position_ids: torch.Tensor,
             cache: Any = None, position_embeddings: Any = None) -> torch.Tensor:
         """The layer with an explicit mask (None = causal), positions and optional KV cache."""
+        if self.eager and (mask is None or mask.dtype == torch.bool):
+            mask = additive_mask(mask, hidden.shape[1], self.window, hidden.dtype, hidden.device)
         kwargs: dict[str, Any] = {"attention_mask": mask}
         if "position_ids" in self._args:
             kwargs["position_ids"] = position_ids
@@ -181,21 +248,33 @@ class HFHead(nn.Module):
     loss, `experiments.models.loss`) the forward returns `HeadOutput(norm(hidden), weight,
     bias)` instead, and `logits(hidden)` gives the logits either way (generation)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear, fused: bool = False) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, fused: bool = False, scale: float | None = None,
+                 divide: bool = False) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
         self.fused = fused
+        self.scale, self.divide = scale, divide   # cohere's logit_scale, granite's logits_scaling (divide)
 
-    def forward(self, hidden: torch.Tensor) -> Any:
+    def _scaled(self, t: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return t
+        return t / self.scale if self.divide else t * self.scale
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Any:
+        if isinstance(x, tuple):  # an MoE model's (hidden, router stats): the stats go on to the loss
+            return self.forward(x[0]), x[1]
+        hidden = x
         if self.fused:
             from experiments.models.loss import HeadOutput
 
-            return HeadOutput(self.norm(hidden), self.lm_head.weight, self.lm_head.bias)
+            if self.scale is not None and self.lm_head.bias is not None:
+                raise ValueError("model.loss=chunked cannot scale the logits of a head with a bias; use model.loss=full")
+            return HeadOutput(self._scaled(self.norm(hidden)), self.lm_head.weight, self.lm_head.bias)
         return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        return self._scaled(self.lm_head(self.norm(hidden)))
 
 
 # --------------------------------------------------------------------------- where the pieces are
@@ -234,6 +313,20 @@ def _kind(child: nn.Module) -> str:
     return "other"
 
 
+def _check_rotary(model: nn.Module, mtype: str) -> None:
+    """Refuse a rotary module that needs more than (hidden, positions): one table per layer
+    type (gemma3-style local/global rotary), which a block's own rotary cannot choose."""
+    for name, module in model.named_modules():
+        if "Rotary" not in type(module).__name__:
+            continue
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+        extra = [p.name for p in params[2:] if p.default is inspect.Parameter.empty
+                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if extra:
+            raise ValueError(f"model type {mtype!r} is not supported: its rotary embedding {name} takes "
+                             f"{extra} (a table per layer type), which pipeshard's blocks do not pass")
+
+
 def discover_layout(model: nn.Module) -> HFLayout:
     """Find the embedding, positions, dropout, decoder layers, final norm, rotary and head of a
     causal LM (any device, meta included); a clear error when it has another shape."""
@@ -241,6 +334,7 @@ def discover_layout(model: nn.Module) -> HFLayout:
     if mtype in INCOMPATIBLE:
         raise ValueError(f"model type {mtype!r} is not supported: it {INCOMPATIBLE[mtype]}, which "
                          "a pipeline of its modules cannot reproduce")
+    _check_rotary(model, mtype)
     base, prefix = model.base_model, model.base_model_prefix
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if base is model or head is None:
@@ -312,8 +406,35 @@ def config_from_json(config_json: str) -> Any:
 
     d = json.loads(config_json)
     config = AutoConfig.for_model(d.pop("model_type"), **d)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention_implementation(config)
     return config
+
+
+def attention_implementation(config: Any) -> str:
+    """"sdpa" where the model class supports it, else "eager" (gpt-oss: attention sinks).
+
+    >>> from transformers import AutoConfig
+    >>> attention_implementation(AutoConfig.for_model("llama"))
+    'sdpa'
+    """
+    return "sdpa" if getattr(model_class(config), "_supports_sdpa", False) else "eager"
+
+
+def additive_mask(mask: torch.Tensor | None, q_len: int, window: int | None, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor | None:
+    """The float mask eager attention adds to its scores (0 = attend, the dtype's minimum =
+    not) for a boolean mask of :func:`attention_mask`; for None (SDPA's causal flag) the causal
+    mask of `q_len` positions (with the window), or None for one query (it sees every key).
+
+    >>> additive_mask(None, 2, None, torch.float32, torch.device("cpu"))[0, 0].tolist()
+    [[0.0, -3.4028234663852886e+38], [0.0, 0.0]]
+    """
+    if mask is None:
+        if q_len == 1:
+            return None
+        mask = attention_mask(torch.ones(1, q_len, dtype=torch.long, device=device), q_len, window, explicit=True)
+    out = torch.zeros(mask.shape, dtype=dtype, device=device)
+    return out.masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 @functools.lru_cache(maxsize=8)
@@ -341,15 +462,18 @@ def meta_layer(config_json: str, index: int) -> nn.Module:
     if index == 0:
         return HFTokenEmbedding(copy.deepcopy(get(lay.embed)),
                                 copy.deepcopy(get(lay.positions)) if lay.positions else None,
-                                copy.deepcopy(get(lay.dropout)) if lay.dropout else None)
+                                copy.deepcopy(get(lay.dropout)) if lay.dropout else None,
+                                family_scales(model.config)[0])
     if index <= n:
         rotary = None
         if lay.rotary:
             with torch.device("cpu"):
                 rotary = type(get(lay.rotary))(config=model.config)
-        return HFBlock(copy.deepcopy(get(f"{lay.layers}.{index - 1}")), rotary, _window(model.config, index - 1))
+        return HFBlock(copy.deepcopy(get(f"{lay.layers}.{index - 1}")), rotary, _window(model.config, index - 1),
+                       router_spec(model))
     if index == n + 1:
-        return HFHead(copy.deepcopy(get(lay.norm)), copy.deepcopy(get(lay.head)))
+        _, logit, divide = family_scales(model.config)
+        return HFHead(copy.deepcopy(get(lay.norm)), copy.deepcopy(get(lay.head)), scale=logit, divide=divide)
     raise IndexError(f"pipeline layer {index} does not exist (the model has {n + 2})")
 
 
@@ -380,11 +504,13 @@ def layers_from_hf(model: nn.Module) -> list[nn.Module]:
     """Wrap an existing HF causal LM's own submodules as pipeshard layers (weights shared)."""
     lay = discover_layout(model)
     get = model.get_submodule
+    embed, logit, divide = family_scales(model.config)
     first = HFTokenEmbedding(get(lay.embed), get(lay.positions) if lay.positions else None,
-                             get(lay.dropout) if lay.dropout else None)
+                             get(lay.dropout) if lay.dropout else None, embed)
     rotary = get(lay.rotary) if lay.rotary else None
-    blocks = [HFBlock(b, rotary, _window(model.config, i)) for i, b in enumerate(get(lay.layers))]
-    return [first, *blocks, HFHead(get(lay.norm), get(lay.head))]
+    router = router_spec(model)
+    blocks = [HFBlock(b, rotary, _window(model.config, i), router) for i, b in enumerate(get(lay.layers))]
+    return [first, *blocks, HFHead(get(lay.norm), get(lay.head), scale=logit, divide=divide)]
 
 
 # --------------------------------------------------------------------------- configs and specs

@@ -21,6 +21,7 @@ from experiments.models.gpt import lm_spec
 from experiments.models.loss import loss_settings
 from experiments.models.hf import build_hf_layer, config_from_json, hf_config, meta_reference
 from experiments.models.hf_cache import HFCachedChunk
+from experiments.models.hf_moe import RouterLoss, RouterSpec, moe_summary, router_spec
 from experiments.models.spec import ModelSpec
 
 __all__ = ["build_hf"]
@@ -60,4 +61,16 @@ def build_hf(cfg: Any) -> ModelSpec:
                    arch=lay.model_type, hf_config_json=config_json,
                    pretrained=str(pretrained) if pretrained else None)
     spec.cached_chunk = HFCachedChunk
+    _add_router_loss(spec, router_spec(meta_reference(config_json)[0]))
     return spec
+
+
+def _add_router_loss(spec: ModelSpec, router: RouterSpec | None) -> None:
+    """An MoE model's losses (the chosen one and the other head's) add the router auxiliary
+    loss from the stats the layers carry (`experiments.models.hf_moe`)."""
+    if router is None:
+        return
+    wrap = partial(RouterLoss, num_experts=router.num_experts, coef=router.coef)
+    spec.loss_fn = wrap(spec.loss_fn)
+    spec.extra["loss_heads"] = {k: (head, wrap(fn)) for k, (head, fn) in spec.extra["loss_heads"].items()}
+    spec.extra.update(moe_summary(router))
