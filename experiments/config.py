@@ -386,7 +386,8 @@ class GenerateConfig:
 
     prompts: Any = None  # token-id lists inline ([[1,2,3],[4,5]]) or a file: JSON list, or JSONL of lists / {"prompt": [...]}
     max_new_tokens: int = 32  # tokens generated per prompt
-    microbatches: Optional[int] = None  # prompts are split into this many microbatches; null = pipeline.stages
+    microbatches: Optional[int] = None  # lanes decoded concurrently, each with its own KV cache per stage; null = pipeline.stages
+    microbatch_size: Optional[int] = None  # most prompts in a lane at once (the others enter as prompts finish); null = all fit
     do_sample: bool = False  # false: greedy; true: sample with temperature / top_k / top_p
     temperature: float = 1.0  # sampling temperature (> 0)
     top_k: int = 0  # keep the k most likely tokens; 0 = off

@@ -141,7 +141,8 @@ def generate_worker(job: GenerateJob) -> dict:
     gen = Generator(spec.layers, job.stage_ranges, chunk=spec.cached_chunk, seed=int(cfg.train.seed),
                     device=device, ties=spec.ties, comm_timeout_s=float(cfg.pipeline.comm_timeout_s))
     res = gen.generate(job.prompts, int(cfg.generate.max_new_tokens), sampling=_sampling(cfg),
-                       microbatches=cfg.generate.microbatches, pad_token_id=job.pad_token_id,
+                       microbatches=cfg.generate.microbatches,
+                       microbatch_size=cfg.generate.microbatch_size, pad_token_id=job.pad_token_id,
                        eos_token_id=job.eos_token_id)
     return {"tokens": res.tokens, "wall_s": res.wall_s, "tokens_per_s": res.tokens_per_s,
             "new_tokens": res.new_tokens, "microbatches": res.microbatches, "stats": res.stats}
