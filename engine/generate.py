@@ -45,7 +45,7 @@ from engine.runtime import check_stage_ranges
 from engine.stage import build_layers
 
 __all__ = ["CachedChunk", "SamplingConfig", "GenerationResult", "Generator", "filter_logits",
-           "sample_next", "left_pad", "check_prompts", "trim_at_eos"]
+           "sample_next", "left_pad", "check_prompts", "trim_at_eos", "cast_parameters"]
 
 
 @runtime_checkable
@@ -186,6 +186,19 @@ def trim_at_eos(tokens: Sequence[int], eos_token_id: int | Sequence[int] | None)
     return out
 
 
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module``'s floating-point parameters in ``dtype``, its buffers left as they are (a
+    rotary ``inv_freq`` stays fp32, as in a transformers model loaded with that dtype).
+
+    >>> cast_parameters(nn.Linear(2, 2), torch.bfloat16).weight.dtype
+    torch.bfloat16
+    """
+    for prm in module.parameters():
+        if prm.is_floating_point():
+            prm.data = prm.data.to(dtype)
+    return module
+
+
 class Generator:
     """One rank's part of pipelined generation: builds its own layers (from factories, seeded
     per global layer like ``Pipeline``), ties parameters shared across ranks, and runs
@@ -195,7 +208,7 @@ class Generator:
     def __init__(self, layers: Any, stage_ranges: Sequence[Sequence[int]], *,
                  chunk: Callable[[list[nn.Module]], CachedChunk], seed: int = 0,
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
-                 comm_timeout_s: float = 60.0):
+                 comm_timeout_s: float = 60.0, dtype: torch.dtype | None = None):
         p = len(stage_ranges)
         self.ranges = check_stage_ranges(stage_ranges, len(layers), p)
         self.mesh = Mesh(p, 1)
@@ -211,6 +224,9 @@ class Generator:
         for layer in self.layers:
             layer.eval()
         self._tie(ties)
+        if dtype is not None:
+            for layer in self.layers:
+                cast_parameters(layer, dtype)
         self.chunk = chunk(self.layers)
         self.p2p = P2P(self.mesh, comm_timeout_s, self.device)
 

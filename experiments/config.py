@@ -50,6 +50,7 @@ __all__ = [
     "OptimizerName",
     "OptimizerBackend",
     "Precision",
+    "WeightDtype",
     "GradAccumDtype",
     "checkpointing_mode",
     "LoggerMode",
@@ -133,6 +134,7 @@ AttentionBackend = _choice("AttentionBackend", ATTENTION_BACKENDS)
 OptimizerName = _choice("OptimizerName", OPTIMIZERS)
 OptimizerBackend = _choice("OptimizerBackend", BACKENDS)
 Precision = _choice("Precision", PRECISIONS)
+WeightDtype = _choice("WeightDtype", ("fp32", "bf16", "fp16"))
 GradAccumDtype = _choice("GradAccumDtype", GRAD_ACCUM_DTYPES)
 LoggerMode = _choice("LoggerMode", ("offline", "online", "disabled"))
 LossKind = _choice("LossKind", ("full", "chunked"))
@@ -395,6 +397,7 @@ class GenerateConfig:
     seed: int = 0  # sampling seed (prompt j draws from its own generator: the tokens do not depend on the split)
     eos_token_id: Optional[int] = None  # stop token (the output is cut after it); null = the model's; -1 = none
     pad_token_id: Optional[int] = None  # id used for left padding (masked out); null = the model's pad, else eos, else 0
+    dtype: WeightDtype = WeightDtype["fp32"]  # weights (and so activations) of the pipeline and of the baseline: fp32 | bf16 | fp16
     compare: bool = True  # also time transformers' model.generate in one process on the same prompts
 
 

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 from experiments.config import Config, ConfigError, HFModelConfig, as_config, count_pipeline_layers
 
-__all__ = ["GenerateJob", "read_prompts", "stage_split", "token_ids", "generate_worker",
+__all__ = ["GenerateJob", "read_prompts", "encode_prompts", "weight_dtype", "stage_split", "token_ids", "generate_worker",
            "single_process_generate", "run", "main"]
 
 
@@ -49,37 +49,73 @@ class GenerateJob:
     pad_token_id: int
 
 
-def read_prompts(value: Any) -> list[list[int]]:
-    """Prompts from `generate.prompts`: token-id lists inline, or a file (a JSON list, or JSONL
-    lines each a list or `{"prompt": [...]}`)."""
+def read_prompts(value: Any) -> list[list[int]] | list[str]:
+    """Prompts from `generate.prompts`: token-id lists or strings inline, or a file: a JSON list,
+    JSONL lines (each a list, a string or `{"prompt": ...}`), or plain text, one prompt per line.
+    Strings are text for the model's tokenizer (:func:`encode_prompts`)."""
     from omegaconf import ListConfig, OmegaConf
 
     if isinstance(value, ListConfig):
         value = OmegaConf.to_container(value)
     if value is None:
         raise ConfigError("generate.prompts is not set; give token-id lists, e.g. generate.prompts='[[1,2,3],[4,5]]', "
-                          "or a JSON / JSONL file of them")
+                          "strings for the model's tokenizer ('[\"Once upon a time\"]'), or a JSON / JSONL / text file")
     if isinstance(value, str):
-        path = Path(value).expanduser()
-        try:
-            text = path.read_text() if path.is_file() else value
-        except OSError as exc:
-            raise ConfigError(f"generate.prompts={value!r}: {exc}") from None
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            try:
-                value = [json.loads(line) for line in text.splitlines() if line.strip()]
-            except json.JSONDecodeError:
-                raise ConfigError(f"generate.prompts={value!r} is neither a file nor JSON token-id lists") from None
+        value = _prompts_file(value)
     if isinstance(value, list):
         value = [v["prompt"] if isinstance(v, dict) and "prompt" in v else v for v in value]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        empty = [j for j, v in enumerate(value) if not v.strip()]
+        if empty:
+            raise ConfigError(f"generate.prompts: prompt {empty[0]} is an empty string; remove it")
+        return value
     from engine.generate import check_prompts
 
     try:
         return check_prompts(value, 1)
     except ValueError as exc:
         raise ConfigError(f"generate.prompts: {exc}") from None
+
+
+def _prompts_file(value: str) -> Any:
+    path = Path(value).expanduser()
+    try:
+        text = path.read_text() if path.is_file() else value
+    except OSError as exc:
+        raise ConfigError(f"generate.prompts={value!r}: {exc}") from None
+    lines = [line for line in text.splitlines() if line.strip()]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return [json.loads(line) for line in lines]
+    except json.JSONDecodeError:
+        if path.is_file():  # plain text: one prompt per line
+            return lines
+    raise ConfigError(f"generate.prompts={value!r} is neither a file nor JSON; give token-id lists, a list of "
+                      "strings ('[\"Once upon a time\"]') or a file (JSON, JSONL or text, one prompt per line)")
+
+
+def encode_prompts(cfg: Config, texts: Sequence[str]) -> tuple[list[list[int]], Any]:
+    """Text prompts as token ids through the model's own tokenizer (`model.pretrained`), with its
+    special tokens (a BOS where the tokenizer adds one), as one would before `model.generate`.
+    Returns (ids, tokenizer)."""
+    from experiments.hfdata.layout import DataError
+    from experiments.hfdata.tokens import load_tokenizer
+
+    if not cfg.model.pretrained:
+        raise ConfigError("text prompts need the model's tokenizer: use model.pretrained=DIR (a directory "
+                          "with tokenizer files), or give token-id lists")
+    try:
+        tok = load_tokenizer(str(cfg.model.pretrained))
+    except DataError as exc:
+        raise ConfigError(f"generate.prompts are text: {exc}") from None
+    ids = [list(map(int, t)) for t in tok(list(texts))["input_ids"]]
+    empty = [j for j, t in enumerate(ids) if not t]
+    if empty:
+        raise ConfigError(f"generate.prompts: prompt {empty[0]} ({texts[empty[0]]!r}) has no tokens")
+    return ids, tok
 
 
 def stage_split(spec: Any, stages: int) -> list[tuple[int, int]]:
@@ -119,6 +155,13 @@ def token_ids(cfg: Any, spec: Any) -> tuple[Any, int]:
     return eos, int(pad) if pad is not None else 0
 
 
+def weight_dtype(cfg: Config) -> Any:
+    """The torch dtype of `generate.dtype`."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[str(cfg.generate.dtype)]
+
+
 def _sampling(cfg: Config) -> Any:
     from engine.generate import SamplingConfig
 
@@ -139,7 +182,8 @@ def generate_worker(job: GenerateJob) -> dict:
     spec = build_model(cfg.model)
     device = None if cfg.train.device == "auto" else str(cfg.train.device)
     gen = Generator(spec.layers, job.stage_ranges, chunk=spec.cached_chunk, seed=int(cfg.train.seed),
-                    device=device, ties=spec.ties, comm_timeout_s=float(cfg.pipeline.comm_timeout_s))
+                    device=device, ties=spec.ties, comm_timeout_s=float(cfg.pipeline.comm_timeout_s),
+                    dtype=weight_dtype(cfg))
     res = gen.generate(job.prompts, int(cfg.generate.max_new_tokens), sampling=_sampling(cfg),
                        microbatches=cfg.generate.microbatches,
                        microbatch_size=cfg.generate.microbatch_size, pad_token_id=job.pad_token_id,
@@ -158,7 +202,7 @@ def _reference_model(cfg: Config, spec: Any) -> Any:
     if pretrained:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32,
+        return AutoModelForCausalLM.from_pretrained(pretrained, dtype=weight_dtype(cfg),
                                                     attn_implementation="sdpa").eval()
     from experiments.models import compose
 
@@ -166,7 +210,9 @@ def _reference_model(cfg: Config, spec: Any) -> Any:
     for a, b in spec.ties:  # tied: the pipeline's second copy holds the first's value
         (la, _, na), (lb, _, nb) = a.partition("."), b.partition(".")
         layers[int(lb)][nb] = layers[int(la)][na]
-    return hf_model_from_layers(cfg.model, layers)
+    from engine.generate import cast_parameters
+
+    return cast_parameters(hf_model_from_layers(cfg.model, layers), weight_dtype(cfg))
 
 
 def single_process_generate(cfg: Config, spec: Any, prompts: Sequence[Sequence[int]], eos: Any, pad: int) -> dict:
@@ -201,14 +247,18 @@ def single_process_generate(cfg: Config, spec: Any, prompts: Sequence[Sequence[i
             "new_tokens": int(new.numel()), "tokens_per_s": new.numel() / wall}
 
 
-def _report(run_dir: Path, prompts: list, res: dict, single: dict | None, cfg: Config, ranges: list) -> dict:
+def _report(run_dir: Path, prompts: list, res: dict, single: dict | None, cfg: Config, ranges: list,
+            texts: Sequence[str] | None = None, tok: Any = None) -> dict:
     with open(run_dir / "generations.jsonl", "w") as f:
-        for p, t in zip(prompts, res["tokens"]):
-            f.write(json.dumps({"prompt": p, "tokens": t}) + "\n")
+        for j, (p, t) in enumerate(zip(prompts, res["tokens"])):
+            line: dict[str, Any] = {"prompt": p, "tokens": t}
+            if texts is not None:
+                line.update(prompt_text=texts[j], text=tok.decode(t, skip_special_tokens=True))
+            f.write(json.dumps(line) + "\n")
     report: dict[str, Any] = {
         "stages": len(ranges), "stage_ranges": [list(r) for r in ranges], "microbatches": res["microbatches"],
         "prompts": len(prompts), "max_new_tokens": int(cfg.generate.max_new_tokens),
-        "do_sample": bool(cfg.generate.do_sample), "threads_per_process": 1,
+        "do_sample": bool(cfg.generate.do_sample), "dtype": str(cfg.generate.dtype), "threads_per_process": 1,
         "pipelined_tokens_per_s": res["tokens_per_s"], "pipelined_wall_s": res["wall_s"],
         "pipelined_new_tokens": res["new_tokens"], "per_rank": res["per_rank"]}
     if single is not None:
@@ -242,7 +292,10 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
     if not 1 <= stages <= layers:
         raise ConfigError(f"pipeline.stages={stages}; generation needs 1 <= stages <= {layers} (the model's "
                           "pipeline layers)")
-    prompts = read_prompts(cfg.generate.prompts)
+    prompts, texts, tok = read_prompts(cfg.generate.prompts), None, None
+    if prompts and isinstance(prompts[0], str):
+        texts = prompts
+        prompts, tok = encode_prompts(cfg, texts)
     spec = build_model(cfg.model)
     facts = pretrained_facts(cfg.model)
     learned = facts["learned_positions"] if facts else (int(cfg.model.seq_len)
@@ -264,7 +317,7 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
     single = single_process_generate(cfg, spec, prompts, eos, pad) if cfg.generate.compare else None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return _report(run_dir, prompts, res, single, cfg, ranges)
+    return _report(run_dir, prompts, res, single, cfg, ranges, texts, tok)
 
 
 def main() -> None:
