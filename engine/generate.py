@@ -280,16 +280,16 @@ class Generator:
         run = _Run(self, rows, k, size, int(pad_token_id), stops, sampling)
         if self.mesh.distributed and self.mesh.world_size > 1:
             dist.barrier(group=self.mesh.pipeline_group)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         out = run.control(lanes) if self.mesh.pipeline_rank == 0 else run.follow()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         payload = [[out, wall]]
         if self.mesh.distributed and self.mesh.world_size > 1:
             dist.broadcast_object_list(payload, src=self.mesh.global_rank(0), group=self.mesh.pipeline_group)
         tokens, wall = payload[0]
         new = sum(len(t) for t in tokens)
         return GenerationResult(tokens, new, wall, new / wall if wall > 0 else float("inf"), lanes,
-                                {"forward_s": run.forward_s, "comm_wait_s": run.wait_s(),
+                                {"forward_s": run.forward_s, "comm_wait_s": run.wait_s(), "cpu_s": cpu,
                                  "lane_steps": run.steps, "pipeline_rank": self.mesh.pipeline_rank})
 
 

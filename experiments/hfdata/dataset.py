@@ -295,7 +295,7 @@ def _check_packed(spec: HFDataSpec, tok: Any) -> tuple[str, list[str]]:
     held = split.held_length(table)
     _check_counts(spec, len(table), [split.shard_length(table, k) for k in range(spec.shards)], held)
     tokens = table.stream_length(np.arange(len(table)))
-    how = (f"held out by tokens: the last {held:,} (each shard's last {spec.eval_fraction:g}; too few "
+    how = (f"held out by tokens: {held:,} (the last {spec.eval_fraction:g} of each shard's tokens; too few "
            f"documents to hold out whole ones)" if split.by_tokens
            else f"held out: {int(np.sum(split.owner == -1)):,} documents, {held:,} tokens")
     text = (f"{len(table):,} documents, {tokens:,} tokens, {how} "
