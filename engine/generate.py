@@ -1,24 +1,19 @@
-"""Pipelined generation: a forward-only schedule through the pipeline ranks, with a KV cache per
-stage, the prompts batched into microbatches so that the stages stay busy.
+"""Pipelined generation: continuous microbatching through the pipeline ranks, a KV cache per
+lane per stage, so that every stage stays busy.
 
-One chunk per rank. The schedule runs rounds ``k = 0 .. K-1`` (round 0 is the prefill of the
-prompts, every later round decodes one token) and in every round the microbatches in order:
+The prompts go into ``microbatches`` lanes (at most ``microbatch_size`` prompts each). Rank 0
+drives: it runs a lane step on its chunk (a prefill of the lane's prompts, or one decode step)
+and sends the output on with a control tensor naming the step and the lane's prompts; ranks
+1..p-1 apply the same step to their copy of the lane and send on; the last rank samples (greedy,
+or temperature / top-k / top-p with a per-prompt seeded generator) and sends the tokens back to
+rank 0. Rank 0 takes the lanes in the order their tokens return, so while rank 1 decodes lane A
+rank 0 decodes lane B. A prompt that reaches its eos or ``max_new_tokens`` leaves its lane (the
+chunk's ``select_rows`` drops its cache rows); a lane left empty takes the next waiting prompts.
 
-    rank 0      takes microbatch i's prompts (round 0) or the tokens the last rank sampled for
-                it in the previous round, runs its chunk with microbatch i's cache, sends on
-    rank s      receives microbatch i's hidden states, runs its chunk, sends on
-    rank p-1    runs its chunk, samples the next token (greedy, or temperature / top-k / top-p
-                with a per-prompt seeded generator) and sends it back to rank 0
-
-so with ``m >= p`` microbatches, microbatch i's step on stage s overlaps microbatch j's on stage
-s+1, and rank 0 finds microbatch i's token waiting when it comes back to it. Transfers use
-``engine.comm.P2P`` (the token feedback is the channel from the last chunk to rank 0); every
-round renews the shape handshake, since the prefill and the decode steps differ in length.
-
-Prompts of different lengths are left-padded to the longest; the 2D mask ``[b, past + q]``
-(0 = padding) goes to every chunk with its input, and the model side derives positions and the
-causal mask from it. The engine knows nothing of the model: the model side passes a factory
-that turns a rank's layers into a :class:`CachedChunk` (docs/contracts.md, "engine.generate").
+Prompts of a lane are left-padded to its longest; the 2D mask ``[b, past + q]`` (0 = padding)
+goes to every chunk with its input, and the model side derives positions and the causal mask
+from it. The engine knows nothing of the model: the model side passes a factory that turns a
+rank's layers into a :class:`CachedChunk` (docs/contracts.md, "engine.generate").
 
 Example (inside a worker started by ``engine.launch``)::
 
@@ -58,7 +53,8 @@ class CachedChunk(Protocol):
     returned; ``mask`` is ``[b, past + q]`` (1 = token, 0 = left padding) over the cached and
     the new positions. The last chunk returns logits ``[b, q', vocab]`` whose last position
     scores the next token (``q'`` may be 1); the others a tensor or a flat tuple of tensors for
-    the next chunk.
+    the next chunk. Optional: ``select_rows(cache, index)`` returns the cache of the rows
+    ``index`` only, so that finished prompts leave their lane.
     """
 
     def new_cache(self, batch_size: int) -> Any: ...

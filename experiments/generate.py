@@ -15,8 +15,9 @@ Writes into the Hydra run directory:
     generation.json     tokens/s pipelined and with transformers' `model.generate` in one process
                         (`generate.compare`), their ratio, whether the tokens agree, per-rank times
 
-Throughput: both sides run one thread per process and count prompts x max_new_tokens tokens
-(the baseline counts what it generated, which is fewer if every prompt ends early at eos).
+Throughput: both sides run one thread per process and count the tokens they generated (fewer than
+prompts x max_new_tokens where prompts stop at eos); `cpu_s` per rank and `single_cpu_s` are CPU
+seconds (`time.process_time`), which a busy machine does not inflate as it does wall time.
 
 Example:
     >>> read_prompts([[1, 2], [3]])
@@ -235,15 +236,15 @@ def single_process_generate(cfg: Config, spec: Any, prompts: Sequence[Sequence[i
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=int(g.max_new_tokens), use_cache=True,
                                  eos_token_id=eos, pad_token_id=pad, **kwargs)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         torch.set_num_threads(threads)
     new = out[:, ids.shape[1]:].cpu()
-    return {"tokens": [trim_at_eos(t, eos) for t in new.tolist()], "wall_s": wall,
+    return {"tokens": [trim_at_eos(t, eos) for t in new.tolist()], "wall_s": wall, "cpu_s": cpu,
             "new_tokens": int(new.numel()), "tokens_per_s": new.numel() / wall}
 
 
@@ -263,6 +264,7 @@ def _report(run_dir: Path, prompts: list, res: dict, single: dict | None, cfg: C
         "pipelined_new_tokens": res["new_tokens"], "per_rank": res["per_rank"]}
     if single is not None:
         report.update(single_tokens_per_s=single["tokens_per_s"], single_wall_s=single["wall_s"],
+                      single_cpu_s=single["cpu_s"],
                       single_new_tokens=single["new_tokens"],
                       ratio=res["tokens_per_s"] / single["tokens_per_s"],
                       tokens_match=single["tokens"] == res["tokens"])
