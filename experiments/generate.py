@@ -3,8 +3,8 @@
     python -m experiments.generate model=hf model.pretrained=DIR pipeline.stages=2 \\
         generate.prompts='[[1,2,3],[4,5,6,7]]' generate.max_new_tokens=32
 
-The model is split over `pipeline.stages` ranks (balanced by the parameters that compute,
-`partitioner.solve.parameter_split`; embedding tables count as free), each rank builds (or loads)
+The model is split over `pipeline.stages` ranks (balanced by each layer's decode-step time,
+measured in the launcher one layer at a time: `decode_costs`), each rank builds (or loads)
 only its own layers and `engine.generate.Generator` runs the forward-only schedule: the prompts,
 left-padded, go through the stages in `generate.microbatches` microbatches, every stage keeps a
 KV cache per microbatch, and the last stage samples (greedy, or temperature / top-k / top-p
@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 from experiments.config import Config, ConfigError, HFModelConfig, as_config, count_pipeline_layers
 
-__all__ = ["GenerateJob", "read_prompts", "encode_prompts", "weight_dtype", "stage_split", "token_ids", "generate_worker",
+__all__ = ["GenerateJob", "read_prompts", "encode_prompts", "weight_dtype", "stage_split", "decode_costs", "token_ids", "generate_worker",
            "single_process_generate", "run", "main"]
 
 
@@ -119,23 +119,62 @@ def encode_prompts(cfg: Config, texts: Sequence[str]) -> tuple[list[list[int]], 
     return ids, tok
 
 
-def stage_split(spec: Any, stages: int) -> list[tuple[int, int]]:
-    """Contiguous stage ranges balancing the parameters that compute (embedding lookups are free)."""
+def stage_split(spec: Any, stages: int, costs: Sequence[float] | None = None) -> list[tuple[int, int]]:
+    """Contiguous stage ranges balancing `costs` per pipeline layer (:func:`decode_costs`), or
+    without them the parameters that compute (embedding lookups are free)."""
     import torch
     from torch import nn
 
     from partitioner.solve import Infeasible, parameter_split
 
-    costs = []
-    with torch.device("meta"):
-        for factory in spec.layers:
-            layer = factory()
-            lookup = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Embedding))
-            costs.append(max(1, sum(p.numel() for p in layer.parameters()) - lookup))
+    if costs is None:
+        costs = []
+        with torch.device("meta"):
+            for factory in spec.layers:
+                layer = factory()
+                lookup = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Embedding))
+                costs.append(max(1, sum(p.numel() for p in layer.parameters()) - lookup))
     try:
-        return [tuple(r) for r in parameter_split(costs, stages)]
+        return [tuple(r) for r in parameter_split(list(costs), stages)]
     except Infeasible as exc:
         raise ConfigError(f"pipeline.stages={stages}: {exc}") from None
+
+
+def decode_costs(spec: Any, rows: int, prompt_len: int, dtype: Any, steps: int = 5) -> list[float]:
+    """Seconds of one decode step of each pipeline layer (the median over `steps` steps), for
+    `rows` prompts of `prompt_len` tokens, one thread: the layers, with random weights (the time
+    does not depend on them), run in order through the model's cached chunk, a step at a time,
+    so that the caches see what a real step sees. A parameter count misjudges decoding: a
+    block's many small kernels cost more per parameter than the head's one large product."""
+    import statistics
+
+    import torch
+
+    from engine.generate import cast_parameters
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(spec.extra["vocab"])
+    with torch.no_grad():
+        chunks = [spec.cached_chunk([cast_parameters(f().eval(), dtype)]) for f in spec.layers]
+        caches = [c.new_cache(rows) for c in chunks]
+        mask = torch.ones(rows, prompt_len, dtype=torch.int64)
+        x = torch.randint(0, vocab, (rows, prompt_len), generator=gen)
+        times: list[list[float]] = [[] for _ in chunks]
+        try:
+            for step in range(steps + 1):  # the prefill, then decode steps
+                y = x
+                for j, (chunk, cache) in enumerate(zip(chunks, caches)):
+                    t = time.perf_counter()
+                    y = chunk(y, cache, mask)
+                    if step:
+                        times[j].append(time.perf_counter() - t)
+                x = y[:, -1].argmax(-1, keepdim=True)
+                mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+        finally:
+            torch.set_num_threads(threads)
+    return [statistics.median(t) for t in times]
 
 
 def token_ids(cfg: Any, spec: Any) -> tuple[Any, int]:
@@ -261,7 +300,8 @@ def _report(run_dir: Path, prompts: list, res: dict, single: dict | None, cfg: C
         "prompts": len(prompts), "max_new_tokens": int(cfg.generate.max_new_tokens),
         "do_sample": bool(cfg.generate.do_sample), "dtype": str(cfg.generate.dtype), "threads_per_process": 1,
         "pipelined_tokens_per_s": res["tokens_per_s"], "pipelined_wall_s": res["wall_s"],
-        "pipelined_new_tokens": res["new_tokens"], "per_rank": res["per_rank"]}
+        "pipelined_new_tokens": res["new_tokens"], "per_rank": res["per_rank"],
+        "layer_decode_ms": res.get("layer_decode_ms")}
     if single is not None:
         report.update(single_tokens_per_s=single["tokens_per_s"], single_wall_s=single["wall_s"],
                       single_cpu_s=single["cpu_s"],
@@ -308,7 +348,12 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
         _sampling(cfg).check()
     except ValueError as exc:
         raise ConfigError(f"generate: {exc}") from None
-    ranges = stage_split(spec, stages)
+    costs = None
+    if stages > 1 and spec.cached_chunk is not None:
+        lanes = max(1, min(int(cfg.generate.microbatches or stages), len(prompts)))
+        rows = int(cfg.generate.microbatch_size or -(-len(prompts) // lanes))
+        costs = decode_costs(spec, rows, round(sum(map(len, prompts)) / len(prompts)), weight_dtype(cfg))
+    ranges = stage_split(spec, stages, costs)
     eos, pad = token_ids(cfg, spec)
     job = GenerateJob(cfg, prompts, [list(r) for r in ranges], eos, pad)
     results = engine.launch(generate_worker, len(ranges), job)
@@ -319,6 +364,7 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
     single = single_process_generate(cfg, spec, prompts, eos, pad) if cfg.generate.compare else None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    res["layer_decode_ms"] = [round(c * 1e3, 3) for c in costs] if costs else None
     return _report(run_dir, prompts, res, single, cfg, ranges, texts, tok)
 
 
