@@ -501,10 +501,13 @@ class P2P:
         if done < len(self._sends):
             os.sched_yield()
 
-    def wait_sends(self) -> None:
-        """Wait for every send of this step (bounded by the timeout)."""
+    def wait_sends(self, keep_last: int = 0) -> None:
+        """Wait for every send of this step (bounded by the timeout), except the newest
+        ``keep_last`` messages (a stream of sends, e.g. generation's, waits only for old ones)."""
         self.flush()
-        sends, self._sends, self._sends_done = self._sends, [], 0
+        cut = max(0, len(self._sends) - keep_last)
+        sends, self._sends = self._sends[:cut], self._sends[cut:]
+        self._sends_done = max(0, self._sends_done - cut)
         for work, _tensor, what in sends:
             self._wait(work, None, self._send_what(what) + " to complete")
 

@@ -1,24 +1,19 @@
-"""Pipelined generation: a forward-only schedule through the pipeline ranks, with a KV cache per
-stage, the prompts batched into microbatches so that the stages stay busy.
+"""Pipelined generation: continuous microbatching through the pipeline ranks, a KV cache per
+lane per stage, so that every stage stays busy.
 
-One chunk per rank. The schedule runs rounds ``k = 0 .. K-1`` (round 0 is the prefill of the
-prompts, every later round decodes one token) and in every round the microbatches in order:
+The prompts go into ``microbatches`` lanes (at most ``microbatch_size`` prompts each). Rank 0
+drives: it runs a lane step on its chunk (a prefill of the lane's prompts, or one decode step)
+and sends the output on with a control tensor naming the step and the lane's prompts; ranks
+1..p-1 apply the same step to their copy of the lane and send on; the last rank samples (greedy,
+or temperature / top-k / top-p with a per-prompt seeded generator) and sends the tokens back to
+rank 0. Rank 0 takes the lanes in the order their tokens return, so while rank 1 decodes lane A
+rank 0 decodes lane B. A prompt that reaches its eos or ``max_new_tokens`` leaves its lane (the
+chunk's ``select_rows`` drops its cache rows); a lane left empty takes the next waiting prompts.
 
-    rank 0      takes microbatch i's prompts (round 0) or the tokens the last rank sampled for
-                it in the previous round, runs its chunk with microbatch i's cache, sends on
-    rank s      receives microbatch i's hidden states, runs its chunk, sends on
-    rank p-1    runs its chunk, samples the next token (greedy, or temperature / top-k / top-p
-                with a per-prompt seeded generator) and sends it back to rank 0
-
-so with ``m >= p`` microbatches, microbatch i's step on stage s overlaps microbatch j's on stage
-s+1, and rank 0 finds microbatch i's token waiting when it comes back to it. Transfers use
-``engine.comm.P2P`` (the token feedback is the channel from the last chunk to rank 0); every
-round renews the shape handshake, since the prefill and the decode steps differ in length.
-
-Prompts of different lengths are left-padded to the longest; the 2D mask ``[b, past + q]``
-(0 = padding) goes to every chunk with its input, and the model side derives positions and the
-causal mask from it. The engine knows nothing of the model: the model side passes a factory
-that turns a rank's layers into a :class:`CachedChunk` (docs/contracts.md, "engine.generate").
+Prompts of a lane are left-padded to its longest; the 2D mask ``[b, past + q]`` (0 = padding)
+goes to every chunk with its input, and the model side derives positions and the causal mask
+from it. The engine knows nothing of the model: the model side passes a factory that turns a
+rank's layers into a :class:`CachedChunk` (docs/contracts.md, "engine.generate").
 
 Example (inside a worker started by ``engine.launch``)::
 
@@ -31,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
@@ -38,13 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from engine.comm import P2P
+from engine.comm import P2P, flatten
 from engine.mesh import Mesh
 from engine.runtime import check_stage_ranges
 from engine.stage import build_layers
 
 __all__ = ["CachedChunk", "SamplingConfig", "GenerationResult", "Generator", "filter_logits",
-           "sample_next", "left_pad", "check_prompts", "trim_at_eos"]
+           "sample_next", "left_pad", "check_prompts", "trim_at_eos", "cast_parameters"]
 
 
 @runtime_checkable
@@ -57,7 +53,8 @@ class CachedChunk(Protocol):
     returned; ``mask`` is ``[b, past + q]`` (1 = token, 0 = left padding) over the cached and
     the new positions. The last chunk returns logits ``[b, q', vocab]`` whose last position
     scores the next token (``q'`` may be 1); the others a tensor or a flat tuple of tensors for
-    the next chunk.
+    the next chunk. Optional: ``select_rows(cache, index)`` returns the cache of the rows
+    ``index`` only, so that finished prompts leave their lane.
     """
 
     def new_cache(self, batch_size: int) -> Any: ...
@@ -185,6 +182,19 @@ def trim_at_eos(tokens: Sequence[int], eos_token_id: int | Sequence[int] | None)
     return out
 
 
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module``'s floating-point parameters in ``dtype``, its buffers left as they are (a
+    rotary ``inv_freq`` stays fp32, as in a transformers model loaded with that dtype).
+
+    >>> cast_parameters(nn.Linear(2, 2), torch.bfloat16).weight.dtype
+    torch.bfloat16
+    """
+    for prm in module.parameters():
+        if prm.is_floating_point():
+            prm.data = prm.data.to(dtype)
+    return module
+
+
 class Generator:
     """One rank's part of pipelined generation: builds its own layers (from factories, seeded
     per global layer like ``Pipeline``), ties parameters shared across ranks, and runs
@@ -194,7 +204,7 @@ class Generator:
     def __init__(self, layers: Any, stage_ranges: Sequence[Sequence[int]], *,
                  chunk: Callable[[list[nn.Module]], CachedChunk], seed: int = 0,
                  device: torch.device | str | None = None, ties: Sequence[tuple[str, str]] = (),
-                 comm_timeout_s: float = 60.0):
+                 comm_timeout_s: float = 60.0, dtype: torch.dtype | None = None):
         p = len(stage_ranges)
         self.ranges = check_stage_ranges(stage_ranges, len(layers), p)
         self.mesh = Mesh(p, 1)
@@ -210,6 +220,9 @@ class Generator:
         for layer in self.layers:
             layer.eval()
         self._tie(ties)
+        if dtype is not None:
+            for layer in self.layers:
+                cast_parameters(layer, dtype)
         self.chunk = chunk(self.layers)
         self.p2p = P2P(self.mesh, comm_timeout_s, self.device)
 
@@ -243,72 +256,213 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: SamplingConfig | None = None, microbatches: int | None = None,
-                 pad_token_id: int = 0, eos_token_id: int | Sequence[int] | None = None) -> GenerationResult:
-        """Generate ``max_new_tokens`` for every prompt (collective over the pipeline ranks;
-        every rank passes the same arguments and gets the same result). ``microbatches``:
-        default the number of stages (at most one per prompt)."""
+                 microbatch_size: int | None = None, pad_token_id: int = 0,
+                 eos_token_id: int | Sequence[int] | None = None) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` for every prompt, a prompt stopping at its first
+        ``eos_token_id`` (collective over the pipeline ranks; every rank passes the same arguments
+        and gets the same result). ``microbatches``: lanes decoded concurrently (default: the
+        number of stages); ``microbatch_size``: most prompts in a lane at once (default: all the
+        prompts fit); the other prompts enter a lane as its prompts finish."""
         sampling = sampling or SamplingConfig()
         sampling.check()
         rows = check_prompts(prompts, max_new_tokens)
         n, k = len(rows), int(max_new_tokens)
-        m = max(1, min(int(microbatches or self.num_stages), n))
-        size = math.ceil(n / m)
-        rows = rows + [rows[-1]] * (m * size - n)  # equal microbatches; the filler is dropped
-        ids, mask = left_pad(rows, pad_token_id)
-        last = self.mesh.pipeline_rank == self.num_stages - 1
-        gens = None
-        if last and sampling.do_sample:
-            gens = [torch.Generator(device=self.device).manual_seed(sampling.seed * 1_000_003 + j)
-                    for j in range(len(rows))]
+        lanes = max(1, min(int(microbatches or self.num_stages), n))
+        size = int(microbatch_size or math.ceil(n / lanes))
+        if size < 1:
+            raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+        stops = set() if eos_token_id is None else (
+            {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id})
+        run = _Run(self, rows, k, size, int(pad_token_id), stops, sampling)
         if self.mesh.distributed and self.mesh.world_size > 1:
             dist.barrier(group=self.mesh.pipeline_group)
-        wait0 = self.p2p.wait_s
-        t0 = time.perf_counter()
-        out, fwd = self._run(ids.to(self.device).split(size), mask.to(self.device).split(size), k, sampling, gens)
-        wall = time.perf_counter() - t0
-        payload = [[out[:n].tolist(), wall] if last else None]
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        out = run.control(lanes) if self.mesh.pipeline_rank == 0 else run.follow()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        payload = [[out, wall]]
         if self.mesh.distributed and self.mesh.world_size > 1:
-            dist.broadcast_object_list(payload, src=self.mesh.last_rank, group=self.mesh.pipeline_group)
+            dist.broadcast_object_list(payload, src=self.mesh.global_rank(0), group=self.mesh.pipeline_group)
         tokens, wall = payload[0]
-        tokens = [trim_at_eos(t, eos_token_id) for t in tokens]
-        return GenerationResult(tokens, n * k, wall, n * k / wall if wall > 0 else float("inf"), m,
-                                {"forward_s": fwd, "comm_wait_s": self.p2p.wait_s - wait0,
-                                 "pipeline_rank": self.mesh.pipeline_rank})
+        new = sum(len(t) for t in tokens)
+        return GenerationResult(tokens, new, wall, new / wall if wall > 0 else float("inf"), lanes,
+                                {"forward_s": run.forward_s, "comm_wait_s": run.wait_s(), "cpu_s": cpu,
+                                 "lane_steps": run.steps, "pipeline_rank": self.mesh.pipeline_rank})
 
-    @torch.no_grad()
-    def _run(self, ids: Sequence[Tensor], masks: Sequence[Tensor], rounds: int, sampling: SamplingConfig,
-             gens: list[torch.Generator] | None) -> tuple[Tensor | None, float]:
-        p, me, m = self.num_stages, self.mesh.pipeline_rank, len(ids)
-        first, last = me == 0, me == p - 1
-        caches = [self.chunk.new_cache(x.shape[0]) for x in ids]
-        masks = list(masks)
-        feed: list[Any] = list(ids)           # rank 0's next inputs when it is also the last rank
-        sampled: list[list[Tensor]] = [[] for _ in range(m)]
-        fwd = 0.0
-        for k in range(rounds):
-            self.p2p.new_step(speculate=False)  # prefill and decode shapes differ each round
-            for i in range(m):
-                if first and (k == 0 or p == 1):
-                    x = feed[i]
-                elif first:  # the token the last rank sampled for microbatch i last round
-                    x = self.p2p.post("F", p, (k - 1) * m + i, p - 1).wait()
-                else:
-                    x = self.p2p.post("F", me, k * m + i, me - 1).wait()
-                t = time.perf_counter()
-                y = self.chunk(x, caches[i], masks[i])
-                if last:
-                    rows = gens[i * len(masks[i]):(i + 1) * len(masks[i])] if gens else None
-                    tok = sample_next(y[:, -1, :], sampling, rows).unsqueeze(1)
-                    sampled[i].append(tok)
-                    if p == 1:
-                        feed[i] = tok
-                    elif k < rounds - 1:
-                        self.p2p.send("F", p - 1, k * m + i, tok, 0)
-                else:
-                    self.p2p.send("F", me, k * m + i, y, me + 1)
-                self.p2p.flush()  # NCCL batches: issue the send now, so the next rank can start
-                fwd += time.perf_counter() - t
-                masks[i] = torch.cat([masks[i], masks[i].new_ones(masks[i].shape[0], 1)], dim=1)
-        self.p2p.wait_sends()
-        out = torch.cat([torch.cat(s, dim=1) for s in sampled]).cpu() if last else None
-        return out, fwd
+
+STOP, PREFILL, DECODE = 0, 1, 2   # what a lane step does (the first slot of its control tensor)
+_CTRL = 4                          # op, lane, rows, payload is a tuple; then the rows' prompt indices
+
+
+@dataclass
+class _Lane:
+    """One lane on one rank: the prompts in its rows, its KV cache and its 2D mask."""
+
+    rows: list[int] = field(default_factory=list)
+    cache: Any = None
+    mask: Tensor | None = None
+
+
+class _Link:
+    """One channel of generation messages, with a ``P2P`` of its own: every message is its own
+    step, so it travels packed with its header when its shapes equal the previous message's
+    (decode steps of equal lanes), and alone after its header when they changed."""
+
+    def __init__(self, gen: "Generator", boundary: int, peer: int, lag: int) -> None:
+        self.p2p = P2P(gen.mesh, gen.p2p.timeout_s, gen.device)
+        self.boundary, self.peer, self.lag, self.n = boundary, peer, lag, 0
+
+    def send(self, value: Any) -> None:
+        self.p2p.new_step()
+        self.p2p.send("F", self.boundary, self.n, value, self.peer)
+        self.p2p.flush()
+        self.n += 1
+        self.p2p.wait_sends(keep_last=self.lag)  # the old ones are long received: no wait
+
+    def post(self) -> Any:
+        """Post the next message's receive (after the previous one was waited)."""
+        self.p2p.new_step()
+        r = self.p2p.post("F", self.boundary + 1, self.n, self.peer)
+        self.p2p.flush()
+        self.n += 1
+        return r
+
+
+class _Run:
+    """One rank's part of one ``generate`` call. Rank 0 decides every lane step (:meth:`control`):
+    which prompts a lane holds (a prefill when a lane (re)starts, then decode steps, the rows that
+    finished dropped), runs its chunk and sends the output downstream with a control tensor; the
+    other ranks (:meth:`follow`) apply the same step to their copy of the lane; the last samples
+    and sends the tokens back to rank 0, which thus has lane B's step to run while lane A's runs
+    downstream."""
+
+    def __init__(self, gen: "Generator", prompts: list[list[int]], k: int, size: int, pad: int,
+                 stops: set[int], sampling: SamplingConfig) -> None:
+        self.gen, self.prompts, self.k, self.size, self.pad = gen, prompts, k, size, pad
+        self.stops, self.sampling = stops, sampling
+        p, me = gen.num_stages, gen.mesh.pipeline_rank
+        self.p, self.last = p, me == p - 1
+        self.select = getattr(gen.chunk, "select_rows", None)
+        lag = 8 * (p + 4)
+        self.down = _Link(gen, me, me + 1, lag) if me < p - 1 else None
+        self.up = _Link(gen, me - 1, me - 1, lag) if me > 0 else None
+        self.back = _Link(gen, p - 1, 0, lag) if p > 1 and self.last else None
+        self.fb = _Link(gen, p - 1, p - 1, lag) if p > 1 and me == 0 else None
+        self.gens = None
+        if self.last and sampling.do_sample:
+            self.gens = [torch.Generator(device=gen.device).manual_seed(sampling.seed * 1_000_003 + j)
+                         for j in range(len(prompts))]
+        self.lanes: dict[int, _Lane] = {}
+        self.local: list[Tensor] = []  # the sampled tokens when rank 0 is also the last rank
+        self.forward_s, self.steps = 0.0, 0
+
+    def wait_s(self) -> float:
+        return sum(link.p2p.wait_s for link in (self.down, self.up, self.back, self.fb) if link is not None)
+
+    def _enter(self, lane: _Lane, op: int, rows: list[int]) -> Tensor | None:
+        """Apply a step's rows to this rank's lane; the token ids of a prefill."""
+        dev = self.gen.device
+        if op == PREFILL:
+            ids, mask = left_pad([self.prompts[j] for j in rows], self.pad)
+            lane.rows, lane.cache, lane.mask = rows, self.gen.chunk.new_cache(len(rows)), mask.to(dev)
+            return ids.to(dev)
+        if rows != lane.rows:  # finished prompts leave the lane
+            idx = torch.tensor([lane.rows.index(j) for j in rows], device=dev)
+            lane.cache = self.select(lane.cache, idx)
+            lane.mask, lane.rows = lane.mask[idx], rows
+        lane.mask = torch.cat([lane.mask, lane.mask.new_ones(lane.mask.shape[0], 1)], dim=1)
+        return None
+
+    def _step(self, lane_id: int, op: int, rows: list[int], x: Any) -> None:
+        """Run this rank's chunk for one lane step, then send on (or sample, on the last rank)."""
+        t = time.perf_counter()
+        y = self.gen.chunk(x, self.lanes[lane_id].cache, self.lanes[lane_id].mask)
+        self.steps += 1
+        if self.last:
+            gens = [self.gens[j] for j in rows] if self.gens else None
+            tok = sample_next(y[:, -1, :], self.sampling, gens)
+            self.forward_s += time.perf_counter() - t
+            if self.back is not None:
+                self.back.send(tok)
+            else:
+                self.local.append(tok)
+            return
+        is_tuple, ts = flatten(y)
+        ctrl = torch.full((_CTRL + self.size,), -1, dtype=torch.int64)
+        ctrl[:_CTRL] = torch.tensor([op, lane_id, len(rows), int(is_tuple)])
+        ctrl[_CTRL:_CTRL + len(rows)] = torch.tensor(rows)
+        self.forward_s += time.perf_counter() - t
+        self.down.send((ctrl.to(self.gen.device), *ts))
+
+    def _issue(self, lane_id: int, op: int, rows: list[int], x: Tensor | None, inflight: deque) -> None:
+        ids = self._enter(self.lanes[lane_id], op, rows)
+        inflight.append(lane_id)
+        if self.fb is not None and self._fb_next is None:  # post the answer's receive before computing
+            self._fb_next = self.fb.post()
+        self._step(lane_id, op, rows, ids if op == PREFILL else x)
+
+    def _feedback(self, more: bool) -> Tensor:
+        """The tokens sampled for the oldest lane step in flight (``more``: others follow it)."""
+        if self.fb is None:
+            return self.local.pop(0)
+        toks = self._fb_next.wait()
+        self._fb_next = self.fb.post() if more else None
+        return toks
+
+    def control(self, lanes: int) -> list[list[int]]:
+        """Rank 0: admit the prompts into lanes, decide and run every lane step, collect the
+        tokens; a prompt is done at ``k`` tokens or an eos, a lane refills when all its are."""
+        pending = deque(range(len(self.prompts)))
+        out: list[list[int]] = [[] for _ in self.prompts]
+        done = [False] * len(self.prompts)
+        inflight: deque[int] = deque()
+        self._fb_next = None
+        n = len(self.prompts)
+        for lane_id in range(lanes):  # the first prompts spread evenly over the lanes
+            take = min(self.size, n // lanes + (lane_id < n % lanes))
+            self.lanes[lane_id] = _Lane()
+            self._issue(lane_id, PREFILL, [pending.popleft() for _ in range(take)], None, inflight)
+        while inflight:
+            lane_id = inflight.popleft()
+            toks = self._feedback(bool(inflight))
+            lane = self.lanes[lane_id]
+            for j, t in zip(lane.rows, toks.tolist()):
+                if not done[j]:
+                    out[j].append(int(t))
+                    done[j] = len(out[j]) >= self.k or int(t) in self.stops
+            active = [j for j in lane.rows if not done[j]]
+            if active:  # without select_rows the finished rows run on, their tokens unused
+                rows = active if self.select is not None else lane.rows
+                idx = torch.tensor([lane.rows.index(j) for j in rows], device=toks.device)
+                self._issue(lane_id, DECODE, rows, toks[idx].unsqueeze(1), inflight)
+            elif pending:
+                self._issue(lane_id, PREFILL, [pending.popleft() for _ in range(min(self.size, len(pending)))],
+                            None, inflight)
+        if self.down is not None:
+            stop = torch.full((_CTRL + self.size,), -1, dtype=torch.int64)
+            stop[:_CTRL] = torch.tensor([STOP, 0, 0, 0])
+            self.down.send((stop.to(self.gen.device),))
+        self._finish()
+        return out
+
+    def follow(self) -> None:
+        """Ranks 1..p-1: apply rank 0's lane steps in the order they arrive, until its stop."""
+        r = self.up.post()
+        while True:
+            value = r.wait()
+            ctrl = value[0]
+            op, lane_id, nrows, is_tuple = ctrl[:_CTRL].tolist()
+            if op == STOP:
+                if self.down is not None:
+                    self.down.send((ctrl,))
+                break
+            r = self.up.post()
+            rows = ctrl[_CTRL:_CTRL + nrows].tolist()
+            lane = self.lanes.setdefault(lane_id, _Lane())
+            self._enter(lane, op, rows)
+            self._step(lane_id, op, rows, tuple(value[1:]) if is_tuple else value[1])
+        self._finish()
+
+    def _finish(self) -> None:
+        for link in (self.down, self.up, self.back, self.fb):
+            if link is not None:
+                link.p2p.wait_sends()

@@ -51,6 +51,7 @@ __all__ = [
     "OptimizerName",
     "OptimizerBackend",
     "Precision",
+    "WeightDtype",
     "GradAccumDtype",
     "checkpointing_mode",
     "LoggerMode",
@@ -134,6 +135,7 @@ AttentionBackend = _choice("AttentionBackend", ATTENTION_BACKENDS)
 OptimizerName = _choice("OptimizerName", OPTIMIZERS)
 OptimizerBackend = _choice("OptimizerBackend", BACKENDS)
 Precision = _choice("Precision", PRECISIONS)
+WeightDtype = _choice("WeightDtype", ("fp32", "bf16", "fp16"))
 GradAccumDtype = _choice("GradAccumDtype", GRAD_ACCUM_DTYPES)
 LoggerMode = _choice("LoggerMode", ("offline", "online", "disabled"))
 LossKind = _choice("LossKind", ("full", "chunked"))
@@ -389,7 +391,8 @@ class GenerateConfig:
 
     prompts: Any = None  # token-id lists inline ([[1,2,3],[4,5]]) or a file: JSON list, or JSONL of lists / {"prompt": [...]}
     max_new_tokens: int = 32  # tokens generated per prompt
-    microbatches: Optional[int] = None  # prompts are split into this many microbatches; null = pipeline.stages
+    microbatches: Optional[int] = None  # lanes decoded concurrently, each with its own KV cache per stage; null = pipeline.stages
+    microbatch_size: Optional[int] = None  # most prompts in a lane at once (the others enter as prompts finish); null = all fit
     do_sample: bool = False  # false: greedy; true: sample with temperature / top_k / top_p
     temperature: float = 1.0  # sampling temperature (> 0)
     top_k: int = 0  # keep the k most likely tokens; 0 = off
@@ -397,6 +400,7 @@ class GenerateConfig:
     seed: int = 0  # sampling seed (prompt j draws from its own generator: the tokens do not depend on the split)
     eos_token_id: Optional[int] = None  # stop token (the output is cut after it); null = the model's; -1 = none
     pad_token_id: Optional[int] = None  # id used for left padding (masked out); null = the model's pad, else eos, else 0
+    dtype: WeightDtype = WeightDtype["fp32"]  # weights (and so activations) of the pipeline and of the baseline: fp32 | bf16 | fp16
     compare: bool = True  # also time transformers' model.generate in one process on the same prompts
 
 

@@ -3,8 +3,8 @@
     python -m experiments.generate model=hf model.pretrained=DIR pipeline.stages=2 \\
         generate.prompts='[[1,2,3],[4,5,6,7]]' generate.max_new_tokens=32
 
-The model is split over `pipeline.stages` ranks (balanced by the parameters that compute,
-`partitioner.solve.parameter_split`; embedding tables count as free), each rank builds (or loads)
+The model is split over `pipeline.stages` ranks (balanced by each layer's decode-step time,
+measured in the launcher one layer at a time: `decode_costs`), each rank builds (or loads)
 only its own layers and `engine.generate.Generator` runs the forward-only schedule: the prompts,
 left-padded, go through the stages in `generate.microbatches` microbatches, every stage keeps a
 KV cache per microbatch, and the last stage samples (greedy, or temperature / top-k / top-p
@@ -15,8 +15,9 @@ Writes into the Hydra run directory:
     generation.json     tokens/s pipelined and with transformers' `model.generate` in one process
                         (`generate.compare`), their ratio, whether the tokens agree, per-rank times
 
-Throughput: both sides run one thread per process and count prompts x max_new_tokens tokens
-(the baseline counts what it generated, which is fewer if every prompt ends early at eos).
+Throughput: both sides run one thread per process and count the tokens they generated (fewer than
+prompts x max_new_tokens where prompts stop at eos); `cpu_s` per rank and `single_cpu_s` are CPU
+seconds (`time.process_time`), which a busy machine does not inflate as it does wall time.
 
 Example:
     >>> read_prompts([[1, 2], [3]])
@@ -34,7 +35,7 @@ from typing import Any, Sequence
 
 from experiments.config import Config, ConfigError, HFModelConfig, as_config, count_pipeline_layers
 
-__all__ = ["GenerateJob", "read_prompts", "stage_split", "token_ids", "generate_worker",
+__all__ = ["GenerateJob", "read_prompts", "encode_prompts", "weight_dtype", "stage_split", "decode_costs", "token_ids", "generate_worker",
            "single_process_generate", "run", "main"]
 
 
@@ -49,31 +50,26 @@ class GenerateJob:
     pad_token_id: int
 
 
-def read_prompts(value: Any) -> list[list[int]]:
-    """Prompts from `generate.prompts`: token-id lists inline, or a file (a JSON list, or JSONL
-    lines each a list or `{"prompt": [...]}`)."""
+def read_prompts(value: Any) -> list[list[int]] | list[str]:
+    """Prompts from `generate.prompts`: token-id lists or strings inline, or a file: a JSON list,
+    JSONL lines (each a list, a string or `{"prompt": ...}`), or plain text, one prompt per line.
+    Strings are text for the model's tokenizer (:func:`encode_prompts`)."""
     from omegaconf import ListConfig, OmegaConf
 
     if isinstance(value, ListConfig):
         value = OmegaConf.to_container(value)
     if value is None:
         raise ConfigError("generate.prompts is not set; give token-id lists, e.g. generate.prompts='[[1,2,3],[4,5]]', "
-                          "or a JSON / JSONL file of them")
+                          "strings for the model's tokenizer ('[\"Once upon a time\"]'), or a JSON / JSONL / text file")
     if isinstance(value, str):
-        path = Path(value).expanduser()
-        try:
-            text = path.read_text() if path.is_file() else value
-        except OSError as exc:
-            raise ConfigError(f"generate.prompts={value!r}: {exc}") from None
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            try:
-                value = [json.loads(line) for line in text.splitlines() if line.strip()]
-            except json.JSONDecodeError:
-                raise ConfigError(f"generate.prompts={value!r} is neither a file nor JSON token-id lists") from None
+        value = _prompts_file(value)
     if isinstance(value, list):
         value = [v["prompt"] if isinstance(v, dict) and "prompt" in v else v for v in value]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        empty = [j for j, v in enumerate(value) if not v.strip()]
+        if empty:
+            raise ConfigError(f"generate.prompts: prompt {empty[0]} is an empty string; remove it")
+        return value
     from engine.generate import check_prompts
 
     try:
@@ -82,23 +78,103 @@ def read_prompts(value: Any) -> list[list[int]]:
         raise ConfigError(f"generate.prompts: {exc}") from None
 
 
-def stage_split(spec: Any, stages: int) -> list[tuple[int, int]]:
-    """Contiguous stage ranges balancing the parameters that compute (embedding lookups are free)."""
+def _prompts_file(value: str) -> Any:
+    path = Path(value).expanduser()
+    try:
+        text = path.read_text() if path.is_file() else value
+    except OSError as exc:
+        raise ConfigError(f"generate.prompts={value!r}: {exc}") from None
+    lines = [line for line in text.splitlines() if line.strip()]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return [json.loads(line) for line in lines]
+    except json.JSONDecodeError:
+        if path.is_file():  # plain text: one prompt per line
+            return lines
+    raise ConfigError(f"generate.prompts={value!r} is neither a file nor JSON; give token-id lists, a list of "
+                      "strings ('[\"Once upon a time\"]') or a file (JSON, JSONL or text, one prompt per line)")
+
+
+def encode_prompts(cfg: Config, texts: Sequence[str]) -> tuple[list[list[int]], Any]:
+    """Text prompts as token ids through the model's own tokenizer (`model.pretrained`), with its
+    special tokens (a BOS where the tokenizer adds one), as one would before `model.generate`.
+    Returns (ids, tokenizer)."""
+    from experiments.hfdata.layout import DataError
+    from experiments.hfdata.tokens import load_tokenizer
+
+    if not cfg.model.pretrained:
+        raise ConfigError("text prompts need the model's tokenizer: use model.pretrained=DIR (a directory "
+                          "with tokenizer files), or give token-id lists")
+    try:
+        tok = load_tokenizer(str(cfg.model.pretrained))
+    except DataError as exc:
+        raise ConfigError(f"generate.prompts are text: {exc}") from None
+    ids = [list(map(int, t)) for t in tok(list(texts))["input_ids"]]
+    empty = [j for j, t in enumerate(ids) if not t]
+    if empty:
+        raise ConfigError(f"generate.prompts: prompt {empty[0]} ({texts[empty[0]]!r}) has no tokens")
+    return ids, tok
+
+
+def stage_split(spec: Any, stages: int, costs: Sequence[float] | None = None) -> list[tuple[int, int]]:
+    """Contiguous stage ranges balancing `costs` per pipeline layer (:func:`decode_costs`), or
+    without them the parameters that compute (embedding lookups are free)."""
     import torch
     from torch import nn
 
     from partitioner.solve import Infeasible, parameter_split
 
-    costs = []
-    with torch.device("meta"):
-        for factory in spec.layers:
-            layer = factory()
-            lookup = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Embedding))
-            costs.append(max(1, sum(p.numel() for p in layer.parameters()) - lookup))
+    if costs is None:
+        costs = []
+        with torch.device("meta"):
+            for factory in spec.layers:
+                layer = factory()
+                lookup = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Embedding))
+                costs.append(max(1, sum(p.numel() for p in layer.parameters()) - lookup))
     try:
-        return [tuple(r) for r in parameter_split(costs, stages)]
+        return [tuple(r) for r in parameter_split(list(costs), stages)]
     except Infeasible as exc:
         raise ConfigError(f"pipeline.stages={stages}: {exc}") from None
+
+
+def decode_costs(spec: Any, rows: int, prompt_len: int, dtype: Any, steps: int = 5) -> list[float]:
+    """Seconds of one decode step of each pipeline layer (the median over `steps` steps), for
+    `rows` prompts of `prompt_len` tokens, one thread: the layers, with random weights (the time
+    does not depend on them), run in order through the model's cached chunk, a step at a time,
+    so that the caches see what a real step sees. A parameter count misjudges decoding: a
+    block's many small kernels cost more per parameter than the head's one large product."""
+    import statistics
+
+    import torch
+
+    from engine.generate import cast_parameters
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(spec.extra["vocab"])
+    with torch.no_grad():
+        chunks = [spec.cached_chunk([cast_parameters(f().eval(), dtype)]) for f in spec.layers]
+        caches = [c.new_cache(rows) for c in chunks]
+        mask = torch.ones(rows, prompt_len, dtype=torch.int64)
+        x = torch.randint(0, vocab, (rows, prompt_len), generator=gen)
+        times: list[list[float]] = [[] for _ in chunks]
+        try:
+            for step in range(steps + 1):  # the prefill, then decode steps
+                y = x
+                for j, (chunk, cache) in enumerate(zip(chunks, caches)):
+                    t = time.perf_counter()
+                    y = chunk(y, cache, mask)
+                    if step:
+                        times[j].append(time.perf_counter() - t)
+                x = y[:, -1].argmax(-1, keepdim=True)
+                mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+        finally:
+            torch.set_num_threads(threads)
+    return [statistics.median(t) for t in times]
 
 
 def token_ids(cfg: Any, spec: Any) -> tuple[Any, int]:
@@ -117,6 +193,13 @@ def token_ids(cfg: Any, spec: Any) -> tuple[Any, int]:
     if pad is None:
         pad = eos[0] if isinstance(eos, list) and eos else eos
     return eos, int(pad) if pad is not None else 0
+
+
+def weight_dtype(cfg: Config) -> Any:
+    """The torch dtype of `generate.dtype`."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[str(cfg.generate.dtype)]
 
 
 def _sampling(cfg: Config) -> Any:
@@ -139,9 +222,11 @@ def generate_worker(job: GenerateJob) -> dict:
     spec = build_model(cfg.model)
     device = None if cfg.train.device == "auto" else str(cfg.train.device)
     gen = Generator(spec.layers, job.stage_ranges, chunk=spec.cached_chunk, seed=int(cfg.train.seed),
-                    device=device, ties=spec.ties, comm_timeout_s=float(cfg.pipeline.comm_timeout_s))
+                    device=device, ties=spec.ties, comm_timeout_s=float(cfg.pipeline.comm_timeout_s),
+                    dtype=weight_dtype(cfg))
     res = gen.generate(job.prompts, int(cfg.generate.max_new_tokens), sampling=_sampling(cfg),
-                       microbatches=cfg.generate.microbatches, pad_token_id=job.pad_token_id,
+                       microbatches=cfg.generate.microbatches,
+                       microbatch_size=cfg.generate.microbatch_size, pad_token_id=job.pad_token_id,
                        eos_token_id=job.eos_token_id)
     return {"tokens": res.tokens, "wall_s": res.wall_s, "tokens_per_s": res.tokens_per_s,
             "new_tokens": res.new_tokens, "microbatches": res.microbatches, "stats": res.stats}
@@ -157,7 +242,7 @@ def _reference_model(cfg: Config, spec: Any) -> Any:
     if pretrained:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32,
+        return AutoModelForCausalLM.from_pretrained(pretrained, dtype=weight_dtype(cfg),
                                                     attn_implementation="sdpa").eval()
     from experiments.models import compose
 
@@ -165,7 +250,9 @@ def _reference_model(cfg: Config, spec: Any) -> Any:
     for a, b in spec.ties:  # tied: the pipeline's second copy holds the first's value
         (la, _, na), (lb, _, nb) = a.partition("."), b.partition(".")
         layers[int(lb)][nb] = layers[int(la)][na]
-    return hf_model_from_layers(cfg.model, layers)
+    from engine.generate import cast_parameters
+
+    return cast_parameters(hf_model_from_layers(cfg.model, layers), weight_dtype(cfg))
 
 
 def single_process_generate(cfg: Config, spec: Any, prompts: Sequence[Sequence[int]], eos: Any, pad: int) -> dict:
@@ -188,30 +275,36 @@ def single_process_generate(cfg: Config, spec: Any, prompts: Sequence[Sequence[i
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=int(g.max_new_tokens), use_cache=True,
                                  eos_token_id=eos, pad_token_id=pad, **kwargs)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         torch.set_num_threads(threads)
     new = out[:, ids.shape[1]:].cpu()
-    return {"tokens": [trim_at_eos(t, eos) for t in new.tolist()], "wall_s": wall,
+    return {"tokens": [trim_at_eos(t, eos) for t in new.tolist()], "wall_s": wall, "cpu_s": cpu,
             "new_tokens": int(new.numel()), "tokens_per_s": new.numel() / wall}
 
 
-def _report(run_dir: Path, prompts: list, res: dict, single: dict | None, cfg: Config, ranges: list) -> dict:
+def _report(run_dir: Path, prompts: list, res: dict, single: dict | None, cfg: Config, ranges: list,
+            texts: Sequence[str] | None = None, tok: Any = None) -> dict:
     with open(run_dir / "generations.jsonl", "w") as f:
-        for p, t in zip(prompts, res["tokens"]):
-            f.write(json.dumps({"prompt": p, "tokens": t}) + "\n")
+        for j, (p, t) in enumerate(zip(prompts, res["tokens"])):
+            line: dict[str, Any] = {"prompt": p, "tokens": t}
+            if texts is not None:
+                line.update(prompt_text=texts[j], text=tok.decode(t, skip_special_tokens=True))
+            f.write(json.dumps(line) + "\n")
     report: dict[str, Any] = {
         "stages": len(ranges), "stage_ranges": [list(r) for r in ranges], "microbatches": res["microbatches"],
         "prompts": len(prompts), "max_new_tokens": int(cfg.generate.max_new_tokens),
-        "do_sample": bool(cfg.generate.do_sample), "threads_per_process": 1,
+        "do_sample": bool(cfg.generate.do_sample), "dtype": str(cfg.generate.dtype), "threads_per_process": 1,
         "pipelined_tokens_per_s": res["tokens_per_s"], "pipelined_wall_s": res["wall_s"],
-        "pipelined_new_tokens": res["new_tokens"], "per_rank": res["per_rank"]}
+        "pipelined_new_tokens": res["new_tokens"], "per_rank": res["per_rank"],
+        "layer_decode_ms": res.get("layer_decode_ms")}
     if single is not None:
         report.update(single_tokens_per_s=single["tokens_per_s"], single_wall_s=single["wall_s"],
+                      single_cpu_s=single["cpu_s"],
                       single_new_tokens=single["new_tokens"],
                       ratio=res["tokens_per_s"] / single["tokens_per_s"],
                       tokens_match=single["tokens"] == res["tokens"])
@@ -241,7 +334,10 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
     if not 1 <= stages <= layers:
         raise ConfigError(f"pipeline.stages={stages}; generation needs 1 <= stages <= {layers} (the model's "
                           "pipeline layers)")
-    prompts = read_prompts(cfg.generate.prompts)
+    prompts, texts, tok = read_prompts(cfg.generate.prompts), None, None
+    if prompts and isinstance(prompts[0], str):
+        texts = prompts
+        prompts, tok = encode_prompts(cfg, texts)
     spec = build_model(cfg.model)
     facts = pretrained_facts(cfg.model)
     learned = facts["learned_positions"] if facts else (int(cfg.model.seq_len)
@@ -252,7 +348,12 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
         _sampling(cfg).check()
     except ValueError as exc:
         raise ConfigError(f"generate: {exc}") from None
-    ranges = stage_split(spec, stages)
+    costs = None
+    if stages > 1 and spec.cached_chunk is not None:
+        lanes = max(1, min(int(cfg.generate.microbatches or stages), len(prompts)))
+        rows = int(cfg.generate.microbatch_size or -(-len(prompts) // lanes))
+        costs = decode_costs(spec, rows, round(sum(map(len, prompts)) / len(prompts)), weight_dtype(cfg))
+    ranges = stage_split(spec, stages, costs)
     eos, pad = token_ids(cfg, spec)
     job = GenerateJob(cfg, prompts, [list(r) for r in ranges], eos, pad)
     results = engine.launch(generate_worker, len(ranges), job)
@@ -263,7 +364,8 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
     single = single_process_generate(cfg, spec, prompts, eos, pad) if cfg.generate.compare else None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return _report(run_dir, prompts, res, single, cfg, ranges)
+    res["layer_decode_ms"] = [round(c * 1e3, 3) for c in costs] if costs else None
+    return _report(run_dir, prompts, res, single, cfg, ranges, texts, tok)
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ import torch
 from experiments.fields import choice_text
 from experiments.hfdata.files import iter_texts, load_documents, resolve_files
 from experiments.hfdata.layout import DataError, Holdout, ShardLayout
-from experiments.hfdata.packed import PackedShard, TokenTable, assign_documents, blocks_in
+from experiments.hfdata.packed import PackedShard, TokenTable, blocks_in, split_corpus
 from experiments.hfdata.stream import Prefetcher, ShardStream
 from experiments.hfdata.tokens import (check_vocab, encode, eos_id, load_tokenizer, read_tokenized,
                                        tokenize_corpus, tokenizer_dir)
@@ -127,12 +127,11 @@ class HFTextData:
         if cached is None:
             cached = tokenize_corpus(self.spec.documents(streaming=False), self.tok)[0].data
         table = TokenTable(cached)
-        owner = assign_documents(len(table), self.holdout, self.spec.shards)
-        shards = {k: PackedShard(table.stream(np.flatnonzero(owner == k), self.eos), self.spec.seq_len,
+        split = split_corpus(table, self.holdout, self.spec.shards, self.spec.seq_len)
+        shards = {k: PackedShard(split.shard(table, k, self.eos), self.spec.seq_len,
                                  shuffle=self.spec.shuffle, seed=self.spec.seed, shard=k, what=f"data shard {k}")
                   for k in self.mine}
-        held = PackedShard(table.stream(np.flatnonzero(owner == -1), self.eos), self.spec.seq_len,
-                           what="the held-out documents")
+        held = PackedShard(split.held(table, self.eos), self.spec.seq_len, what="the held-out tokens")
         return shards, held
 
     def _stream(self, select: Callable[[int], bool], what: str, state: dict | None = None) -> ShardStream:
@@ -292,22 +291,24 @@ def _check_packed(spec: HFDataSpec, tok: Any) -> tuple[str, list[str]]:
     table = TokenTable(tokenized.data)
     if not len(table):
         raise _no_text(spec)
-    owner = assign_documents(len(table), Holdout(spec.eval_fraction), spec.shards)
-    _check_counts(spec, len(table), [table.stream_length(np.flatnonzero(owner == k)) for k in range(spec.shards)],
-                  table.stream_length(np.flatnonzero(owner == -1)))
+    split = split_corpus(table, Holdout(spec.eval_fraction), spec.shards, spec.seq_len)
+    held = split.held_length(table)
+    _check_counts(spec, len(table), [split.shard_length(table, k) for k in range(spec.shards)], held)
     tokens = table.stream_length(np.arange(len(table)))
-    text = (f"{len(table):,} documents, {tokens:,} tokens "
+    how = (f"held out by tokens: {held:,} (the last {spec.eval_fraction:g} of each shard's tokens; too few "
+           f"documents to hold out whole ones)" if split.by_tokens
+           else f"held out: {int(np.sum(split.owner == -1)):,} documents, {held:,} tokens")
+    text = (f"{len(table):,} documents, {tokens:,} tokens, {how} "
             f"({'from the tokenized cache' if cached else 'tokenized now, cached for the next run'})")
     return text, [f["filename"] for f in tokenized.cache_files]
 
 
 def _check_counts(spec: HFDataSpec, docs: int, shard_tokens: list[int], held_tokens: int) -> None:
     need = spec.seq_len + 1
-    held = int(Holdout(spec.eval_fraction).held_count(docs))
-    if held == 0 or held_tokens < need:
-        raise DataError(f"data.eval_fraction={spec.eval_fraction} holds out {held} of {docs} documents "
-                        f"({held_tokens} tokens), fewer than one block of model.seq_len + 1 = {need} tokens; "
-                        "raise data.eval_fraction, add documents, or lower model.seq_len")
+    if held_tokens < need:  # split_corpus held out at least a block where the corpus has one to spare
+        raise DataError(f"data.eval_fraction={spec.eval_fraction} holds out {held_tokens} of the {docs} documents' "
+                        f"tokens, fewer than one block of model.seq_len + 1 = {need}; add text or lower "
+                        "model.seq_len")
     short = [k for k, n in enumerate(shard_tokens) if blocks_in(n, spec.seq_len) == 0]
     if short:
         raise DataError(f"data shard {short[0]} of data.shards={spec.shards} has {shard_tokens[short[0]]} tokens, "
@@ -330,7 +331,8 @@ def _check_streamed(spec: HFDataSpec, tok: Any) -> str:
         raise _no_text(spec)
     if not held:
         raise DataError(f"data.eval_fraction={spec.eval_fraction} holds out none of the {docs} documents; "
-                        "raise data.eval_fraction or add documents")
+                        "raise data.eval_fraction, add documents, or use data.streaming=false (a corpus "
+                        "this small is then held out by tokens)")
     raise DataError(f"the {docs} documents do not give each of data.shards={spec.shards} shards a document; "
                     "use fewer data.shards or add documents")
 

@@ -8,6 +8,12 @@ or in a seeded permutation of `(seed, shard, e)` with `data.shuffle=true`. The s
 reader (`experiments.hfdata.stream`) produces the same blocks in the same order when not
 shuffled.
 
+The held-out set (:func:`split_corpus`) is the evenly spread held-out documents
+(`experiments.hfdata.layout.Holdout`) when they fill at least one block. A corpus too small for
+that (a handful of long documents) is held out by tokens instead: every document trains, and
+the last `ceil(f * len)` tokens of each shard's stream (together at least one block) are held
+out, so the fraction asked for is kept, counted in tokens. (Streaming keeps the document rule.)
+
 Example:
     >>> shard = PackedShard(np.arange(10, dtype=np.int32), seq_len=4)
     >>> shard.num_blocks, shard.block(0).tolist(), shard.block(1).tolist(), shard.block(2).tolist()
@@ -16,13 +22,15 @@ Example:
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from experiments.hfdata.layout import DataError, Holdout
 
-__all__ = ["TokenTable", "PackedShard", "assign_documents", "blocks_in"]
+__all__ = ["TokenTable", "PackedShard", "CorpusSplit", "assign_documents", "split_corpus", "blocks_in"]
 
 
 def blocks_in(num_tokens: int, seq_len: int) -> int:
@@ -106,3 +114,56 @@ class PackedShard:
             j = int(self._order(epoch)[j])
         start = j * self.seq_len
         return self.tokens[start:start + self.seq_len + 1]
+
+
+@dataclass(frozen=True)
+class CorpusSplit:
+    """Which tokens train where and which are held out (:func:`split_corpus`)."""
+
+    owner: np.ndarray         # per document: its shard, or -1 for a held-out document
+    tails: tuple[int, ...]    # per shard: tokens at the end of its stream held out (0: by documents)
+
+    @property
+    def by_tokens(self) -> bool:
+        return any(self.tails)
+
+    def shard_length(self, table: TokenTable, k: int) -> int:
+        """Training tokens of shard `k`."""
+        return table.stream_length(np.flatnonzero(self.owner == k)) - self.tails[k]
+
+    def shard(self, table: TokenTable, k: int, eos: int) -> np.ndarray:
+        """Shard `k`'s training token stream."""
+        tokens = table.stream(np.flatnonzero(self.owner == k), eos)
+        return tokens[:len(tokens) - self.tails[k]]
+
+    def held_length(self, table: TokenTable) -> int:
+        return table.stream_length(np.flatnonzero(self.owner == -1)) + sum(self.tails)
+
+    def held(self, table: TokenTable, eos: int) -> np.ndarray:
+        """The held-out token stream: the held-out documents, then each shard's held-out tail."""
+        parts = [table.stream(np.flatnonzero(self.owner == -1), eos)]
+        for k, tail in enumerate(self.tails):
+            if tail:
+                parts.append(table.stream(np.flatnonzero(self.owner == k), eos)[-tail:])
+        return np.concatenate(parts)
+
+
+def split_corpus(table: TokenTable, holdout: Holdout, shards: int, seq_len: int) -> CorpusSplit:
+    """The held-out documents of `holdout` if they fill one block of `seq_len + 1` tokens, else
+    a split by tokens (module docstring).
+
+    >>> class Docs(TokenTable):
+    ...     def __init__(self, lengths): self.length = np.array(lengths)
+    >>> split = split_corpus(Docs([40, 50, 60]), Holdout(0.1), 1, 8)
+    >>> split.by_tokens, split.tails, split.shard_length(Docs([40, 50, 60]), 0)
+    (True, (16,), 137)
+    """
+    need = int(seq_len) + 1
+    owner = assign_documents(len(table), holdout, shards)
+    if table.stream_length(np.flatnonzero(owner == -1)) >= need:
+        return CorpusSplit(owner, (0,) * shards)
+    owner = np.arange(len(table)) % shards
+    per = -(-need // shards)
+    lengths = [table.stream_length(np.flatnonzero(owner == k)) for k in range(shards)]
+    tails = tuple(min(n, max(per, math.ceil(n * float(holdout.fraction)))) for n in lengths)
+    return CorpusSplit(owner, tails)

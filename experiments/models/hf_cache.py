@@ -56,6 +56,11 @@ class HFCachedChunk:
 
         return DynamicCache()
 
+    def select_rows(self, cache: Any, index: torch.Tensor) -> Any:
+        """The cache of the rows ``index`` only (finished prompts leave a lane)."""
+        cache.batch_select_indices(index)
+        return cache
+
     @torch.no_grad()
     def __call__(self, x: torch.Tensor, cache: Any, mask: torch.Tensor) -> torch.Tensor:
         q = x.shape[1]

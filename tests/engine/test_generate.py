@@ -14,8 +14,8 @@ from torch import nn
 
 from dist_helpers import run_workers
 
-from engine.generate import (Generator, SamplingConfig, check_prompts, filter_logits, left_pad,
-                             sample_next, trim_at_eos)
+from engine.generate import (Generator, SamplingConfig, cast_parameters, check_prompts, filter_logits,
+                             left_pad, sample_next, trim_at_eos)
 
 V, D = 40, 16
 PROMPTS = [[3, 4, 5], [7], [9, 1, 2, 8, 6], [11, 12], [5, 5, 5, 5]]
@@ -29,7 +29,7 @@ class Mix(nn.Module):
         self.lin = nn.Linear(D, D)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, state: tuple | None = None) -> tuple:
-        m = mask[:, -x.shape[1]:, None].float()
+        m = mask[:, -x.shape[1]:, None].to(x.dtype)
         s0, c0 = state if state is not None else (torch.zeros_like(x[:, :1]), torch.zeros_like(m[:, :1]))
         s = s0 + (x * m).cumsum(1)
         c = c0 + m.cumsum(1)
@@ -59,6 +59,13 @@ class ToyChunk:
             else:
                 x = layer(x)
         return x
+
+
+class SelectingChunk(ToyChunk):
+    """The toy with ``select_rows``: finished prompts leave their lane."""
+
+    def select_rows(self, cache: dict, index: torch.Tensor) -> dict:
+        return {j: (s[index], c[index]) for j, (s, c) in cache.items()}
 
 
 def reference(steps: int) -> list[list[int]]:
@@ -102,6 +109,40 @@ def test_three_ranks_equal_one():
         assert r["greedy"] == reference(7)
         assert r["sampled"] == one["sampled"]
     assert [r["stats"]["pipeline_rank"] for r in results] == [0, 1, 2]
+
+
+def _lanes_worker(ranges: list, eos: int, size: int | None) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for name, chunk in (("select", SelectingChunk), ("no_select", ToyChunk)):
+        gen = Generator(factories(), ranges, chunk=chunk, ties=TIES)
+        res = gen.generate(PROMPTS, 7, microbatches=2, microbatch_size=size, eos_token_id=eos)
+        out[name] = {"tokens": res.tokens, "new": res.new_tokens, "steps": res.stats["lane_steps"]}
+    return out
+
+
+@pytest.mark.parametrize("size", [None, 2])
+def test_eos_stops_a_prompt_and_lanes_refill(size):
+    """A prompt stops at its eos, the others go on; with 2-prompt lanes the 5 prompts enter as
+    lanes finish. Through 3 ranks and on one, with and without select_rows: the reference's
+    tokens cut after the first eos."""
+    ref = reference(7)
+    eos = ref[2][1]  # prompt 2 stops after its second token; others may stop too
+    want = [trim_at_eos(r, eos) for r in ref]
+    assert any(len(w) < 7 for w in want) and any(len(w) == 7 for w in want)
+    for res in [_lanes_worker([(0, 5)], eos, size)] + run_workers(_lanes_worker, 3, [(0, 2), (2, 4), (4, 5)], eos, size):
+        for name in ("select", "no_select"):
+            assert res[name]["tokens"] == want, name
+            assert res[name]["new"] == sum(map(len, want))
+        assert res["select"]["steps"] <= res["no_select"]["steps"]
+
+
+def test_bf16_weights():
+    layer = cast_parameters(nn.Linear(3, 3), torch.bfloat16)
+    assert layer.weight.dtype == layer.bias.dtype == torch.bfloat16
+    gen = Generator(factories(), [(0, 5)], chunk=ToyChunk, ties=TIES, dtype=torch.bfloat16)
+    assert {p.dtype for m in gen.layers for p in m.parameters()} == {torch.bfloat16}
+    assert len(gen.generate(PROMPTS, 3).tokens[0]) == 3
 
 
 def test_the_engine_does_not_import_transformers():

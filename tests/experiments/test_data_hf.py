@@ -277,3 +277,35 @@ def test_the_engine_and_partitioner_stay_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[]"
+
+
+def test_a_few_long_documents_are_held_out_by_tokens(corpus, tmp_path):
+    """15 documents of about 7 KB each (about 100 KB): the default data.eval_fraction=0.05 would
+    hold out no whole document, so each shard's last 5% of tokens is held out instead; no
+    held-out token trains, and everything else does."""
+    docs = [" ".join(sentences(100 + d, 55)) for d in range(15)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    assert 90_000 < path.stat().st_size < 130_000
+    cfg = compose_config("data=hf", f"data.files={path}", f"data.tokenizer={corpus['tok']}", "data.text_field=body",
+                         f"data.cache_dir={corpus['cache']}", f"model.seq_len={SEQ}", "train.batch_size=8",
+                         "pipeline.data_parallel=2")
+    assert cfg.data.eval_fraction == 0.05  # the default
+    said: list[str] = []
+    prepared = prepare(cfg, echo=said.append)
+    assert "held out by tokens" in said[0]
+    tok = tokens_mod.load_tokenizer(corpus["tok"])
+    eos = tok.eos_token_id
+    ids = tokens_mod.encode(tok, docs)
+    streams = [np.concatenate([np.append(ids[i], eos) for i in range(k, 15, 2)]) for k in range(2)]
+    tails = [int(np.ceil(0.05 * len(s))) for s in streams]
+    from experiments.hfdata.dataset import spec_of
+
+    readers = [HFTextData(spec_of(cfg, prepared), replica=r) for r in range(2)]
+    for r, data in enumerate(readers):
+        shard = data._packed[r].tokens
+        assert np.array_equal(shard, streams[r][:len(streams[r]) - tails[r]])
+    held = np.concatenate([s[len(s) - t:] for s, t in zip(streams, tails)])
+    assert np.array_equal(readers[0]._eval_packed.tokens, held)
+    x, y = readers[0].eval_batch(0, 4)
+    assert torch.equal(x[0], torch.from_numpy(held[:SEQ].astype(np.int64)))
