@@ -232,6 +232,12 @@ def candidate_layouts(num_stages: int, num_layers: int, microbatches: Sequence[i
     return out
 
 
+# LayerCost's byte counts that grow with the microbatch (parameters do not): one list for the
+# scaling and the interpolation below.
+PER_SAMPLE_BYTES = ("activation_bytes", "output_bytes", "shared_input_bytes", "pending_grad_bytes",
+                    "workspace_bytes", "output_saved_bytes", "loss_input_bytes", "loss_saved_bytes")
+
+
 def scale_profile(profile: Profile, factor: float) -> Profile:
     """``profile`` for a microbatch ``factor`` times as large: times, FLOPs and per-sample bytes
     (activations, outputs, shared inputs, gradients kept from I to W) scaled linearly, parameters kept. Linear time is an
@@ -241,11 +247,9 @@ def scale_profile(profile: Profile, factor: float) -> Profile:
     k = float(factor)
 
     def scaled(c: Any) -> Any:
+        per_sample = {f: None if getattr(c, f) is None else int(round(getattr(c, f) * k)) for f in PER_SAMPLE_BYTES}
         return dataclasses.replace(
-            c.times_scaled(k),
-            activation_bytes=int(round(c.activation_bytes * k)), output_bytes=int(round(c.output_bytes * k)),
-            shared_input_bytes=int(round(c.shared_input_bytes * k)),
-            pending_grad_bytes=None if c.pending_grad_bytes is None else int(round(c.pending_grad_bytes * k)),
+            c.times_scaled(k), **per_sample,
             forward_flops=None if c.forward_flops is None else c.forward_flops * k,
             backward_flops=None if c.backward_flops is None else c.backward_flops * k)
 
@@ -277,11 +281,7 @@ def affine_profile(low: Profile, low_size: int, high: Profile, high_size: int, s
         out = dataclasses.replace(
             lo, forward_s=mid(lo.forward_s, hi.forward_s), backward_s=mid(lo.backward_s, hi.backward_s),
             weight_grad_s=mid(lo.weight_grad_s, hi.weight_grad_s), input_grad_s=mid(lo.input_grad_s, hi.input_grad_s),
-            activation_bytes=mid(lo.activation_bytes, hi.activation_bytes, True),
-            output_bytes=mid(lo.output_bytes, hi.output_bytes, True),
-            shared_input_bytes=mid(lo.shared_input_bytes, hi.shared_input_bytes, True),
-            pending_grad_bytes=mid(lo.pending_grad_bytes, hi.pending_grad_bytes, True),
-            workspace_bytes=mid(lo.workspace_bytes, hi.workspace_bytes, True),
+            **{f: mid(getattr(lo, f), getattr(hi, f), True) for f in PER_SAMPLE_BYTES},
             forward_flops=mid(lo.forward_flops, hi.forward_flops), backward_flops=mid(lo.backward_flops, hi.backward_flops))
         if out.input_grad_s is None and out.weight_grad_s is not None:
             out = dataclasses.replace(out, weight_grad_s=min(out.weight_grad_s, out.backward_s))

@@ -290,3 +290,24 @@ def test_linear_scaling_to_a_smaller_microbatch_only_when_asked_and_the_record_s
     assert res.plan.search["candidates"][0]["profile"]
     with pytest.raises(ValueError, match="scaling"):
         search(_sized(4), 2, 16, profile_microbatch=4, scaling="quadratic")
+
+
+def test_scaling_and_interpolation_move_every_per_sample_byte_count():
+    """The loss's bytes, the backward workspace and the self-saved output grow with the
+    microbatch like the activations; parameters do not."""
+    import importlib
+
+    search_mod = importlib.import_module("partitioner.search")
+    from partitioner.costs import LayerCost, Profile
+
+    def cost(k: int) -> LayerCost:
+        return LayerCost(1.0 * k, 2.0 * k, 8, 4 * k, 4 * k, shared_input_bytes=3 * k, pending_grad_bytes=5 * k,
+                         workspace_bytes=10 * k, output_saved_bytes=7 * k, loss_input_bytes=6 * k,
+                         loss_saved_bytes=2 * k)
+
+    doubled = search_mod.scale_profile(Profile([cost(1)]), 2.0).layers[0]
+    middle = search_mod.affine_profile(Profile([cost(1)]), 1, Profile([cost(4)]), 4, 2).layers[0]
+    for field in search_mod.PER_SAMPLE_BYTES:
+        assert getattr(doubled, field) == getattr(cost(2), field), field
+        assert getattr(middle, field) == getattr(cost(2), field), field
+    assert doubled.param_bytes == middle.param_bytes == 8
