@@ -118,6 +118,7 @@ def simulate(
     weight_s: Cost | None = None,
     comm_s: Cost = 0.0,
     steps: int = 1,
+    cores: float | None = None,
 ) -> SimResult:
     """Simulate ``steps`` consecutive training steps of ``schedule``.
 
@@ -135,6 +136,12 @@ def simulate(
     ``step_s`` and ``bubble_fraction`` are the last step's, the steady state. This is the
     paper's bubble rate (arXiv 2401.10241, Table 5), which counts each rank from its own first
     action.
+
+    ``cores``: the ranks share this many processors (a CPU host running more ranks than it has
+    cores). When more than ``cores`` ranks compute at once, each progresses at ``cores / busy``
+    of its speed (processor sharing, as the OS scheduler time-slices them); None or ``cores >=``
+    the rank count: every rank has its own processor (the GPU case). A ``timeline`` entry then
+    spans the action's wall time, stretched where it shared.
 
     >>> from engine.schedules import build_schedule
     >>> r = simulate(build_schedule("zb-h2", 4, 8), 1.0, 2.0, 1.0, steps=3)
@@ -156,7 +163,11 @@ def simulate(
     actions = [[Action(a.kind, a.stage, a.microbatch + k * m) for k in range(steps) for a in acts]
                for acts in schedule.actions] if steps > 1 else schedule.actions
     kinds = {(s, i + k * m): x for (s, i), x in schedule.backward_kind.items() for k in range(steps)}
-    timeline = _run(schedule, actions, kinds, cost, comm)
+    if cores is not None and cores <= 0:
+        raise ValueError(f"cores must be > 0, got {cores!r}")
+    shared = cores is not None and cores < schedule.num_stages
+    timeline = (_run_shared(schedule, actions, kinds, cost, comm, float(cores)) if shared
+                else _run(schedule, actions, kinds, cost, comm))
     p = schedule.num_stages
     busy = sum(e - b for row in timeline for _, b, e in row) / steps
     per_rank = [len(acts) for acts in schedule.actions]
@@ -200,6 +211,60 @@ def _run(schedule: Schedule, actions: list[list[Action]], bwd_kind: dict[tuple[i
     if any(ptr[r] < len(actions[r]) for r in range(p)):
         raise ValueError("the ranks' action lists deadlock when repeated over steps")
     return timeline
+
+
+def _run_shared(schedule: Schedule, actions: list[list[Action]], bwd_kind: dict[tuple[int, int], str],
+                cost: dict[str, list[float]], comm: list[float], cores: float
+                ) -> list[list[tuple[str, float, float]]]:
+    """:func:`_run` with the ranks sharing ``cores`` processors: a time-ordered (fluid) run in
+    which the computing ranks progress at ``min(1, cores / computing)`` each. Raises
+    ``ValueError`` on a deadlock, as :func:`_run`."""
+    n, p = schedule.num_chunks, schedule.num_stages
+    end: dict[tuple[str, int, int], float] = {}
+    free, ptr = [0.0] * p, [0] * p
+    running: dict[int, list] = {}                   # rank -> [action, work left, start]
+    timeline: list[list[tuple[str, float, float]]] = [[] for _ in range(p)]
+    t = 0.0
+    while True:
+        ready = {r: _ready_at(schedule, actions[r][ptr[r]], n, bwd_kind, end, comm, free[r])
+                 for r in range(p) if r not in running and ptr[r] < len(actions[r])}
+        for r, at in ready.items():
+            if at is not None and at <= t:
+                a = actions[r][ptr[r]]
+                running[r] = [a, cost[a.kind][a.stage], t]
+        if not running:
+            later = [at for r, at in ready.items() if at is not None and at > t]
+            if not later:
+                break
+            t = min(later)
+            continue
+        rate = min(1.0, cores / len(running))
+        step = min(w for _, w, _ in running.values()) / rate
+        later = [at - t for r, at in ready.items() if r not in running and at is not None and at > t]
+        step = min([step] + later)
+        t += step
+        for r in list(running):
+            a, left, start = running[r]
+            left -= step * rate
+            if left > 1e-12 * max(1.0, t):
+                running[r][1] = left
+                continue
+            del running[r]
+            end[(a.kind, a.stage, a.microbatch)] = free[r] = t
+            timeline[r].append((str(a), start, t))
+            ptr[r] += 1
+    if any(ptr[r] < len(actions[r]) for r in range(p)):
+        raise ValueError("the ranks' action lists deadlock when repeated over steps")
+    return timeline
+
+
+def _ready_at(schedule: Schedule, a: Action, n: int, bwd_kind: dict[tuple[int, int], str],
+              end: dict[tuple[str, int, int], float], comm: list[float], free: float) -> float | None:
+    """When action ``a`` can start on its free rank (None: an input is not produced yet)."""
+    deps = depends_on(a, n, bwd_kind)
+    if any(key not in end for key in deps):
+        return None
+    return max([free] + [end[key] + _transfer(schedule, key[1], a.stage, comm) for key in deps])
 
 
 def _transfer(schedule: Schedule, src: int, dst: int, comm: list[float]) -> float:

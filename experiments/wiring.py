@@ -38,7 +38,7 @@ __all__ = [
     "microbatch_size", "world_size", "run_name", "resolve_device", "torch_dtype", "schedule_chunks",
     "profile_kwargs", "partition_kwargs", "with_fixed_costs", "pipeline_kwargs", "engine_optimizer_kwargs",
     "checkpoint_root", "resume_checkpoint", "check_checkpoint_model", "profile_model", "make_plan",
-    "plan_matches", "search_kwargs", "profiles_by_size", "search_layout", "resolve_layout",
+    "plan_matches", "search_kwargs", "profiles_by_size", "search_layout", "resolve_layout", "available_cores",
 ]
 
 
@@ -351,7 +351,8 @@ def profiles_by_size(cfg: Any, spec: Any) -> Any:
 def with_fixed_costs(cfg: Any, prof: Any) -> Any:
     """``prof`` with the runtime's fixed costs on this machine (`engine.overhead`, cached per
     machine) when `partitioner.fixed_costs` is on and layers are measured here on the CPU (the
-    costs are measured with gloo on the CPU; other devices get none)."""
+    costs are measured with gloo on the CPU; other devices get none), with the cores the local
+    ranks share."""
     import dataclasses
 
     from partitioner import FixedCosts
@@ -362,7 +363,18 @@ def with_fixed_costs(cfg: Any, prof: Any) -> Any:
         return prof
     from engine.overhead import measure_fixed_costs
 
-    return dataclasses.replace(prof, fixed=FixedCosts.from_dict(measure_fixed_costs()))
+    return dataclasses.replace(prof, fixed=FixedCosts.from_dict({**measure_fixed_costs(), "cores": available_cores()}))
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` where the
+    platform has none): what the local ranks of a CPU job share."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def make_plan(cfg: Any, spec: Any, prof: Any = None, *, method: str | None = None) -> Any:

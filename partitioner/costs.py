@@ -189,7 +189,10 @@ class FixedCosts:
       under SCHED_BATCH (``engine.schedules.send_mode`` ``"compute"``: gpipe, 1f1b); None: the
       same as the others (:meth:`runtime_costs`);
     - ``action_s_yield`` / ``step_s_yield``: the same for the schedules that yield to their sends
-      in flight (``send_mode`` ``"yield"``: interleaved-1f1b); None: ``action_s``, ``step_s``.
+      in flight (``send_mode`` ``"yield"``: interleaved-1f1b); None: ``action_s``, ``step_s``;
+    - ``cores``: the processors the machine's ranks share (the CPU cores this process may run
+      on); the plan time-shares them when a pipeline has more ranks than cores. None: one
+      processor per rank.
 
     >>> FixedCosts(action_s=2e-4, optimizer_s_per_byte={"sgd": 3e-10}).optimizer_s("sgd", 4e6)
     0.0012
@@ -205,6 +208,7 @@ class FixedCosts:
     step_s_send_wait: float | None = None
     action_s_yield: float | None = None
     step_s_yield: float | None = None
+    cores: int | None = None
 
     def runtime_costs(self, mode: str) -> tuple[float, float]:
         """(per action, per step) for a schedule the runtime runs in ``mode``

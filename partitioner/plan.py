@@ -50,7 +50,9 @@ class Plan(JsonMixin):
     the profile): ``action_s`` is charged on every compute action, ``message_busy_s`` on every
     action per message it sends or receives across ranks, ``boundary_comm_s`` includes the
     per-message latency, and ``step_fixed_s`` (per step) plus the slowest rank's optimizer update
-    (``rank_optimizer_s``) are added to the simulated schedule. ``search``: when
+    (``rank_optimizer_s``) are added to the simulated schedule. ``shared_cores``: the processors
+    one pipeline's ranks share (``FixedCosts.cores`` over the replicas on the machine); when
+    fewer than its ranks, :meth:`simulate` time-shares them (None: a processor per rank). ``search``: when
     ``partitioner.search`` chose this plan's layout, its record (the choice, the alternatives
     with their predicted step and memory, every layout considered; see ``SearchResult.record``).
     ``split_search``: how the split was chosen: ``"exact"`` (the min-bottleneck split, or the
@@ -92,6 +94,7 @@ class Plan(JsonMixin):
     action_s: float = 0.0
     message_busy_s: float = 0.0
     step_fixed_s: float = 0.0
+    shared_cores: float | None = None
     rank_optimizer_s: list[float] = field(default_factory=list)
     rank_memory_bytes: list[int] = field(default_factory=list)
     rank_fits: list[bool] = field(default_factory=list)
@@ -161,7 +164,7 @@ class Plan(JsonMixin):
         from engine.simulate import simulate
 
         sched, f, b, w, comm = self._schedule_and_costs(forward_s, backward_s)
-        return simulate(sched, f, b, weight_s=w, comm_s=comm)
+        return simulate(sched, f, b, weight_s=w, comm_s=comm, cores=self.shared_cores)
 
     def build_schedule(self) -> Any:
         """The schedule this plan runs (``engine.schedules.Schedule``): its named schedule, or for

@@ -840,8 +840,10 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
     per_rank = [float(x) for x in rank_totals(param_c, prob.schedule, prob.p, prob.v)]
     sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
     action, step = fixed.runtime_costs(send_mode(sched))
+    # the replicas' pipelines run on the same machine's cores at once (the local launcher)
+    cores = fixed.cores / settings["data_parallel"] if fixed.cores else None
     return {"action_s": action, "message_busy_s": fixed.message_busy_s,
-            "step_fixed_s": step,
+            "step_fixed_s": step, "shared_cores": cores,
             "rank_optimizer_s": [fixed.optimizer_s(settings["optimizer"], x) for x in per_rank]}
 
 

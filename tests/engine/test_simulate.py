@@ -211,3 +211,32 @@ def test_same_rank_hand_off_is_free():
     assert simulate(s, 1.0, 2.0, weight_s=1.0, comm_s=comm).step_s == base
     comm[p - 2] = 100.0   # a real link: paid
     assert simulate(s, 1.0, 2.0, weight_s=1.0, comm_s=comm).step_s > base + 100
+
+
+def test_shared_cores_time_share_the_computing_ranks():
+    """gpipe, p = 2, m = 2, F = B = 1 on one core: F0 of microbatch 1 and F1 of microbatch 0
+    run together at half speed (1 -> 3), and the step is the whole work done serially."""
+    s = build_schedule("gpipe", 2, 2)
+    alone = simulate(s, 1.0, 1.0)
+    one = simulate(s, 1.0, 1.0, cores=1)
+    assert alone.step_s == 6.0 and one.step_s == 8.0
+    assert ("0F1", 1.0, 3.0) in [(n, b, e) for n, b, e in one.timeline[0]]
+    assert ("1F0", 1.0, 3.0) in [(n, b, e) for n, b, e in one.timeline[1]]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv"])
+def test_shared_cores_bounds(name):
+    """With cores >= ranks nothing changes; one core runs the total work serially (comm 0:
+    some rank can always go on); in between, the step is at least the unshared step and the
+    total work over the cores."""
+    v = 2 if name in ("interleaved-1f1b", "zbv") else 1
+    s = build_schedule(name, 3, 6, v)
+    f, b, w = [1.0, 1.5, 0.5, 1.0, 2.0, 0.7][:3 * v], 2.5, 1.0
+    alone = simulate(s, f, b, w)
+    assert simulate(s, f, b, w, cores=3).timeline == alone.timeline
+    total = sum(e - a for row in alone.timeline for _, a, e in row)
+    assert simulate(s, f, b, w, cores=1).step_s == pytest.approx(total)
+    two = simulate(s, f, b, w, cores=2).step_s
+    assert two >= alone.step_s - 1e-9 and two >= total / 2 - 1e-9
+    with pytest.raises(ValueError, match="cores"):
+        simulate(s, f, b, w, cores=0)
