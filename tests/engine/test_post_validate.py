@@ -92,6 +92,7 @@ def _worker(cases):
     for case in cases:
         pipe = Pipeline(_factories(case["poison"]), ranges(6, P), loss_fn=nn.functional.mse_loss,
                         schedule=case["schedule"], microbatches=M, seed=SEED,
+                        data_parallel=case.get("d", 1),
                         optimizer=_config(case["opt"], case["sync"]),
                         nonfinite="skip", comm_timeout_s=30, precision=case.get("precision", "fp32"))
         calls, real = [], dist.all_reduce
@@ -100,7 +101,7 @@ def _worker(cases):
             calls.append(bool(k.get("async_op", False)))
             return real(*a, **k)
 
-        losses, grads, records, collectives = [], [], [], []
+        losses, grads, records, collectives, held = [], [], [], [], []
         for step in range(STEPS):
             x, y = _data(step)
             dist.all_reduce = counting
@@ -111,13 +112,15 @@ def _worker(cases):
             losses.append(r.loss)
             grads.append(pipe.optimizer.full_grads())
             records.append(r.stats.get("validated"))
+            held.append(r.stats.get("rollback_bytes"))
             collectives.append(list(calls))
             calls.clear()
         records.append(pipe.settle())
         params = {f"{i}.{n}": t.detach().clone()
                   for i, ps in pipe.named_layer_parameters().items() for n, t in ps.items()}
         out.append({"losses": losses, "grads": grads, "params": params, "records": records[1:],
-                    "collectives": collectives, "steps": pipe.optimizer.steps,
+                    "collectives": collectives, "steps": pipe.optimizer.steps, "held": held,
+                    "numel": sum(p.numel() for p in pipe.optimizer.params),
                     "scale": pipe.optimizer.loss_scale})
     return out
 
@@ -165,6 +168,37 @@ def test_parity_with_one_process_through_rollbacks(results, k):
         if case["poison"]:
             assert per_rank[0]["records"][POISON_STEP]["rolled_back"]
             assert not per_rank[1]["records"][POISON_STEP]["rolled_back"]
+        _check_held(case, per_rank)
+
+
+def _check_held(case, per_rank):
+    """The memory held for a rollback (``stats["rollback_bytes"]``) is engine.footprint's: the
+    weights and optimizer state snapshotted, the gradients kept (clipping is on)."""
+    from engine.footprint import optimizer_state_bytes_per_param
+
+    state = optimizer_state_bytes_per_param(case["opt"], 0.9)
+    for rank, res in enumerate(per_rank):
+        n = res["numel"]
+        for step, got in enumerate(res["held"]):
+            if case["poison"] and step == POISON_STEP and rank == 1:
+                assert got == 0            # its own gradients were non-finite: no update, nothing held
+            elif step == 0:                # the optimizer's state is made by the first update
+                assert got == (4 + 4) * n, (rank, got)
+            else:   # adamw also snapshots its per-tensor step counters (4 bytes each)
+                assert 0 <= got - (4 + state + 4) * n <= 4 * 16, (rank, step, got)
+
+
+def test_parity_with_replicas():
+    """p = 2 x dp = 2 (torch backend, the replicas' gradients averaged before the step): each
+    replica's pipeline validates over its own group."""
+    case = dict(schedule="1f1b", opt="sgd", poison=True, sync="post_validate", d=2)
+    per_rank = run_workers(_worker, P * 2, [case], timeout_s=240)
+    ref = _reference("sgd", True)
+    for res in (r[0] for r in per_rank):
+        assert res["losses"] == pytest.approx(ref["losses"], rel=RTOL, abs=ATOL)
+        assert [r["outcome"] for r in res["records"]] == ref["outcomes"]
+        for n, t in res["params"].items():
+            torch.testing.assert_close(t, ref["params"][n], rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("k", [0, 2, 4])
