@@ -449,8 +449,17 @@ class TorchStageOptimizer:
         "rolled_back"}`` (None if nothing was pending). An outcome other than ``"ok"`` means
         that whatever was computed with this rank's parameters since the step is void.
 
-        >>> TorchStageOptimizer.validate.__name__
-        'validate'
+        >>> from torch import nn
+        >>> from engine.mesh import Mesh
+        >>> lin = nn.Linear(2, 1)
+        >>> cfg = OptimizerConfig(lr=0.1, grad_clip=1e-3, step_sync="post_validate")
+        >>> opt = TorchStageOptimizer(cfg, dict(lin.named_parameters()), Mesh(1), microbatches=1)
+        >>> lin(torch.ones(1, 2)).sum().backward()
+        >>> opt.step()                   # optimistic: unclipped
+        (False, None)
+        >>> rec = opt.validate()         # the norm is 1.73 > 1e-3: rolled back, redone clipped
+        >>> rec["outcome"], rec["rolled_back"], round(rec["grad_norm"], 2)
+        ('clipped', True, 1.73)
         """
         pend, self._pending = self._pending, None
         if pend is None:
