@@ -227,6 +227,11 @@ class TorchStageOptimizer:
 
     backend = "torch"
     accepts_gradient_edges = True
+    # post-validation state (class defaults: a subclass that builds itself, engine.fsdp, has none)
+    step_sync = "global"
+    rollback_bytes = 0
+    _pending: "_Pending | None" = None
+    _val_group: Any = None
 
     def __init__(self, config: OptimizerConfig, named_params: Mapping[str, Tensor], mesh: Any, *,
                  microbatches: int, precision: str = "fp32", nonfinite: str = "raise",
@@ -252,7 +257,7 @@ class TorchStageOptimizer:
         self._synced = False
         self.step_sync = choices.check_step_sync(getattr(config, "step_sync", "global"),
                                                  self.backend)
-        self._pending: _Pending | None = None
+        self._pending = None
         self.rollback_bytes = 0      # held for the pending step's rollback (snapshot, gradients)
         self._val_group = self._validation_group() if self.post_validates else None
 
