@@ -410,6 +410,8 @@ class TorchStageOptimizer:
                 g.div_(div)
         buf = self._local_buf()
         bad_here = bool(buf[1 + self.mesh.pipeline_rank].item() != 0)
+        # one more slot: how many ranks update now (if none does, a skip voids nothing)
+        buf = torch.cat([buf, buf.new_full((1,), 0.0 if bad_here else 1.0)])
         work = (dist.all_reduce(buf, group=self._val_group, async_op=True)
                 if self._val_group is not None else None)
         pend = _Pending(self.attempts - 1, buf, work, None)
@@ -451,8 +453,10 @@ class TorchStageOptimizer:
         one, roll the update back exactly and redo it: clipped by the global norm, or skipped
         (non-finite gradients anywhere; the fp16 scale halves; ``nonfinite="raise"`` raises).
         Returns ``{"step", "grad_norm", "outcome": "ok" | "clipped" | "skipped",
-        "rolled_back"}`` (None if nothing was pending). An outcome other than ``"ok"`` means
-        that whatever was computed with this rank's parameters since the step is void.
+        "rolled_back", "replay"}`` (None if nothing was pending); ``replay``: some rank's
+        parameters were not the verdict's, so whatever the pipeline computed since the step is
+        void (False for a skip where no rank had updated: its own gradients were non-finite
+        everywhere, as after a non-finite loss).
 
         >>> from torch import nn
         >>> from engine.mesh import Mesh
@@ -474,9 +478,10 @@ class TorchStageOptimizer:
             pend.work.wait()
         norm, bad = self._read_buf(pend.buf)
         rec = {"step": pend.attempt, "grad_norm": None if bad else norm, "outcome": "ok",
-               "rolled_back": False}
+               "rolled_back": False, "replay": False}
         if bad:
-            rec.update(outcome="skipped", rolled_back=pend.snapshot is not None)
+            updated = float(pend.buf[-1].item()) > 0
+            rec.update(outcome="skipped", rolled_back=pend.snapshot is not None, replay=updated)
             if pend.snapshot is not None:
                 self._restore(pend.snapshot)
             if self.scaler.enabled:
@@ -489,7 +494,7 @@ class TorchStageOptimizer:
             return rec
         clip = self.config.grad_clip
         if clip is not None and norm > clip:
-            rec.update(outcome="clipped", rolled_back=True)
+            rec.update(outcome="clipped", rolled_back=True, replay=True)
             self._redo_clipped(pend, clip / (norm + 1e-6))
         return rec
 

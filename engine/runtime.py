@@ -571,7 +571,7 @@ class Pipeline:
             # from the same random state, on the corrected ones.
             record = self.optimizer.validate()
             stats["validated"] = record
-            if record is not None and record["outcome"] != "ok":
+            if record is not None and record["replay"]:
                 void_s = t1 - t0
                 _set_rng_state(self.device, rng)
                 self.optimizer.zero_grad()

@@ -168,6 +168,7 @@ def test_parity_with_one_process_through_rollbacks(results, k):
         if case["poison"]:
             assert per_rank[0]["records"][POISON_STEP]["rolled_back"]
             assert not per_rank[1]["records"][POISON_STEP]["rolled_back"]
+            assert all(res["records"][POISON_STEP]["replay"] for res in per_rank)
         _check_held(case, per_rank)
 
 
@@ -280,3 +281,39 @@ def test_nonfinite_raise_is_raised_by_every_rank_at_validation():
         # validated while step POISON_STEP + 1 ran: every rank raises there, naming the step
         assert step == POISON_STEP + 1
         assert f"optimizer step {POISON_STEP} on pipeline stage(s) [1]" in msg
+
+
+def _nan_loss_worker(sync: str):
+    """A NaN in the inputs of step 2: the loss and every gradient are non-finite, on every rank."""
+    from engine import Pipeline
+
+    torch.set_num_threads(1)
+    pipe = Pipeline(_factories(False), ranges(6, P), loss_fn=nn.functional.mse_loss,
+                    schedule="zb-h1", microbatches=M, seed=SEED, nonfinite="skip",
+                    optimizer=_config("sgd", sync), comm_timeout_s=30)
+    stats = []
+    for step in range(4):
+        x, y = _data(step)
+        if step == 2:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        stats.append(pipe.train_step(x, y).stats)
+    pipe.settle()
+    params = {f"{i}.{n}": t.detach().clone()
+              for i, ps in pipe.named_layer_parameters().items() for n, t in ps.items()}
+    return {"stats": stats, "params": params, "steps": pipe.optimizer.steps}
+
+
+def test_a_skip_no_rank_stepped_for_voids_nothing():
+    """No rank updated on a step whose gradients are non-finite everywhere (a NaN loss): the
+    skip is validated with no rollback and the next step is not run again."""
+    post = run_workers(_nan_loss_worker, P, "post_validate", timeout_s=120)
+    glob = run_workers(_nan_loss_worker, P, "global", timeout_s=120)
+    for a, b in zip(post, glob):
+        rec = a["stats"][3]["validated"]
+        assert (rec["step"], rec["outcome"], rec["rolled_back"], rec["replay"]) == (2, "skipped", False, False)
+        assert "void_run_s" not in a["stats"][3]
+        assert a["steps"] == b["steps"] == 3
+        for n in a["params"]:
+            assert torch.equal(a["params"][n], b["params"][n]), n
+
