@@ -216,6 +216,11 @@ def test_post_validate_equals_the_global_step_bit_for_bit_and_waits_for_no_colle
         assert all(c == [False] for c in b["collectives"]), b["collectives"]
 
 
+def _both(worker, *args):
+    """``worker`` with ``step_sync`` post_validate then global, in one launch."""
+    return {sync: worker(sync, *args) for sync in ("post_validate", "global")}
+
+
 def _fp16_worker(sync: str):
     from engine import Pipeline
 
@@ -238,9 +243,8 @@ def _fp16_worker(sync: str):
 def test_fp16_overflow_rolls_back_like_the_global_step():
     """fp16 loss scaling: the poisoned step overflows; post-validation rolls the first stage's
     update back and halves the scale, exactly as the synchronous step skips it."""
-    post = run_workers(_fp16_worker, P, "post_validate", timeout_s=120)
-    glob = run_workers(_fp16_worker, P, "global", timeout_s=120)
-    for a, b in zip(post, glob):
+    out = run_workers(_both, P, _fp16_worker, timeout_s=180)
+    for a, b in ((r["post_validate"], r["global"]) for r in out):
         assert a["losses"] == b["losses"]
         assert a["scales"][-1] == b["scales"][-1] == 2.0**15   # halved once
         assert a["steps"] == b["steps"] == STEPS - 1
@@ -307,9 +311,8 @@ def _nan_loss_worker(sync: str):
 def test_a_skip_no_rank_stepped_for_voids_nothing():
     """No rank updated on a step whose gradients are non-finite everywhere (a NaN loss): the
     skip is validated with no rollback and the next step is not run again."""
-    post = run_workers(_nan_loss_worker, P, "post_validate", timeout_s=120)
-    glob = run_workers(_nan_loss_worker, P, "global", timeout_s=120)
-    for a, b in zip(post, glob):
+    out = run_workers(_both, P, _nan_loss_worker, timeout_s=180)
+    for a, b in ((r["post_validate"], r["global"]) for r in out):
         rec = a["stats"][3]["validated"]
         assert (rec["step"], rec["outcome"], rec["rolled_back"], rec["replay"]) == (2, "skipped", False, False)
         assert "void_run_s" not in a["stats"][3]
