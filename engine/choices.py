@@ -22,7 +22,7 @@ from typing import Any
 __all__ = ["OPTIMIZERS", "PRECISIONS", "GRAD_ACCUM_DTYPES", "ZERO_STAGES", "BACKENDS",
            "NONFINITE", "FSDP_ZERO_STAGE", "precision_problem", "check_precision", "check_optimizer_name",
            "check_zero_stage", "check_nonfinite", "resolve_backend", "weight_bytes",
-           "compute_name", "loss_scaled", "check_grad_accum_dtype"]
+           "compute_name", "loss_scaled", "check_grad_accum_dtype", "STEP_SYNCS", "check_step_sync"]
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 # "bf16" / "fp16": the modules hold 16-bit weights; DeepSpeed's optimizer keeps the fp32 masters
@@ -34,6 +34,10 @@ ZERO_STAGES: tuple[int, ...] = (0, 1, 2)   # DeepSpeed's
 FSDP_ZERO_STAGE = 3                          # ZeRO-3: torch's FSDP2 per stage (engine.fsdp)
 BACKENDS: tuple[str, ...] = ("auto", "torch", "deepspeed")
 NONFINITE: tuple[str, ...] = ("raise", "skip")
+# How a rank's optimizer step learns the global quantities (norm, non-finite flags, fp16 scale):
+# "global" resolves them before every rank steps; "post_validate" steps at once and validates
+# one step later, rolling back (engine.optim, docs/schedules.md "Rank-local optimizer step").
+STEP_SYNCS: tuple[str, ...] = ("global", "post_validate")
 
 
 def precision_problem(value: Any) -> str | None:
@@ -124,6 +128,24 @@ def check_nonfinite(value: Any) -> str:
     """``value`` if it is one of :data:`NONFINITE`, else ``ValueError``."""
     if value not in NONFINITE:
         raise ValueError(f"nonfinite must be 'raise' or 'skip', got {value!r}")
+    return value
+
+
+def check_step_sync(value: Any, backend: str = "torch") -> str:
+    """``value`` if it is one of :data:`STEP_SYNCS` and the optimizer ``backend`` can take it:
+    ``post_validate`` rolls back a rank's update, which only the torch backend can do.
+
+    >>> check_step_sync("post_validate")
+    'post_validate'
+    """
+    if value not in STEP_SYNCS:
+        raise ValueError(f"step_sync must be one of {list(STEP_SYNCS)}, got {value!r}")
+    if value == "post_validate" and backend != "torch":
+        raise ValueError(f"step_sync='post_validate' needs the torch optimizer backend (it snapshots "
+                         f"and rolls back the rank's parameters and optimizer state); the "
+                         f"{backend} backend (zero_stage > 0, or 16-bit weights) cannot roll back "
+                         "its update: use step_sync='global', or zero_stage=0 with fp32 weights "
+                         "(precision fp32, bf16-autocast or fp16-autocast)")
     return value
 
 

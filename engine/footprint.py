@@ -101,6 +101,11 @@ class Footprint:
     # ``zero_grad`` sets every ``.grad`` to None, so a rank's forwards before its first backward
     # (gpipe's whole forward phase) run without them. DeepSpeed's buffers are kept (False).
     gradients_from_first_backward: bool = False
+    # ``step_sync="post_validate"`` (torch backend, with clipping): the previous step's gradients,
+    # kept for a clipped redo until the step is validated at the end of this step's backward
+    # work; held through forward / backward, freed before the step. (Its snapshot of parameters
+    # and optimizer state, held through both phases, is part of ``optimizer_state``.)
+    rollback_gradients: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -109,9 +114,17 @@ class Footprint:
 def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimizer: str = "adamw",
                     momentum: float = 0.0, zero_stage: int = 0, data_parallel: int = 1,
                     grad_accum_dtype: str = "fp32", backend: str = "auto", overlap_grad_reduce: bool = True,
-                    grad_bucket_mb: float = GRAD_BUCKET_MB) -> Footprint:
+                    grad_bucket_mb: float = GRAD_BUCKET_MB, step_sync: str = "global",
+                    grad_clip: bool = True) -> Footprint:
     """What a rank holding ``numel`` parameters (largest tensor ``largest`` elements) keeps
-    (``overlap_grad_reduce`` / ``grad_bucket_mb``: the torch backend's data-parallel reduction)."""
+    (``overlap_grad_reduce`` / ``grad_bucket_mb``: the torch backend's data-parallel reduction;
+    ``step_sync="post_validate"``: the rollback snapshot, weights and optimizer state, in
+    ``optimizer_state``, and with ``grad_clip`` the kept gradients, ``rollback_gradients``).
+
+    >>> f = state_footprint(1000, 100, optimizer="adamw", zero_stage=0, step_sync="post_validate")
+    >>> f.optimizer_state, f.rollback_gradients   # 8 + (4 + 8) bytes per parameter; 4
+    (20000.0, 4000.0)
+    """
     if precision not in _WEIGHT_BYTES:
         raise ValueError(f"unknown precision {precision!r}; use one of {sorted(_WEIGHT_BYTES)}")
     if zero_stage not in (0, 1, 2):
@@ -128,7 +141,11 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
             bucket = n
         else:
             bucket = min(n, grad_bucket_mb * 2**20 / 4 + big)
-        return Footprint(4 * n, 4 * n, s * n, 4 * big, 4 * n, 4 * bucket, gradients_from_first_backward=True)
+        post = step_sync == "post_validate"
+        snapshot = (4 + s) * n if post else 0.0
+        return Footprint(4 * n, 4 * n, s * n + snapshot, 4 * big, 4 * n, 4 * bucket,
+                         gradients_from_first_backward=True,
+                         rollback_gradients=4 * n if post and grad_clip else 0.0)
     if w == 4 and zero_stage == 0:   # DeepSpeed's plain path: its all-reduce flattens
         flat = 4 * min(n, BUCKET_ELEMENTS)
         return Footprint(4 * n, 4 * n, s * n, 4 * big, 4 * n, max(flat, 8 * big))

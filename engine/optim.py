@@ -75,6 +75,7 @@ class OptimizerConfig:
     overlap_grad_reduce: bool = True     # torch backend, data_parallel > 1: all-reduce buckets during the last backward
     grad_bucket_mb: float = GRAD_BUCKET_MB  # data-parallel all-reduce bucket size (DDP's bucket_cap_mb)
     reshard_after_forward: str = "auto"  # zero_stage=3: auto | true | false (engine.fsdp.resolve_reshard)
+    step_sync: str = "global"            # global | post_validate (rank-local step, validated and rolled back later)
 
 
 class NonFiniteError(FloatingPointError):
@@ -142,7 +143,9 @@ def check_optimizer_config(config: OptimizerConfig, precision: str = "fp32") -> 
     choices.check_optimizer_name(config.name)
     choices.check_zero_stage(config.zero_stage)
     choices.check_grad_accum_dtype(getattr(config, "grad_accum_dtype", "fp32"), precision)
-    return resolve_backend(config, precision)
+    backend = resolve_backend(config, precision)
+    choices.check_step_sync(getattr(config, "step_sync", "global"), backend)
+    return backend
 
 
 def make_torch_optimizer(config: OptimizerConfig, params: Sequence[Tensor], fused: bool = True
@@ -198,6 +201,24 @@ def resolve_backend(config: OptimizerConfig, precision: str = "fp32") -> str:
     return choices.resolve_backend(config.backend, int(config.zero_stage), precision)
 
 
+@dataclass
+class _Pending:
+    """A post-validated step awaiting its global verdict (``TorchStageOptimizer.validate``)."""
+
+    attempt: int
+    buf: Tensor                        # [counted sum of squares, flag per stage], being reduced
+    work: Any                          # the all-reduce in flight (None: nothing to reduce)
+    snapshot: dict | None              # before the update (None: the rank did not update)
+    grads: list[Tensor] | None = None  # the step's gradients, kept by zero_grad for a redo
+
+    def snapshot_bytes(self) -> int:
+        if self.snapshot is None:
+            return 0
+        ts = list(self.snapshot["params"]) + [v for st in self.snapshot["state"].values()
+                                               for v in st.values() if isinstance(v, Tensor)]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
 class TorchStageOptimizer:
     """torch.optim on this rank's parameters, with data-parallel averaging (bucketed all-reduce
     over the mesh's data-parallel group), global-norm clipping across the pipeline, fp16 dynamic
@@ -206,6 +227,11 @@ class TorchStageOptimizer:
 
     backend = "torch"
     accepts_gradient_edges = True
+    # post-validation state (class defaults: a subclass that builds itself, engine.fsdp, has none)
+    step_sync = "global"
+    rollback_bytes = 0
+    _pending: "_Pending | None" = None
+    _val_group: Any = None
 
     def __init__(self, config: OptimizerConfig, named_params: Mapping[str, Tensor], mesh: Any, *,
                  microbatches: int, precision: str = "fp32", nonfinite: str = "raise",
@@ -229,6 +255,24 @@ class TorchStageOptimizer:
         self.reducer = (GradBucketReducer(self.params, mesh.dp_group, microbatches, bucket_bytes=self.bucket_bytes)
                         if mesh.data_parallel > 1 and getattr(config, "overlap_grad_reduce", True) else None)
         self._synced = False
+        self.step_sync = choices.check_step_sync(getattr(config, "step_sync", "global"),
+                                                 self.backend)
+        self._pending = None
+        self.rollback_bytes = 0      # held for the pending step's rollback (snapshot, gradients)
+        self._val_group = self._validation_group() if self.post_validates else None
+
+    @property
+    def post_validates(self) -> bool:
+        """Whether :meth:`step` steps rank-locally and validates later (``step_sync=
+        "post_validate"`` with a global quantity to wait for: clipping, the fp16 scale or
+        ``nonfinite="skip"``; without one no rank waits for another in either mode)."""
+        return self.step_sync == "post_validate" and (
+            self.config.grad_clip is not None or self.scaler.enabled or self.nonfinite == "skip")
+
+    @property
+    def validation_pending(self) -> bool:
+        """A post-validated step awaits its verdict (:meth:`validate`)."""
+        return self._pending is not None
 
     @property
     def loss_scale(self) -> float:
@@ -252,6 +296,10 @@ class TorchStageOptimizer:
                                 retain_graph=retain_graph)
 
     def zero_grad(self) -> None:
+        pend = self._pending
+        if (pend is not None and pend.snapshot is not None and pend.grads is None
+                and self.config.grad_clip is not None):   # kept for a clipped redo (validate)
+            pend.grads = [self._grad(p) for p in self.params]
         for p in self.params:
             p.grad = None
         if self.reducer is not None:
@@ -288,7 +336,16 @@ class TorchStageOptimizer:
         The global norm costs a collective over the pipeline; it is computed when asked
         (``need_norm``) or needed (clipping, fp16, ``nonfinite="skip"``: every rank must take
         the same decision). Otherwise each rank checks its own gradients for NaN/inf (same
-        reading, no collective) and the norm is reported as None."""
+        reading, no collective) and the norm is reported as None.
+
+        Post-validating (:attr:`post_validates`), the step is rank-local and optimistic (no
+        clipping, no overflow): it starts the all-reduce of the norm and flags, snapshots what a
+        rollback needs, updates and returns ``(False, None)``; :meth:`validate` settles it."""
+        if self._pending is not None:
+            raise RuntimeError("internal: the previous post-validated step was not validated; "
+                               "call validate() before computing the next step's gradients")
+        if self.post_validates:
+            return self._step_optimistic()
         self.attempts += 1
         self.sync_gradients()
         grads = [self._grad(p) for p in self.params]
@@ -316,12 +373,143 @@ class TorchStageOptimizer:
             coef = clip / (norm + 1e-6)
             for g in grads:
                 g.mul_(coef)
+        self._update()
+        return False, norm
+
+    def _update(self) -> None:
+        """The update with the gradients in ``.grad`` at the schedule's lr; counts the step."""
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.config, self.steps)
         self.opt.step()
         self.steps += 1
         self.scaler.update(overflow=False)
-        return False, norm
+
+    # ---- post-validation (step_sync="post_validate") ----------------------------------------
+    def _validation_group(self) -> Any:
+        """A process group of this rank's pipeline for the validation all-reduce alone (it runs
+        while the point-to-point transfers of the next step go on; gloo matches collectives and
+        tagged transfers of one group in one tag space). Every rank creates every pipeline's."""
+        m = self.mesh
+        if not (m.distributed and m.num_stages > 1):
+            return None
+        p, t, mine = m.num_stages, getattr(m, "tensor_parallel", 1), None
+        for rep in range(m.data_parallel):
+            for k in range(t):
+                g = dist.new_group([(rep * p + j) * t + k for j in range(p)])
+                if (rep, k) == (m.replica, getattr(m, "tp_rank", 0)):
+                    mine = g
+        return mine
+
+    def _step_optimistic(self) -> tuple[bool, float | None]:
+        self.attempts += 1
+        self.sync_gradients()
+        grads = [self._grad(p) for p in self.params]
+        div = self.mesh.data_parallel * self.loss_scale
+        if div != 1.0:
+            for g in grads:
+                g.div_(div)
+        buf = self._local_buf()
+        bad_here = bool(buf[1 + self.mesh.pipeline_rank].item() != 0)
+        # one more slot: how many ranks update now (if none does, a skip voids nothing)
+        buf = torch.cat([buf, buf.new_full((1,), 0.0 if bad_here else 1.0)])
+        work = (dist.all_reduce(buf, group=self._val_group, async_op=True)
+                if self._val_group is not None else None)
+        pend = _Pending(self.attempts - 1, buf, work, None)
+        if not bad_here:   # a rank whose own gradients are non-finite knows the verdict: no update
+            pend.snapshot = self._snapshot()
+            self._update()
+        self._pending = pend
+        self.rollback_bytes = pend.snapshot_bytes() + (
+            sum(g.numel() * g.element_size() for g in grads)
+            if pend.snapshot is not None and self.config.grad_clip is not None else 0)
+        return False, None
+
+    def _snapshot(self) -> dict:
+        """What undoing the update needs: parameters, optimizer state, step count, loss scale."""
+        with torch.no_grad():
+            params = [p.detach().clone() for p in self.params]
+        state = {id(p): {k: (v.clone() if isinstance(v, Tensor) else v)
+                         for k, v in self.opt.state[p].items()}
+                 for p in self.params if p in self.opt.state}
+        return {"params": params, "state": state, "steps": self.steps,
+                "scaler": self.scaler.state_dict()}
+
+    def _restore(self, snap: dict) -> None:
+        """Undo the update exactly: every parameter and state tensor back to its snapshot."""
+        with torch.no_grad():
+            for p, t in zip(self.params, snap["params"]):
+                p.copy_(t)
+        for p in self.params:
+            if id(p) in snap["state"]:
+                self.opt.state[p] = snap["state"][id(p)]
+            else:
+                self.opt.state.pop(p, None)
+        self.steps = snap["steps"]
+        self.scaler.load_state_dict(snap["scaler"])
+
+    def validate(self) -> dict | None:
+        """Settle the pending post-validated step: wait for its all-reduce (started by
+        :meth:`step`, normally long done), and if the global verdict differs from the optimistic
+        one, roll the update back exactly and redo it: clipped by the global norm, or skipped
+        (non-finite gradients anywhere; the fp16 scale halves; ``nonfinite="raise"`` raises).
+        Returns ``{"step", "grad_norm", "outcome": "ok" | "clipped" | "skipped",
+        "rolled_back", "replay"}`` (None if nothing was pending); ``replay``: some rank's
+        parameters were not the verdict's, so whatever the pipeline computed since the step is
+        void (False for a skip where no rank had updated: its own gradients were non-finite
+        everywhere, as after a non-finite loss).
+
+        >>> from torch import nn
+        >>> from engine.mesh import Mesh
+        >>> lin = nn.Linear(2, 1)
+        >>> cfg = OptimizerConfig(lr=0.1, grad_clip=1e-3, step_sync="post_validate")
+        >>> opt = TorchStageOptimizer(cfg, dict(lin.named_parameters()), Mesh(1), microbatches=1)
+        >>> lin(torch.ones(1, 2)).sum().backward()
+        >>> opt.step()                   # optimistic: unclipped
+        (False, None)
+        >>> rec = opt.validate()         # the norm is 1.73 > 1e-3: rolled back, redone clipped
+        >>> rec["outcome"], rec["rolled_back"], round(rec["grad_norm"], 2)
+        ('clipped', True, 1.73)
+        """
+        pend, self._pending = self._pending, None
+        if pend is None:
+            return None
+        self.rollback_bytes = 0
+        if pend.work is not None:
+            pend.work.wait()
+        norm, bad = self._read_buf(pend.buf)
+        rec = {"step": pend.attempt, "grad_norm": None if bad else norm, "outcome": "ok",
+               "rolled_back": False, "replay": False}
+        if bad:
+            updated = float(pend.buf[-1].item()) > 0
+            rec.update(outcome="skipped", rolled_back=pend.snapshot is not None, replay=updated)
+            if pend.snapshot is not None:
+                self._restore(pend.snapshot)
+            if self.scaler.enabled:
+                self.scaler.update(overflow=True)
+            elif self.nonfinite == "raise":
+                raise NonFiniteError(
+                    f"non-finite gradient at optimizer step {pend.attempt} on pipeline stage(s) "
+                    f"{bad} (rank {self.mesh.rank}); lower the lr, enable grad_clip, or pass "
+                    "nonfinite='skip' to skip such steps")
+            return rec
+        clip = self.config.grad_clip
+        if clip is not None and norm > clip:
+            rec.update(outcome="clipped", rolled_back=True, replay=True)
+            self._redo_clipped(pend, clip / (norm + 1e-6))
+        return rec
+
+    def _redo_clipped(self, pend: "_Pending", coef: float) -> None:
+        """Restore the snapshot and update again with the step's gradients times ``coef``."""
+        self._restore(pend.snapshot)
+        grads = pend.grads if pend.grads is not None else [self._grad(p) for p in self.params]
+        held = [p.grad for p in self.params]
+        for p, g in zip(self.params, grads):
+            g.mul_(coef)
+            p.grad = g
+        self._update()
+        if pend.grads is not None:   # the next step's gradients (void: it is re-run)
+            for p, g in zip(self.params, held):
+                p.grad = g
 
     def _grad(self, p: Tensor) -> Tensor:
         if p.grad is None:  # unused on this step: a zero grad keeps replicas' buckets aligned
@@ -357,6 +545,20 @@ class TorchStageOptimizer:
     def _global_norm(self) -> tuple[float, list[int]]:
         """Global grad norm over the pipeline (replicas hold equal averaged grads) and the list
         of pipeline stages whose local gradients are non-finite, from one all-reduce."""
+        buf = self._local_buf()
+        if self.mesh.distributed and self.mesh.num_stages > 1:
+            dist.all_reduce(buf, group=self.mesh.pipeline_group)
+        return self._read_buf(buf)
+
+    def _read_buf(self, buf: Tensor) -> tuple[float, list[int]]:
+        buf = buf.cpu()
+        bad = [j for j in range(self.mesh.num_stages) if buf[1 + j] > 0]
+        return math.sqrt(float(buf[0])), bad
+
+    def _local_buf(self) -> Tensor:
+        """``[sum of squares of the counted gradients (0 if non-finite), one flag per stage]``
+        (float64): this rank's share of the global norm and flags, to be summed over the
+        pipeline."""
         p = self.mesh.num_stages
         dev = self.params[0].device if self.params else torch.device("cpu")
         counted = torch.zeros((), dtype=torch.float64, device=dev)
@@ -372,18 +574,16 @@ class TorchStageOptimizer:
         buf = torch.zeros(1 + p, dtype=torch.float64, device=dev)
         buf[0] = torch.where(finite, counted, torch.zeros_like(counted))
         buf[1 + self.mesh.pipeline_rank] = (~finite).double()
-        if self.mesh.distributed and p > 1:
-            dist.all_reduce(buf, group=self.mesh.pipeline_group)
-        buf = buf.cpu()
-        bad = [j for j in range(p) if buf[1 + j] > 0]
-        return math.sqrt(float(buf[0])), bad
+        return buf
 
     def optimizer_state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for st in self.opt.state.values()
                    for t in st.values() if isinstance(t, Tensor))
 
     def state_dict(self) -> dict:
-        """Keyed by parameter name (``"<layer>.<param>"``) so a checkpoint can be re-split."""
+        """Keyed by parameter name (``"<layer>.<param>"``) so a checkpoint can be re-split.
+        A pending post-validated step is validated first."""
+        self.validate()
         state = {}
         for name, p in self.named.items():
             st = self.opt.state.get(p)
@@ -395,6 +595,7 @@ class TorchStageOptimizer:
 
     def load_state_dict(self, sd: dict) -> None:
         """Load the entries of ``sd["state"]`` for this rank's parameter names (others ignored)."""
+        self.validate()   # a pending step's collective completes on every rank
         for name, p in self.named.items():
             if name in sd.get("state", {}):
                 self.opt.state[p] = {k: (v.to(p.device) if isinstance(v, Tensor) else v)

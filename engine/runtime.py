@@ -234,6 +234,18 @@ def _check_zero2_ties(ties: Sequence[tuple[str, str]], num_layers: int,
                 "during backward; use zero_stage=1, or untie")
 
 
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """The random state a step's forwards draw from (CPU, and the device's on CUDA)."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device)
+                                   if device.type == "cuda" else None)
+
+
+def _set_rng_state(device: torch.device, state: tuple[Tensor, Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 class Pipeline:
     """One rank's view of a pipeline-parallel (x data-parallel) training job.
 
@@ -461,7 +473,9 @@ class Pipeline:
 
     # ---- public API --------------------------------------------------------------------------
     def named_layer_parameters(self) -> dict[int, dict[str, Tensor]]:
-        """This rank's parameters by global layer index."""
+        """This rank's parameters by global layer index (a pending post-validated step is
+        validated first)."""
+        self.settle()
         return {c.start + j: dict(layer.named_parameters())
                 for c in self.chunks.values() for j, layer in enumerate(c.module)}
 
@@ -471,6 +485,7 @@ class Pipeline:
         The layers hold fp32 weights whatever the precision: with 16-bit weights, the
         optimizer's fp32 masters (a collective over the data-parallel group under ZeRO), so a
         checkpoint resumes exactly, with any split, replica count or precision."""
+        self.settle()
         whole = getattr(self.optimizer, "layer_state_dict", lambda m: m.state_dict())
         if self._build_dtype() == torch.float32:
             layers = {int(k): whole(m) for k, m in self.layer_module.items()}
@@ -503,6 +518,7 @@ class Pipeline:
     def load_state_dict(self, sd: dict) -> None:
         """Load this rank's layers (by global index; others ignored) and optimizer state. With
         16-bit weights the layers' (fp32) weights also become the optimizer's masters."""
+        self.settle()
         layers = sd["layers"]
         for k, m in self.layer_module.items():
             if int(k) not in layers:
@@ -545,19 +561,22 @@ class Pipeline:
 
     def _train_step(self, inputs: Any, targets: Any, diagnose: bool) -> StepResult:
         t0 = time.perf_counter()
+        pending = getattr(self.optimizer, "validation_pending", False)
+        rng = _rng_state(self.device) if pending else None
         self.optimizer.zero_grad()
-        # diagnostic steps also check every forward output for NaN/inf (engine.executor)
-        stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose,
-                          check=diagnose)
-        t1 = time.perf_counter()
-        self.optimizer.sync_gradients()   # replicas first: it waits for the overlapped buckets
-        for group, prm in self._tie_groups:
-            dist.all_reduce(self.optimizer.accumulated_grad(prm), group=group)
-        # The step's verdict (loss and, on a checked step, per chunk whether its forward output
-        # was non-finite) reached every rank with the last microbatch's messages, with no
-        # collective across the pipeline: every rank takes the same decision.
-        del stats["_losses"], stats["_flags"]
-        loss, bad_chunks = self._read_verdict(stats.pop("_verdict"))
+        stats, loss, bad_chunks, t1 = self._run_train(inputs, targets, diagnose)
+        if pending:
+            # step_sync="post_validate": the previous step's verdict, reduced while this step ran.
+            # If its update was rolled back, this step ran on void parameters: run it again,
+            # from the same random state, on the corrected ones.
+            record = self.optimizer.validate()
+            stats["validated"] = record
+            if record is not None and record["replay"]:
+                void_s = t1 - t0
+                _set_rng_state(self.device, rng)
+                self.optimizer.zero_grad()
+                stats, loss, bad_chunks, t1 = self._run_train(inputs, targets, diagnose)
+                stats.update(validated=record, void_run_s=void_s)
         if bad_chunks and not diagnose:
             bad_chunks = self._locate_nonfinite(inputs, targets)
         if bad_chunks:
@@ -571,10 +590,39 @@ class Pipeline:
                               - stats["optimizer_s"])
         if diagnose:
             stats["optimizer_state_bytes"] = self.optimizer.optimizer_state_bytes()
+        if getattr(self.optimizer, "validation_pending", False):
+            stats["rollback_bytes"] = self.optimizer.rollback_bytes
         if hasattr(self.optimizer, "all_gathers"):   # engine.fsdp: per action kind
             stats["fsdp_all_gathers"] = dict(self.optimizer.all_gathers)
         self.step_count += 1
         return StepResult(loss, bool(skipped), norm, self.optimizer.lr(), dt, stats)
+
+    def _run_train(self, inputs: Any, targets: Any, diagnose: bool
+                   ) -> tuple[dict, float, list[int], float]:
+        """Run the step's program, sum gradients over replicas and tied copies, read the
+        verdict: ``(stats, loss, non-finite chunks, time after the program)``."""
+        # diagnostic steps also check every forward output for NaN/inf (engine.executor)
+        stats = self._run(self.program, inputs, targets, train=True, diagnose=diagnose,
+                          check=diagnose)
+        t1 = time.perf_counter()
+        self.optimizer.sync_gradients()   # replicas first: it waits for the overlapped buckets
+        for group, prm in self._tie_groups:
+            dist.all_reduce(self.optimizer.accumulated_grad(prm), group=group)
+        # The step's verdict (loss and, on a checked step, per chunk whether its forward output
+        # was non-finite) reached every rank with the last microbatch's messages, with no
+        # collective across the pipeline: every rank takes the same decision.
+        del stats["_losses"], stats["_flags"]
+        loss, bad_chunks = self._read_verdict(stats.pop("_verdict"))
+        return stats, loss, bad_chunks, t1
+
+    def settle(self) -> dict | None:
+        """``optimizer.step_sync="post_validate"``: validate the last step now (wait for its
+        global norm and flags; roll its update back and redo it if needed) and return the
+        record (``TorchStageOptimizer.validate``); None when nothing is pending. ``eval_step``,
+        ``state_dict``, ``load_state_dict`` and ``named_layer_parameters`` settle first; call it
+        after the last step to read final parameters another way."""
+        validate = getattr(self.optimizer, "validate", None)
+        return validate() if validate is not None else None
 
     def _nonfinite_error(self, bad_chunks: list[int], loss: float) -> NonFiniteError:
         first = bad_chunks[0]
@@ -605,6 +653,7 @@ class Pipeline:
 
     def eval_step(self, inputs: Any, targets: Any) -> float:
         """Forward-only loss on the global batch (same on every rank)."""
+        self.settle()
         with torch.no_grad():
             stats = self._run(self._forward_program(), inputs, targets, train=False,
                               diagnose=False)

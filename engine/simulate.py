@@ -129,7 +129,8 @@ def simulate(
     Activations count from a chunk's F until its B (or W).
 
     ``steps > 1``: each rank runs its action list ``steps`` times back to back, with a
-    rank-local optimizer step between (no synchronisation across ranks: a rank starts step
+    rank-local optimizer step between (the runtime's ``optimizer.step_sync="post_validate"``;
+    no synchronisation across ranks: a rank starts step
     k + 1 once it has finished step k and its inputs are there), so step k + 1's warm-up
     overlaps step k's cool-down. ``steps_s[k]`` is step k's time (the largest, over ranks, of
     the time between the rank's ends of steps k - 1 and k), ``bubbles[k]`` its bubble;

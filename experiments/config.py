@@ -30,7 +30,7 @@ from typing import Any, List, Optional, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from engine.choices import BACKENDS, GRAD_ACCUM_DTYPES, NONFINITE, OPTIMIZERS, PRECISIONS
+from engine.choices import BACKENDS, GRAD_ACCUM_DTYPES, NONFINITE, OPTIMIZERS, PRECISIONS, STEP_SYNCS
 from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULES
 from experiments.fields import choice_text
@@ -137,6 +137,7 @@ OptimizerBackend = _choice("OptimizerBackend", BACKENDS)
 Precision = _choice("Precision", PRECISIONS)
 WeightDtype = _choice("WeightDtype", ("fp32", "bf16", "fp16"))
 GradAccumDtype = _choice("GradAccumDtype", GRAD_ACCUM_DTYPES)
+StepSync = _choice("StepSync", STEP_SYNCS)
 LoggerMode = _choice("LoggerMode", ("offline", "online", "disabled"))
 LossKind = _choice("LossKind", ("full", "chunked"))
 MLPProfile = _choice("MLPProfile", ("uniform", "ramp", "hourglass"))
@@ -277,6 +278,7 @@ class OptimConfig:
     overlap_grad_reduce: bool = True  # torch backend, data_parallel > 1: all-reduce each gradient bucket over the replicas during the last backward, as soon as it is final (DDP's overlap); false: one reduction after the schedule
     grad_bucket_mb: float = GRAD_BUCKET_MB  # size of a data-parallel all-reduce bucket (DDP's bucket_cap_mb)
     reshard_after_forward: str = "auto"  # zero_stage=3: free each layer's gathered weights after its forward and backward (true), keep them for the whole step (false: one all-gather per layer per step), or auto (true iff partitioner.memory_limit is set)
+    step_sync: StepSync = StepSync["global"]  # global: every rank waits for the global norm / non-finite flags / fp16 scale before it steps | post_validate: each rank steps at once assuming no clipping and no overflow, validates one step later and rolls back (torch backend, zero_stage=0; docs/schedules.md)
 
 
 @dataclass
@@ -901,10 +903,17 @@ def _check_optimizer(cfg: Config) -> None:
             f"optimizer.zero_stage={zero} needs DeepSpeed; set optimizer.backend=auto (or deepspeed), "
             "or optimizer.zero_stage=0")
     try:
-        resolve_backend(backend, zero, precision)
+        resolved = resolve_backend(backend, zero, precision)
         check_grad_accum_dtype(choice_text(cfg.optimizer.grad_accum_dtype), precision)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    sync = choice_text(cfg.optimizer.step_sync)
+    if sync == "post_validate" and resolved != "torch":
+        raise ConfigError(
+            f"optimizer.step_sync=post_validate rolls back a rank's update, which only the torch "
+            f"optimizer backend can do; this run resolves to the {resolved} backend "
+            f"(optimizer.zero_stage={zero}, precision={precision}): set optimizer.step_sync=global, "
+            "or optimizer.zero_stage=0 with fp32 weights (precision fp32, bf16-autocast or fp16-autocast)")
 
 
 def checkpointing_mode(value: Any) -> bool | str:

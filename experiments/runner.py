@@ -346,6 +346,10 @@ class Trainer:
         """Gather (every `log_every` steps), evaluate, write metrics, show progress."""
         extra: dict[str, Any] = {"lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
                                  "data_time_s": self.data_time, "predicted_step_s": self.plan.step_s}
+        validated = res.stats.get("validated")
+        if validated is not None:   # optimizer.step_sync=post_validate: the previous step's verdict
+            extra.update(validated_grad_norm=validated["grad_norm"],
+                         validated_outcome=validated["outcome"])
         if res.stats.get("aux_loss") is not None:   # this rank holds the loss (else the gather brings it)
             extra["aux_loss"] = res.stats["aux_loss"]
         ranks = None
@@ -436,6 +440,7 @@ class Trainer:
                     if self._stop_requested(stop):
                         self.stopped_at = step
                         break
+                self.pipe.settle()   # optimizer.step_sync=post_validate: the last step's verdict
                 if self.every and step > self.start and (not self.saved or not self.saved[-1].endswith(f"{step:06d}")):
                     self.checkpoint(step)  # the final (or interrupted) state
                 if self.saver is not None:

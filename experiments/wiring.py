@@ -149,6 +149,8 @@ def _planner_kwargs(cfg: Config) -> dict[str, Any]:
         "backend": _text(opt.backend),
         "overlap_grad_reduce": bool(opt.overlap_grad_reduce),
         "grad_bucket_mb": float(opt.grad_bucket_mb),
+        "step_sync": _text(opt.step_sync),
+        "grad_clip": opt.grad_clip is not None,
     }
 
 

@@ -79,6 +79,8 @@ class MemorySettings:
     backend: str = "auto"
     overlap_grad_reduce: bool = True     # the torch backend's data-parallel reduction (engine.overlap)
     grad_bucket_mb: float = GRAD_BUCKET_MB
+    step_sync: str = "global"            # post_validate: the rollback snapshot (engine.footprint)
+    grad_clip: bool = True               # post_validate keeps the gradients for a clipped redo
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -98,14 +100,16 @@ class MemorySettings:
                                optimizer=self.optimizer, momentum=self.momentum,
                                zero_stage=self.zero_stage, data_parallel=self.data_parallel,
                                grad_accum_dtype=self.grad_accum_dtype, backend=self.backend,
-                               overlap_grad_reduce=self.overlap_grad_reduce, grad_bucket_mb=self.grad_bucket_mb)
+                               overlap_grad_reduce=self.overlap_grad_reduce, grad_bucket_mb=self.grad_bucket_mb,
+                               step_sync=self.step_sync, grad_clip=self.grad_clip)
 
     def per_param_bytes(self, numel: float = _REF_NUMEL) -> float:
         """Forward/backward-phase bytes per parameter of a rank holding ``numel`` parameters
         (weights, gradients, optimizer state and the backend's backward transient that grows
         with the parameters; the default: below every bucket cap)."""
         f = self.footprint(numel)
-        return (f.parameters + f.gradients + f.optimizer_state + f.backward_temporary) / max(numel, 1.0)
+        return (f.parameters + f.gradients + f.optimizer_state + f.backward_temporary
+                + f.rollback_gradients) / max(numel, 1.0)
 
     def step_per_param_bytes(self, numel: float = _REF_NUMEL) -> float:
         """Step-phase bytes per parameter of a rank holding ``numel`` parameters."""
@@ -187,7 +191,8 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
         transient = (0.0 if fresh or not weight_grads else settings.footprint(numel, 0).backward_temporary) \
             + layer_transient[1 if fresh else 0]
     transient = transient if in_backward else 0.0
-    backward = {"parameters": f.parameters, "gradients": 0.0 if fresh else f.gradients,
+    backward = {"parameters": f.parameters,
+                "gradients": (0.0 if fresh else f.gradients) + f.rollback_gradients,
                 "optimizer_state": f.optimizer_state, "activations": activations,
                 "communication": communication, "temporary": transient + pending}
     if in_backward and weight_grads and not fresh and f.reduce_temporary > 0 and microbatch_activations > 0:

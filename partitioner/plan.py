@@ -104,6 +104,7 @@ class Plan(JsonMixin):
     notes: list[str] = field(default_factory=list)
     search: dict[str, Any] | None = None
     split_search: str = "exact"
+    step_sync: str = "global"   # optimizer.step_sync: post_validate is predicted in the steady state
 
     def __post_init__(self) -> None:
         self.stage_ranges = [(int(a), int(b)) for a, b in self.stage_ranges]
@@ -158,13 +159,24 @@ class Plan(JsonMixin):
         timeline pictures and the benchmark's predictions all call it; :meth:`predicted_step_s`
         adds what a step costs beyond its schedule.
 
+        With ``step_sync="post_validate"`` no rank waits for another between steps: the
+        simulation runs :attr:`steady_steps` consecutive steps (``simulate(..., steps=N)``), step
+        k + 1's warm-up overlapping step k's cool-down, and ``step_s`` is the last one's.
+
         >>> res = plan.simulate()                         # doctest: +SKIP
         >>> res.step_s, res.bubble_fraction; res.to_png("timeline.png")  # doctest: +SKIP
         """
         from engine.simulate import simulate
 
         sched, f, b, w, comm = self._schedule_and_costs(forward_s, backward_s)
-        return simulate(sched, f, b, weight_s=w, comm_s=comm, cores=self.shared_cores)
+        return simulate(sched, f, b, weight_s=w, comm_s=comm, steps=self.steady_steps,
+                        cores=self.shared_cores)
+
+    @property
+    def steady_steps(self) -> int:
+        """Steps :meth:`simulate` runs: 1 (the optimizer step synchronises the ranks) or, with
+        ``step_sync="post_validate"``, 3 (the steady state is reached at the second)."""
+        return 3 if self.step_sync == "post_validate" else 1
 
     def build_schedule(self) -> Any:
         """The schedule this plan runs (``engine.schedules.Schedule``): its named schedule, or for
@@ -200,7 +212,7 @@ class Plan(JsonMixin):
         if self.schedule == "zb-auto" and len(f) == len(b) == len(w) == self.num_stages:
             built = build_schedule("zb-auto", self.num_stages, self.microbatches,
                                    **self._auto_kwargs(peak_inflight(sched), f, b, w, comm,
-                                                       self.stage_pending))
+                                                       self.stage_pending, self.steady_steps))
             if self._within_memory(built):
                 sched = built
         return sched, f, b, w, comm
@@ -223,9 +235,11 @@ class Plan(JsonMixin):
 
     @staticmethod
     def _auto_kwargs(caps: Sequence[int], f: Sequence[float], b: Sequence[float], w: Sequence[float],
-                     comm: Any, pending: Sequence[int]) -> dict[str, Any]:
+                     comm: Any, pending: Sequence[int], steps: int = 1) -> dict[str, Any]:
         out = {"max_inflight": tuple(caps), "forward_s": tuple(f), "backward_s": tuple(b),
                "weight_s": tuple(w), "comm_s": comm if isinstance(comm, float) else tuple(comm)}
+        if steps > 1:   # optimised for the steady state it will run in (post_validate)
+            out["steps"] = min(int(steps), 2)
         if len(pending) == len(caps) and min(pending, default=0) >= 1:
             out["max_pending"] = tuple(int(x) for x in pending)
         return out
@@ -242,16 +256,21 @@ class Plan(JsonMixin):
         unit = build_schedule("zb-auto", self.num_stages, self.microbatches, max_inflight=self.max_inflight)
         if sched is unit:   # the cost-built one would need more memory than planned
             return {"max_inflight": self.max_inflight}
-        return self._auto_kwargs(peak_inflight(unit), f, b, w, comm, self.stage_pending)
+        return self._auto_kwargs(peak_inflight(unit), f, b, w, comm, self.stage_pending,
+                                 self.steady_steps)
 
     def predicted_step_s(self, sim: Any) -> float:
         """A whole step from its simulated schedule (an ``engine.simulate`` result): plus the
         per-step fixed cost and the optimizer updates. No rank waits for another before its
         update (the step's verdict rides the last microbatch's messages, ``engine.executor``):
         rank ``r`` updates right after its own last action, so the step ends at the latest
-        ``end_r + update_r``, not at the schedule's end plus the slowest update."""
+        ``end_r + update_r``, not at the schedule's end plus the slowest update. A steady-state
+        simulation (several steps, ``step_sync="post_validate"``): its last step plus the
+        slowest rank's update (each rank updates between its steps; an upper bound)."""
         ends = [row[-1][2] if row else 0.0 for row in sim.timeline]
         opt = list(self.rank_optimizer_s) or [0.0] * len(ends)
+        if len(sim.steps_s) > 1:
+            return sim.steps_s[-1] + max(opt, default=0.0) + self.step_fixed_s
         if len(opt) != len(ends):  # not per rank of this schedule: the slowest after the end
             return sim.step_s + self.step_fixed_s + max(opt)
         return max(e + o for e, o in zip(ends, opt)) + self.step_fixed_s

@@ -195,7 +195,8 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
               link_bytes_per_s: float | None = None, activation_checkpointing: "bool | str" = False,
               simulate: bool = True, max_inflight: int | None = None, precision: str | None = None,
               momentum: float = 0.0, grad_accum_dtype: str = "fp32", backend: str = "auto",
-              overlap_grad_reduce: bool = True, grad_bucket_mb: float = GRAD_BUCKET_MB) -> Plan:
+              overlap_grad_reduce: bool = True, grad_bucket_mb: float = GRAD_BUCKET_MB,
+              step_sync: str = "global", grad_clip: bool = True) -> Plan:
     """Split ``profile`` into ``num_stages`` pipeline stages (see the module docstring).
 
     ``memory_limit_bytes``: one number for every rank, or one per rank. ``method``: "optimal"
@@ -206,7 +207,10 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     the closed form). ``max_inflight``: zb-h2's bound on the microbatches a rank holds (its
     memory knob). ``precision`` (None: fp32 for a 4-byte profile, bf16 for a 16-bit one),
     ``momentum`` (SGD's), ``grad_accum_dtype``, ``backend``, ``overlap_grad_reduce`` and
-    ``grad_bucket_mb``: what the run keeps per parameter (:class:`partitioner.memory.MemorySettings`). Raises :class:`PartitionError` when no split
+    ``grad_bucket_mb``: what the run keeps per parameter (:class:`partitioner.memory.MemorySettings`).
+    ``step_sync`` (``optimizer.step_sync``) and ``grad_clip`` (whether it clips): with
+    ``"post_validate"`` the ranks' memory holds the rollback snapshot and the step is predicted in
+    the steady state of consecutive steps (:meth:`Plan.simulate`). Raises :class:`PartitionError` when no split
     fits, naming the smallest limit (or the stage count) that would.
     """
     p, m, v = int(num_stages), int(microbatches), int(virtual_stages)
@@ -217,13 +221,14 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
         link_bytes_per_s = profile.fixed.link_bytes_per_s
     memory = MemorySettings(precision or ("fp32" if profile.itemsize >= 4 else "bf16"), optimizer, momentum,
                             int(zero_stage), int(data_parallel), grad_accum_dtype, backend,
-                            bool(overlap_grad_reduce), float(grad_bucket_mb))
+                            bool(overlap_grad_reduce), float(grad_bucket_mb), str(step_sync),
+                            bool(grad_clip))
     prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, link_bytes_per_s, memory,
                     _rank_caps(memory_limit_bytes, p), simulate, notes)
     bounds, recompute = _search(method, prob, notes)
     _note_recompute(recompute, ckpt, notes)
     settings = dict(method=method, data_parallel=data_parallel, zero_stage=zero_stage, optimizer=optimizer,
-                    max_inflight=max_inflight)
+                    max_inflight=max_inflight, step_sync=str(step_sync))
     local = False
     if method == "optimal" and simulate:
         bounds, local = _refine(prob, bounds, recompute, settings, notes)

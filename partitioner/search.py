@@ -404,7 +404,8 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
            link_bytes_per_s: float | None = None, activation_checkpointing: "bool | str" = "auto",
            method: str = "optimal", precision: str | None = None, momentum: float = 0.0,
            grad_accum_dtype: str = "fp32", backend: str = "auto", overlap_grad_reduce: bool = True,
-           grad_bucket_mb: float = GRAD_BUCKET_MB, top: int = 5, prune: bool = True,
+           grad_bucket_mb: float = GRAD_BUCKET_MB, step_sync: str = "global", grad_clip: bool = True,
+           top: int = 5, prune: bool = True,
            v_split_budget: float = V_SPLIT_BUDGET, scaling: str = "bounded") -> SearchResult:
     """Choose the layout with the smallest predicted step that fits (see the module docstring).
 
@@ -415,7 +416,8 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
     :func:`partitioner.partition` (``activation_checkpointing``: False, only layouts that fit
     without recomputation; True, every chunk recomputes; "auto", recompute per chunk only where
     the memory limit needs it; ``precision`` / ``momentum`` / ``grad_accum_dtype`` / ``backend`` /
-    ``overlap_grad_reduce`` / ``grad_bucket_mb``: what the run keeps per parameter). ``top``: the
+    ``overlap_grad_reduce`` / ``grad_bucket_mb`` / ``step_sync`` / ``grad_clip``: what the run keeps
+    per parameter, and how its steps follow each other). ``top``: the
     alternatives kept exact (and shown); ``prune=False`` solves every layout. Raises :class:`PartitionError` when nothing fits.
     """
     t0 = time.perf_counter()
@@ -437,6 +439,7 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
                   memory_limit_bytes=memory_limit_bytes, link_bytes_per_s=link_bytes_per_s, method=method,
                   precision=precision, momentum=momentum, grad_accum_dtype=grad_accum_dtype, backend=backend,
                   overlap_grad_reduce=overlap_grad_reduce, grad_bucket_mb=grad_bucket_mb,
+                  step_sync=step_sync, grad_clip=grad_clip,
                   activation_checkpointing=_checkpointing(activation_checkpointing, memory_limit_bytes))
     notes = _run(cands, profile_for, p, B, n, kwargs, top if prune else None, v_split_budget)
     ranked = sorted(cands, key=_rank_key)

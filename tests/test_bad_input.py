@@ -153,6 +153,18 @@ def test_stage_range_count_must_match_the_layout():
         _check(schedule="interleaved-1f1b", virtual_stages=2)
 
 
+def test_post_validate_on_a_backend_that_cannot_roll_back(base_cfg):
+    with pytest.raises(ConfigError, match="optimizer.step_sync=post_validate rolls back a rank's "
+                                          "update.*deepspeed backend.*set optimizer.step_sync=global"):
+        validate_config(_cfg(base_cfg, optimizer__zero_stage=1, optimizer__step_sync="post_validate"))
+    with pytest.raises(ConfigError, match="resolves to the fsdp backend"):
+        validate_config(_cfg(base_cfg, optimizer__zero_stage=3, model__tie_embeddings=False,
+                             optimizer__step_sync="post_validate"))
+    validate_config(_cfg(base_cfg, optimizer__step_sync="post_validate"))
+    with pytest.raises(ValueError, match="step_sync='post_validate' needs the torch optimizer backend"):
+        _check(optimizer=OptimizerConfig(zero_stage=2, step_sync="post_validate"))
+
+
 def test_zero_stage_unsupported(base_cfg):
     with pytest.raises(ConfigError, match=r"optimizer.zero_stage=4; choose 0 \(off\), 1"):
         validate_config(_cfg(base_cfg, optimizer__zero_stage=4))

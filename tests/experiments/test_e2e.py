@@ -208,3 +208,30 @@ def test_auto_layout_is_chosen_by_the_planner_and_run(tmp_path):
     assert (run["schedule"], run["microbatches"], run["virtual_stages"]) == (want.schedule, want.microbatches,
                                                                              want.virtual_stages)
     assert wb.config["plan"]["stage_recompute"] == want.stage_recompute
+
+
+@pytest.mark.slow
+def test_post_validated_run_records_each_steps_verdict_and_matches_the_global_step(tmp_path):
+    """`optimizer.step_sync=post_validate` through the entry point: the plan says so, every step
+    after the first records the previous step's verdict (a small `grad_clip` makes steps clip,
+    so rollbacks happen), and the losses are the synchronous step's."""
+    common = [*SMOKE, "pipeline.schedule=zb-h1", "train.steps=5", "optimizer.grad_clip=0.3",
+              "optimizer.warmup_steps=0", "partitioner.repeats=1", "partitioner.sweeps=1",
+              "partitioner.warmup=1", "partitioner.fixed_costs=false", "train.memory_every=0"]
+    runs = {}
+    for sync in ("post_validate", "global"):
+        run_dir = tmp_path / sync
+        _ok(run_module("experiments.train", tmp_path, *common, f"optimizer.step_sync={sync}",
+                       f"hydra.run.dir={run_dir}", timeout=180))
+        runs[sync] = (json.loads((run_dir / "plan.json").read_text()), read_metrics(run_dir))
+    plan, records = runs["post_validate"]
+    assert plan["step_sync"] == "post_validate" and runs["global"][0]["step_sync"] == "global"
+    outcomes = [r.get("validated_outcome") for r in records]
+    assert outcomes[0] is None and None not in outcomes[1:], outcomes
+    assert "clipped" in outcomes, outcomes
+    assert all(r["grad_norm"] is None for r in records)
+    glob = runs["global"][1]
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in glob], rel=1e-6)
+    # the verdict's norm is the norm the synchronous step reported for that step
+    assert [r["validated_grad_norm"] for r in records[1:]] == pytest.approx(
+        [r["grad_norm"] for r in glob[:-1]], rel=1e-6)
