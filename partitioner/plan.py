@@ -93,6 +93,9 @@ class Plan(JsonMixin):
     message_busy_s: float = 0.0
     step_fixed_s: float = 0.0
     rank_optimizer_s: list[float] = field(default_factory=list)
+    rank_collective_s: list[float] = field(default_factory=list)   # ZeRO-3's per-step collectives, exposed
+    tensor_parallel: int = 1
+    reshard_after_forward: bool | None = None   # ZeRO-3's reshard policy (None: not ZeRO-3)
     rank_memory_bytes: list[int] = field(default_factory=list)
     rank_fits: list[bool] = field(default_factory=list)
     rank_memory_breakdown: list[dict[str, int]] = field(default_factory=list)
@@ -248,6 +251,8 @@ class Plan(JsonMixin):
         rank ``r`` updates right after its own last action, so the step ends at the latest
         ``end_r + update_r``, not at the schedule's end plus the slowest update."""
         ends = [row[-1][2] if row else 0.0 for row in sim.timeline]
+        if len(self.rank_collective_s) == len(ends):   # ZeRO-3's reduce-scatter (and gathers) after the schedule
+            ends = [e + c for e, c in zip(ends, self.rank_collective_s)]
         opt = list(self.rank_optimizer_s) or [0.0] * len(ends)
         if len(opt) != len(ends):  # not per rank of this schedule: the slowest after the end
             return sim.step_s + self.step_fixed_s + max(opt)
@@ -287,6 +292,9 @@ class Plan(JsonMixin):
         title = (f"{self.method} split: {self.num_layers} layers, {self.schedule}, p={p}, m={self.microbatches}"
                  + (f", v={self.virtual_stages}" if self.virtual_stages > 1 else "")
                  + (f", dp={self.data_parallel} zero={self.zero_stage}" if self.data_parallel > 1 else "")
+                 + (f", tp={self.tensor_parallel}" if self.tensor_parallel > 1 else "")
+                 + (f" reshard_after_forward={str(self.reshard_after_forward).lower()}"
+                    if self.reshard_after_forward is not None else "")
                  + f", {self.precision} {self.optimizer}")
         foot = [
             f"step {self.step_s * 1e3:.3f} ms ({self.predicted_by}); bubble {self.bubble_fraction:.1%}; "
@@ -302,6 +310,9 @@ class Plan(JsonMixin):
         """Each rank's predicted peak memory by kind (GiB)."""
         keys = ("parameters", "gradients", "optimizer_state", "activations", "communication", "temporary")
         head = ["rank", "params", "grads", "optimizer", "activations", "comm", "temporary", "peak GiB"]
+        if any("gathered_parameters" in d for d in self.rank_memory_breakdown):   # ZeRO-3
+            keys = ("parameters", "gathered_parameters") + keys[1:]
+            head = ["rank", "param shards", "gathered"] + head[2:]
         rows = []
         for r, d in enumerate(self.rank_memory_breakdown):
             rows.append([str(r)] + [f"{d.get(k, 0) / 2**30:.3f}" for k in keys]
