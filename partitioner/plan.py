@@ -405,6 +405,11 @@ def format_search(record: dict[str, Any], width: int = 120) -> str:
     rows = [chosen] + list(record.get("alternatives", []))
     best = chosen.get("step_s")
     body = [[("*" if k == 0 else str(k + 1))] + _search_cells(r, best) for k, r in enumerate(rows)]
+    if chosen.get("tensor_parallel") is not None:   # the 3-D search: its layout per row
+        head = head[:1] + ["dp x tp", "ZeRO", "reshard"] + head[1:]
+        body = [b[:1] + [f"{r['data_parallel']} x {r['tensor_parallel']}", str(r["zero_stage"]),
+                         "-" if r.get("reshard_after_forward") is None else str(r["reshard_after_forward"]).lower()]
+                + b[1:] for b, r in zip(body, rows)]
     title = (f"search: {record['considered']} layouts ({record.get('ok', 0)} solved, "
              f"{record.get('pruned', 0)} pruned, {record.get('infeasible', 0)} infeasible, "
              f"{record.get('skipped', 0)} skipped), {record['seconds']:.2f} s"
