@@ -406,6 +406,7 @@ def format_search(record: dict[str, Any], width: int = 120) -> str:
     best = chosen.get("step_s")
     body = [[("*" if k == 0 else str(k + 1))] + _search_cells(r, best) for k, r in enumerate(rows)]
     if chosen.get("tensor_parallel") is not None:   # the 3-D search: its layout per row
+        width = max(width, 170)
         head = head[:1] + ["dp x tp", "ZeRO", "reshard"] + head[1:]
         body = [b[:1] + [f"{r['data_parallel']} x {r['tensor_parallel']}", str(r["zero_stage"]),
                          "-" if r.get("reshard_after_forward") is None else str(r["reshard_after_forward"]).lower()]

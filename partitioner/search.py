@@ -568,7 +568,7 @@ def search_parallel(profile_for_tp: Callable[[int], ProfileSource], num_stages: 
         try:
             res = search(profile_for_tp(t), num_stages, batch // d, data_parallel=d, zero_stage=z,
                          tensor_parallel=t, top=top, **kw)
-        except PartitionError as exc:
+        except (PartitionError, ValueError) as exc:   # nothing fits; no microbatch count divides its batch
             notes.append(f"dp{d} tp{t} zero{z}: {str(exc)[:300]}")
             continue
         spent += res.profile_seconds
