@@ -579,7 +579,7 @@ def search_parallel(profile_for_tp: Callable[[int], ProfileSource], num_stages: 
     ranked = sorted(cands, key=_rank_key)
     if not ranked or ranked[0].status != "ok":
         raise PartitionError(f"no 3-D layout of {[f'dp{d} tp{t} zero{z}' for t, d, z in triples]} fits: "
-                             + " | ".join(notes[:4]))
+                             + " | ".join(n[:400] for n in notes))
     notes.append(f"3-D layouts searched (pp{num_stages} x dp x tp on {num_stages * gpus_per_stage} GPUs, "
                  f"global batch {batch}): " + ", ".join(f"dp{d} tp{t} zero{z}" for t, d, z in triples))
     result = SearchResult(ranked[0].plan, ranked, time.perf_counter() - t0, notes,  # type: ignore[arg-type]

@@ -93,11 +93,17 @@ def auto_choice(model: list[str], layout: list[str], limit: str) -> dict:
     from experiments.partition import validate_plan_config
     from experiments.wiring import resolve_layout, search_layout
 
-    cfg = validate_plan_config(compose_config(*model, *layout, *AUTO, f"partitioner.memory_limit={limit}"))
-    res = search_layout(cfg, None)
+    import partitioner
+
+    extra = [] if limit == "none" else [f"partitioner.memory_limit={limit}"]
+    cfg = validate_plan_config(compose_config(*model, *layout, *AUTO, *extra))
+    try:
+        res = search_layout(cfg, None)
+    except partitioner.PartitionError as exc:
+        return {"limit": limit, "error": str(exc)}
     plan = res.plan
     chosen = resolve_layout(cfg, plan)
-    return {"layout": res.chosen.label, "step_s": plan.step_s, "tokens_per_s_per_gpu": _tokens_per_gpu(chosen, plan.step_s),
+    return {"limit": limit, "layout": res.chosen.label, "step_s": plan.step_s, "tokens_per_s_per_gpu": _tokens_per_gpu(chosen, plan.step_s),
             "peak_gib": max(plan.rank_memory_bytes) / 2**30, "reshard_after_forward": plan.reshard_after_forward,
             "recompute": plan.stage_recompute, "table": res.table()}
 
@@ -114,7 +120,8 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--auto", action="store_true", help="also run the 3-D search and print its choice")
-    ap.add_argument("--limit", default="80GiB", help="memory limit of the search (default 80GiB)")
+    ap.add_argument("--limit", nargs="+", default=["80GiB"],
+                    help="memory limits of the search, one search each (default 80GiB; none: no limit)")
     ap.add_argument("--tiny", action="store_true", help="a tiny Llama (smoke run)")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
@@ -124,12 +131,15 @@ def main() -> None:
     rows = plan_rows(model, layout)
     print(markdown(rows), flush=True)
     out = {"rows": rows}
-    if args.auto:
-        got = auto_choice(model, layout, args.limit)
-        print(got.pop("table"))
-        print(f"schedule=auto chose {got['layout']}: {got['tokens_per_s_per_gpu']:.1f} tok/s/GPU, "
-              f"peak {got['peak_gib']:.1f} GiB, reshard_after_forward={got['reshard_after_forward']}")
-        out["auto"] = got
+    for limit in args.limit if args.auto else []:
+        got = auto_choice(model, layout, limit)
+        if "error" in got:
+            print(f"schedule=auto under {limit}: {got['error']}", flush=True)
+        else:
+            print(got.pop("table"))
+            print(f"schedule=auto under {limit} chose {got['layout']}: {got['tokens_per_s_per_gpu']:.1f} tok/s/GPU, "
+                  f"peak {got['peak_gib']:.1f} GiB, reshard_after_forward={got['reshard_after_forward']}", flush=True)
+        out.setdefault("auto", []).append(got)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
