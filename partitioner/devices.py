@@ -94,11 +94,11 @@ class DeviceSpec:
 
 
 # Datasheet figures (dense, SXM parts; S1 in docs/device-model.md). fp32 uses TF32 tensor cores
-# for matmuls on these GPUs. Collectives (S9 in docs/device-model.md): NVLink per GPU, one
+# for matmuls on these GPUs. Collectives ("Collectives" in docs/device-model.md): NVLink per GPU, one
 # direction (half the datasheet's bidirectional figure); the NIC per GPU of a DGX/HGX node
 # (A100: ConnectX-6 HDR 200 Gb/s; H100/H200: ConnectX-7 NDR 400 Gb/s); efficiency and latencies
-# are assumptions (not measured here), stated in docs/device-model.md.
-_COLLECTIVES = dict(intra_node_latency_s=15e-6, inter_node_latency_s=30e-6, collective_efficiency=0.8)
+# are from S3 (NCCL all-reduce on 8 H100s) or assumed, each stated in docs/device-model.md.
+_COLLECTIVES = dict(intra_node_latency_s=25e-6, inter_node_latency_s=30e-6, collective_efficiency=0.8)
 _FLAT: dict[str, DeviceSpec] = {
     "a100": DeviceSpec("a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
                        2.039e12, 80 * 2**30, 300e9, efficiency=0.7, overhead_s=5e-6,
