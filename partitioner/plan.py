@@ -93,7 +93,7 @@ class Plan(JsonMixin):
     message_busy_s: float = 0.0
     step_fixed_s: float = 0.0
     rank_optimizer_s: list[float] = field(default_factory=list)
-    rank_collective_s: list[float] = field(default_factory=list)   # ZeRO-3's per-step collectives, exposed
+    rank_collective_s: list[float] = field(default_factory=list)   # the replicas' per-step collectives, exposed
     tensor_parallel: int = 1
     reshard_after_forward: bool | None = None   # ZeRO-3's reshard policy (None: not ZeRO-3)
     rank_memory_bytes: list[int] = field(default_factory=list)
@@ -251,7 +251,7 @@ class Plan(JsonMixin):
         rank ``r`` updates right after its own last action, so the step ends at the latest
         ``end_r + update_r``, not at the schedule's end plus the slowest update."""
         ends = [row[-1][2] if row else 0.0 for row in sim.timeline]
-        if len(self.rank_collective_s) == len(ends):   # ZeRO-3's reduce-scatter (and gathers) after the schedule
+        if len(self.rank_collective_s) == len(ends):   # the replicas' gradient sync (and gathers) after the schedule
             ends = [e + c for e, c in zip(ends, self.rank_collective_s)]
         opt = list(self.rank_optimizer_s) or [0.0] * len(ends)
         if len(opt) != len(ends):  # not per rank of this schedule: the slowest after the end

@@ -324,16 +324,20 @@ class _Parallel:
 def _collective_times(profile: Profile, memory: MemorySettings, par: _Parallel, notes: list[str]
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per layer: tensor-parallel all-reduce seconds in its forward and in its backward (per
-    microbatch, on the critical path: no overlap with compute), and ZeRO-3's all-gather of its
-    16-bit weights and reduce-scatter of its fp32 gradients over the replicas (seconds each)."""
+    microbatch, on the critical path: no overlap with compute), and the replicas' collectives
+    per step (seconds each): under ZeRO-3 the all-gather of its weights in the compute dtype and
+    the reduce-scatter of its fp32 gradients; under ZeRO-0/1/2 (``ag`` zero) its gradients'
+    reduction, an fp32 all-reduce (ZeRO-0) or reduce-scatter plus the all-gather of the updated
+    weights (ZeRO-1/2)."""
     L, n = profile.layers, len(profile)
     zeros = np.zeros(n)
     tp_f, tp_b, ag, rs = zeros.copy(), zeros.copy(), zeros.copy(), zeros.copy()
-    dp = memory.data_parallel if memory.zero3 else 1
+    dp = memory.data_parallel
     if (par.tp == 1 and dp == 1) or n == 0:
         return tp_f, tp_b, ag, rs
     if par.links is None:
-        notes.append("no links given (DeviceSpec.links): tensor-parallel and ZeRO-3 collectives cost nothing")
+        if par.tp > 1 or memory.zero3:
+            notes.append("no links given (DeviceSpec.links): tensor-parallel and data-parallel collectives cost nothing")
         return tp_f, tp_b, ag, rs
     links = par.links
     if par.tp > 1:
@@ -346,10 +350,16 @@ def _collective_times(profile: Profile, memory: MemorySettings, par: _Parallel, 
         notes.append(f"tensor parallel {par.tp}: {float(tp_f.sum() + tp_b.sum()) * 1e3:.3f} ms of all-reduces per "
                      "microbatch (forward + backward, all layers), not overlapped with compute")
     if dp > 1:
-        w = memory.gathered_bytes_per_param()
         numel = np.array([c.param_bytes for c in L], dtype=np.float64) / profile.itemsize
-        ag = np.array([links.all_gather(w * x, dp, "inter") if x else 0.0 for x in numel])
-        rs = np.array([links.reduce_scatter(4.0 * x, dp, "inter") if x else 0.0 for x in numel])
+        if memory.zero3:
+            w = memory.gathered_bytes_per_param()
+            ag = np.array([links.all_gather(w * x, dp, "inter") if x else 0.0 for x in numel])
+            rs = np.array([links.reduce_scatter(4.0 * x, dp, "inter") if x else 0.0 for x in numel])
+        elif memory.zero_stage == 0:
+            rs = np.array([links.all_reduce(4.0 * x, dp, "inter") if x else 0.0 for x in numel])
+        else:
+            rs = np.array([links.reduce_scatter(4.0 * x, dp, "inter")
+                           + links.all_gather(profile.itemsize * x, dp, "inter") if x else 0.0 for x in numel])
     return tp_f, tp_b, ag, rs
 
 
@@ -580,21 +590,26 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
 
 
 def _rank_collective_s(prob: _Problem, bounds: list[tuple[int, int]]) -> list[float]:
-    """Per rank, ZeRO-3's collectives exposed once per step: the reduce-scatter of every layer's
+    """Per rank, the replicas' collectives exposed once per step. ZeRO-0/1/2: the gradients'
+    reduction (and ZeRO-1/2's all-gather of the updated weights), after the schedule, not
+    overlapped (an upper bound where the backend overlaps buckets with the backward). ZeRO-3:
+    the reduce-scatter of every layer's
     gradients after the schedule (``engine.fsdp.sync_gradients``, nothing left to overlap) and,
     when the layers stay gathered for the step, their one all-gather at the step's first
     forward: a chunk's first layer in full, each later one beyond the forward of the layer
     before it (FSDP2 issues a layer's all-gather while the previous layer computes). Resharding
     layers gather again in each of the chunk's ``2 m`` forward and backward actions: the first
     layer's all-gather in full each time, counted here on the rank's path (the later layers'
-    beyond their compute are in the actions' times, ``_problem``). Zeros without ZeRO-3 over
-    replicas."""
+    beyond their compute are in the actions' times, ``_problem``). Zeros with one replica or
+    without links."""
     out = [0.0] * prob.p
     if prob.rs is None or not prob.rs.any():
         return out
     for c, (a, e) in enumerate(bounds):
         t = float(prob.rs[a:e].sum())
-        if prob.memory.reshard_after_forward:
+        if not prob.memory.zero3:
+            pass
+        elif prob.memory.reshard_after_forward:
             t += 2 * prob.m * float(prob.ag[a])
         else:
             t += float(prob.ag[a]) + float(np.maximum(prob.ag[a + 1:e] - prob.f[a:e - 1], 0.0).sum())

@@ -85,6 +85,9 @@ def test_zero3_collectives_per_step_and_per_action():
     again = partition(prof, 2, **kw, reshard_after_forward=True)
     assert again.rank_collective_s == pytest.approx([2 * rs + 2 * 4 * ag] * 2)   # first layer per action
     assert again.step_s > kept.step_s
+    for zero in (0, 1):   # the replicas' gradient reduction (ZeRO-1: + the updated weights' all-gather)
+        whole = partition(prof, 2, microbatches=4, data_parallel=4, zero_stage=zero, links=LINKS)
+        assert whole.rank_collective_s == pytest.approx([2 * 2 * rs] * 2)
     none = partition(prof, 2, microbatches=4, data_parallel=4, zero_stage=3, reshard_after_forward=False)
     assert none.rank_collective_s == [0.0, 0.0] and any("no links" in x for x in none.notes)
 
