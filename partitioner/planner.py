@@ -238,6 +238,7 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
                              activation_checkpointing=activation_checkpointing, simulate=simulate,
                              max_inflight=max_inflight, precision=precision, momentum=momentum,
                              grad_accum_dtype=grad_accum_dtype, backend=backend, reshard_after_forward=False,
+                             overlap_grad_reduce=overlap_grad_reduce, grad_bucket_mb=grad_bucket_mb,
                              tensor_parallel=tensor_parallel, links=links)
             plan.notes.append("reshard_after_forward=false chosen: the layers stay gathered for the step "
                               "(one all-gather per layer per step)")

@@ -1,7 +1,8 @@
 """ZeRO-3 (FSDP2 per stage, ``engine.fsdp``) state terms of one pipeline rank's memory.
 
-The planner's memory model (``partitioner.memory``) stops at ZeRO-2; these are the terms that
-differ under ``optimizer.zero_stage=3``, kept apart so that the model can add them:
+The terms that differ under ``optimizer.zero_stage=3``; the planner's memory model
+(``partitioner.memory.MemorySettings`` with ``zero_stage=3``) takes them through
+:func:`zero3_footprint`:
 
 * parameters: the fp32 sharded masters, ``4 N / dp`` (FSDP2 shards each tensor's dim 0; a dim 0
   not divisible by dp gives some ranks one row more, which this ignores), plus the gathered
