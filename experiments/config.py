@@ -238,6 +238,8 @@ class SearchConfig:
     max_virtual_stages: int = 4  # interleaved-1f1b: chunks per rank tried, 2..this
     max_microbatches: Optional[int] = None  # microbatch counts tried: divisors of the batch per replica, stages..this (null: the batch)
     top: int = 5  # alternatives shown beside the choice (and kept in plan.json)
+    tensor_parallel: Optional[List[int]] = None  # tp degrees the search may choose, data_parallel x tensor_parallel GPUs per stage held (Llama-style HF models); null = pipeline.tensor_parallel only
+    zero_stages: Optional[List[int]] = None  # ZeRO stages the search may choose (0-3); null = optimizer.zero_stage only
 
 
 @dataclass

@@ -33,7 +33,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["Layout", "GRID", "SMALL_GRID", "BASE", "SCHEDULE_CHUNKS", "full_grid", "layout",
+__all__ = ["Layout", "GRID", "SMALL_GRID", "ZERO3_GRID", "BASE", "SCHEDULE_CHUNKS", "full_grid", "layout",
            "measure_layouts", "format_rows", "summary", "select", "main", "smallest_limit"]
 
 # The model every layout of the grid trains (small enough for the CPU, large enough that the
@@ -63,10 +63,12 @@ class Layout:
 
 def layout(schedule: str = "1f1b", precision: str = "fp32", *, optimizer: str = "adamw",
            profile: str = "measure", vocab: int = SMALL_VOCAB, zero: int | None = None,
-           recompute: str = "off", loss: str = "full", limit_fraction: float | None = None) -> Layout:
+           recompute: str = "off", loss: str = "full", limit_fraction: float | None = None,
+           reshard: str | None = None) -> Layout:
     """The layout of one point of the grid, named by its values (``zero``: a ZeRO stage with
     two replicas; None: one replica). ``recompute``: off | on | auto (auto needs
-    ``limit_fraction``).
+    ``limit_fraction``). ``reshard``: ZeRO-3's ``optimizer.reshard_after_forward`` (true |
+    false; None: the config's auto).
 
     >>> layout("zbv", "bf16", vocab=4096, zero=1).name
     'zbv bf16 adamw measure v4096 zero1 dp2'
@@ -81,6 +83,9 @@ def layout(schedule: str = "1f1b", precision: str = "fp32", *, optimizer: str = 
     if zero is not None:
         over += ["pipeline.data_parallel=2", f"optimizer.zero_stage={zero}"]
         name += f" zero{zero} dp2"
+    if reshard is not None:
+        over.append(f"optimizer.reshard_after_forward={reshard}")
+        name += f" reshard-{reshard}"
     if recompute != "off":
         over.append(f"pipeline.activation_checkpointing={'true' if recompute == 'on' else 'auto'}")
         name += " recompute" + (" auto" if recompute == "auto" else "")
@@ -90,11 +95,21 @@ def layout(schedule: str = "1f1b", precision: str = "fp32", *, optimizer: str = 
     return Layout(name, tuple(over), limit_fraction)
 
 
+# ZeRO-3 (FSDP2) over two replicas: both reshard policies, one and two chunks per rank, whole and
+# split backward, fp32 and bf16 (16-bit compute on fp32 sharded masters)
+ZERO3_GRID: list[Layout] = [
+    layout("1f1b", "fp32", zero=3, reshard="false"), layout("1f1b", "fp32", zero=3, reshard="true"),
+    layout("zb-h1", "fp32", zero=3, reshard="false"), layout("zb-h1", "fp32", zero=3, reshard="true"),
+    layout("interleaved-1f1b", "fp32", zero=3, reshard="true"), layout("zbv", "fp32", zero=3, reshard="false"),
+    layout("1f1b", "bf16", zero=3, reshard="false"), layout("1f1b", "fp32", zero=3, reshard="false", recompute="on"),
+]
+
+
 def full_grid() -> list[Layout]:
     """Every schedule in fp32 and bf16 with the small and the large head (measured profile);
     every schedule on the analytic profile (fp32 small head, bf16 large head); every schedule
     recomputing (large head); ZeRO 0/1/2 with two replicas in fp32 and bf16 (1f1b with the
-    small head, zb-h1 with the large one); the chunked loss on every schedule (bf16) and in fp32
+    small head, zb-h1 with the large one); ZeRO-3 (:data:`ZERO3_GRID`); the chunked loss on every schedule (bf16) and in fp32
     on both profiles; auto recomputation under a limit; SGD with momentum and bf16 autocast."""
     groups = [
         [layout(s, prec, vocab=v) for s in SCHEDULE_CHUNKS for v in (SMALL_VOCAB, LARGE_VOCAB)
@@ -106,6 +121,7 @@ def full_grid() -> list[Layout]:
          for s, v in (("1f1b", SMALL_VOCAB), ("zb-h1", LARGE_VOCAB))],
         [layout(s, "bf16", vocab=LARGE_VOCAB, loss="chunked") for s in SCHEDULE_CHUNKS]
         + [layout("1f1b", "fp32", profile=pm, vocab=LARGE_VOCAB, loss="chunked") for pm in ("measure", "analytic")],
+        ZERO3_GRID,
         [layout(s, "fp32", vocab=v, recompute="auto", limit_fraction=0.97)
          for s, v in (("1f1b", SMALL_VOCAB), ("zb-h1", SMALL_VOCAB), ("1f1b", LARGE_VOCAB))]
         + [layout("1f1b", "fp32", optimizer="sgd"), layout("1f1b", "bf16-autocast", zero=1)],
@@ -186,7 +202,7 @@ def _worker(jobs: list[dict], steps: int) -> list[dict]:
         cfg, plan = job["config"], job["plan"]
         spec = build_model(cfg.model)
         pipe = Pipeline(spec.layers, loss_fn=spec.loss_fn,
-                        optimizer=OptimizerConfig(**engine_optimizer_kwargs(cfg)),
+                        optimizer=OptimizerConfig(**engine_optimizer_kwargs(cfg, plan)),
                         **pipeline_kwargs(cfg, plan.stage_ranges, ties=spec.ties,
                                           recompute=plan.stage_recompute or None))
         data, batch = make_dataset(cfg), int(cfg.train.batch_size)

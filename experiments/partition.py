@@ -33,10 +33,11 @@ from typing import Any, Mapping
 from experiments.app import hydra_entry
 from experiments.config import as_config, searches, validate_config
 from experiments.fields import choice_text as _text
-from experiments.wiring import (make_plan, microbatch_size, profile_model, profiles_by_size, resolve_layout,
-                                search_layout)
+from experiments.wiring import (make_plan, microbatch_size, profile_model, resolve_layout, search_layout,
+                                tp_model_spec)
 
-__all__ = ["compare_plans", "comparison_rows", "format_comparison", "run", "main", "COMPARISON_FILE"]
+__all__ = ["compare_plans", "comparison_rows", "format_comparison", "run", "main", "COMPARISON_FILE",
+           "validate_plan_config", "layout_line"]
 
 COMPARISON_FILE = "partition_comparison.json"
 
@@ -46,10 +47,8 @@ def compare_plans(cfg: Any, spec: Any = None, prof: Any = None) -> dict[str, Any
     has no feasible split (the optimal method under a memory limit nothing fits)."""
     import partitioner
 
-    from experiments.models import build_model
-
     cfg = as_config(cfg)
-    spec = spec if spec is not None else build_model(cfg.model)
+    spec = spec if spec is not None else tp_model_spec(cfg)
     prof = prof if prof is not None else profile_model(cfg, spec)
     out: dict[str, Any] = {}
     for method in partitioner.METHODS:
@@ -121,14 +120,11 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
     """
     import partitioner
 
-    from experiments.models import build_model
-
-    cfg = validate_config(cfg)
+    cfg = validate_plan_config(cfg)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    spec = build_model(cfg.model)
     method = _text(cfg.partitioner.method)
-    cfg, prof, searched = _layout(cfg, spec)
+    cfg, spec, prof, searched = _layout(cfg)
     prof.to_json(run_dir / "profile.json")
     plans = compare_plans(cfg, spec, prof)
     if searched is not None:
@@ -136,6 +132,7 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
     chosen = plans[method]
     print(f"model {spec.name}: {len(spec.layers)} pipeline layers, {spec.num_params:,} parameters; "
           f"profile: {_text(cfg.partitioner.profile)}", flush=True)
+    print(layout_line(cfg, None if isinstance(chosen, str) else chosen), flush=True)
     if not isinstance(chosen, str):
         print(chosen.summary(), flush=True)
         chosen.to_json(run_dir / "plan.json")
@@ -152,15 +149,54 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any]:
     return {"plans": plans, "rows": rows, "run_dir": str(run_dir)}
 
 
-def _layout(cfg: Any, spec: Any) -> tuple[Any, Any, Any]:
-    """(the config with a plain layout, the profile at its microbatch size, the searched plan
-    or None): under `auto` the planner chooses first (a PartitionError propagates)."""
+def _layout(cfg: Any) -> tuple[Any, Any, Any, Any]:
+    """(the config with a plain layout, the model spec of one tensor-parallel rank, the profile
+    at its microbatch size, the searched plan or None): under `auto` the planner chooses first (a
+    PartitionError propagates), the tensor-parallel degree and ZeRO stage too when
+    `partitioner.search.tensor_parallel` / `zero_stages` list several."""
     if not searches(cfg):
-        return cfg, profile_model(cfg, spec), None
-    profiles = profiles_by_size(cfg, spec)
-    plan = search_layout(cfg, spec, profiles).plan
+        spec = tp_model_spec(cfg)
+        return cfg, spec, profile_model(cfg, spec), None
+    plan = search_layout(cfg, None).plan
     resolved = resolve_layout(cfg, plan)
-    return resolved, profiles(microbatch_size(resolved)), plan
+    spec = tp_model_spec(resolved)
+    return resolved, spec, profile_model(resolved, spec, microbatch_size(resolved)), plan
+
+
+def validate_plan_config(cfg: Any) -> Any:
+    """`validate_config` for planning only: a `pipeline.tensor_parallel` above 1 is planned (the
+    model's tp-sharded shapes, `experiments.wiring.tp_model_spec`, check that it divides the heads,
+    KV heads, MLP and vocabulary) though the engine does not train it yet, so the rest of the
+    config is validated at tp = 1."""
+    import dataclasses
+
+    cfg = as_config(cfg)
+    tp = int(cfg.pipeline.tensor_parallel)
+    if tp <= 1:
+        return validate_config(cfg)
+    flat = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, tensor_parallel=1))
+    out = validate_config(flat)
+    return dataclasses.replace(out, pipeline=dataclasses.replace(out.pipeline, tensor_parallel=tp))
+
+
+def layout_line(cfg: Any, plan: Any) -> str:
+    """The 3-D layout in one line: pp x dp x tp (GPUs), the ZeRO stage and, under ZeRO-3, the
+    reshard policy (the plan's choice, or the configured one without a plan).
+
+    >>> from experiments.config import Config, GPTConfig, TextDataConfig
+    >>> layout_line(Config(model=GPTConfig(), data=TextDataConfig()), None)
+    'layout: pp2 x dp1 x tp1 = 2 GPUs; ZeRO-0'
+    """
+    cfg = as_config(cfg)
+    p = cfg.pipeline
+    pp, dp, tp = int(p.stages), int(p.data_parallel), int(p.tensor_parallel)
+    zero = int(cfg.optimizer.zero_stage)
+    text = f"layout: pp{pp} x dp{dp} x tp{tp} = {pp * dp * tp} GPUs; ZeRO-{zero}"
+    if zero == 3:
+        got = plan.reshard_after_forward if plan is not None else None
+        chosen = str(cfg.optimizer.reshard_after_forward).lower() if got is None else str(bool(got)).lower()
+        text += f" (FSDP2), reshard_after_forward={chosen}"
+    return text
 
 
 def main() -> None:

@@ -181,7 +181,7 @@ class Trainer:
         if kwargs["schedule"] == "zb-auto":   # built from the plan's per-chunk costs
             kwargs["schedule"] = self.plan.build_schedule()
         self.pipe = Pipeline(self.spec.layers, loss_fn=self.spec.loss_fn,
-                             optimizer=OptimizerConfig(**engine_optimizer_kwargs(self.cfg)), **kwargs)
+                             optimizer=OptimizerConfig(**engine_optimizer_kwargs(self.cfg, self.plan)), **kwargs)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.p = self.pipe.num_stages

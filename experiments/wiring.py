@@ -36,9 +36,10 @@ from partitioner.planner import recompute_follows
 
 __all__ = [
     "microbatch_size", "world_size", "run_name", "resolve_device", "torch_dtype", "schedule_chunks",
-    "profile_kwargs", "partition_kwargs", "with_fixed_costs", "pipeline_kwargs", "engine_optimizer_kwargs",
+    "profile_kwargs", "partition_kwargs", "reshard_choice", "device_links", "tp_model_spec", "with_fixed_costs", "pipeline_kwargs", "engine_optimizer_kwargs",
     "checkpoint_root", "resume_checkpoint", "check_checkpoint_model", "profile_model", "make_plan",
     "plan_matches", "search_kwargs", "profiles_by_size", "search_layout", "resolve_layout", "available_cores",
+    "parallel_search",
 ]
 
 
@@ -133,11 +134,14 @@ def _planner_kwargs(cfg: Config) -> dict[str, Any]:
     """What `partitioner.partition` and `partitioner.search` both take from the config."""
     p, opt, part = cfg.pipeline, cfg.optimizer, cfg.partitioner
     link = part.link_bytes_per_s
+    zero = int(opt.zero_stage)
     return {
         "data_parallel": int(p.data_parallel),
-        # The planner's memory model stops at ZeRO-2 (whole weights): ZeRO-3 (FSDP2) is planned as
-        # ZeRO-2, an upper bound on its weight memory, until the model has ZeRO-3's terms.
-        "zero_stage": min(int(opt.zero_stage), 2),
+        "zero_stage": zero,
+        # ZeRO-3's reshard policy: the planner chooses under auto (Plan.reshard_after_forward)
+        "reshard_after_forward": reshard_choice(cfg) if zero == 3 else None,
+        "tensor_parallel": int(p.tensor_parallel),
+        "links": device_links(cfg),
         "optimizer": _text(opt.name),
         "memory_limit_bytes": parse_memory_limit(part.memory_limit),
         "method": _text(part.method),
@@ -152,6 +156,25 @@ def _planner_kwargs(cfg: Config) -> dict[str, Any]:
         "step_sync": _text(opt.step_sync),
         "grad_clip": opt.grad_clip is not None,
     }
+
+
+def reshard_choice(cfg: Any) -> bool | None:
+    """`optimizer.reshard_after_forward` for the planner: True / False, or None (auto: the planner
+    chooses, `Plan.reshard_after_forward`)."""
+    key = str(as_config(cfg).optimizer.reshard_after_forward).lower()
+    return None if key == "auto" else key == "true"
+
+
+def device_links(cfg: Any) -> Any:
+    """The collectives' links (`partitioner.collectives.Links`) of the analytic profile's device
+    spec (`partitioner.device_spec`); None for a measured profile or a spec without them (the
+    plan then charges no tensor-parallel or ZeRO-3 collective, and says so)."""
+    part = as_config(cfg).partitioner
+    if _text(part.profile) != "analytic" or part.device_spec is None:
+        return None
+    from partitioner import get_device_spec
+
+    return get_device_spec(str(part.device_spec)).links
 
 
 def partition_kwargs(cfg: Any) -> dict[str, Any]:
@@ -199,9 +222,17 @@ def search_kwargs(cfg: Any) -> dict[str, Any]:
     }
 
 
-def engine_optimizer_kwargs(cfg: Any) -> dict[str, Any]:
-    """Keyword arguments for `engine.OptimizerConfig` (choices as strings, betas a tuple)."""
-    return optimizer_kwargs(cfg)
+def engine_optimizer_kwargs(cfg: Any, plan: Any = None) -> dict[str, Any]:
+    """Keyword arguments for `engine.OptimizerConfig` (choices as strings, betas a tuple). Under
+    ZeRO-3 with `optimizer.reshard_after_forward=auto`, the `plan`'s reshard policy when given
+    (the planner's choice), else `optimizer_kwargs`' rule (reshard iff a memory limit is set)."""
+    out = optimizer_kwargs(cfg)
+    cfg = as_config(cfg)
+    chosen = getattr(plan, "reshard_after_forward", None)
+    if (chosen is not None and int(cfg.optimizer.zero_stage) == 3
+            and str(cfg.optimizer.reshard_after_forward).lower() == "auto"):
+        out["reshard_after_forward"] = str(bool(chosen)).lower()
+    return out
 
 
 def pipeline_kwargs(cfg: Any, stage_ranges: Sequence[Sequence[int]], *, ties: Sequence[tuple[str, str]] = (),
@@ -305,6 +336,42 @@ def check_checkpoint_model(path: Path, spec: Any) -> None:
 
 
 # --------------------------------------------------------------------------- profile and plan
+def tp_model_spec(cfg: Any, tensor_parallel: int | None = None) -> Any:
+    """The model spec of one tensor-parallel rank (`pipeline.tensor_parallel` unless given):
+    Megatron's sharding as shapes, so that a profile of it is one rank's parameters, FLOPs and
+    activations without sequence parallelism. Attention heads, KV heads, the MLP's hidden size and
+    the vocabulary (embedding and LM head) divided by tp, the head dimension and the hidden size
+    kept: the column-parallel projections' outputs and the attention are sharded, while the block's
+    input and output, the norms and the residual stream are whole on every rank. A Hugging Face
+    Llama-style family only (its config takes `head_dim`); the model itself for tp = 1."""
+    import dataclasses
+
+    from experiments.models import build_model
+
+    cfg = as_config(cfg)
+    t = int(cfg.pipeline.tensor_parallel if tensor_parallel is None else tensor_parallel)
+    model = cfg.model
+    if t == 1:
+        return build_model(model)
+    if not hasattr(model, "arch") or getattr(model, "pretrained", None) or _text(model.arch) in ("gpt2", "gpt_neox"):
+        raise ConfigError(f"planning pipeline.tensor_parallel={t} needs a random Hugging Face model of a Llama-style "
+                          f"family (model=hf_llama, or model=hf with model.arch=llama, mistral, qwen2, qwen3, phi3); "
+                          f"got model.name={_text(model.name)}: set pipeline.tensor_parallel=1")
+    heads, dim = int(model.heads), int(model.dim)
+    kv = int(model.kv_heads or heads)
+    inter = int(model.intermediate or 4 * dim)
+    sizes = {"model.heads": heads, "model.kv_heads": kv, "model.intermediate": inter, "model.vocab": int(model.vocab)}
+    bad = [f"{k}={v}" for k, v in sizes.items() if v % t]
+    if bad:
+        raise ConfigError(f"pipeline.tensor_parallel={t} does not divide {', '.join(bad)}: choose a tensor-parallel "
+                          f"degree that divides each of {', '.join(f'{k}={v}' for k, v in sizes.items())}")
+    shard = dataclasses.replace(model, heads=heads // t, kv_heads=kv // t, intermediate=inter // t,
+                                vocab=int(model.vocab) // t)
+    from experiments.models.hf_build import build_hf
+
+    return build_hf(shard, head_dim=dim // heads)
+
+
 def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
     """`partitioner.profile` of the model on one microbatch (`microbatch` samples, default the
     configured size), timed with one thread (as the workers run).
@@ -339,6 +406,8 @@ def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
     finally:
         torch.set_num_threads(threads)
     prof.meta["microbatch_size"] = size
+    if int(cfg.pipeline.tensor_parallel) > 1:   # a profile of one tp rank (`tp_model_spec`)
+        prof.meta["tensor_parallel"] = int(cfg.pipeline.tensor_parallel)
     return with_fixed_costs(cfg, prof)
 
 
@@ -400,6 +469,10 @@ def search_layout(cfg: Any, spec: Any, profiles: Any = None, *, method: str | No
     measured at the configured microbatch size."""
     import partitioner
 
+    cfg = as_config(cfg)
+    if parallel_search(cfg):
+        return _search_parallel(cfg, method)
+    spec = spec if spec is not None else tp_model_spec(cfg)
     kwargs = search_kwargs(cfg)
     if method is not None:
         kwargs["method"] = method
@@ -408,6 +481,48 @@ def search_layout(cfg: Any, spec: Any, profiles: Any = None, *, method: str | No
     if isinstance(profiles, partitioner.Profile) and profiles.meta.get("microbatch_size"):
         extra["profile_microbatch"] = int(profiles.meta["microbatch_size"])
     return partitioner.search(profiles, **kwargs, **extra)
+
+
+def parallel_search(cfg: Any) -> bool:
+    """Whether the search chooses the 3-D layout too (`partitioner.search.tensor_parallel` or
+    `zero_stages` set)."""
+    sc = as_config(cfg).partitioner.search
+    return bool(sc.tensor_parallel) or bool(sc.zero_stages)
+
+
+def _with_parallel(cfg: Config, tp: int, dp: int, zero: int | None = None) -> Config:
+    """`cfg` with `pipeline.tensor_parallel` / `data_parallel` (and `optimizer.zero_stage`) set."""
+    import dataclasses
+
+    pipeline = dataclasses.replace(cfg.pipeline, tensor_parallel=int(tp), data_parallel=int(dp))
+    out = dataclasses.replace(cfg, pipeline=pipeline)
+    if zero is not None:
+        out = dataclasses.replace(out, optimizer=dataclasses.replace(cfg.optimizer, zero_stage=int(zero)))
+    return out
+
+
+def _search_parallel(cfg: Config, method: str | None) -> Any:
+    """`partitioner.search_parallel` per the config: pp fixed, `data_parallel x tensor_parallel`
+    GPUs per stage split between replicas and tensor parallelism, the global batch fixed."""
+    import partitioner
+
+    p, sc = cfg.pipeline, cfg.partitioner.search
+    per_stage = int(p.data_parallel) * int(p.tensor_parallel)
+    tps = [int(x) for x in (sc.tensor_parallel or [p.tensor_parallel])]
+    zeros = [int(x) for x in (sc.zero_stages or [cfg.optimizer.zero_stage])]
+    kwargs = search_kwargs(cfg)
+    for key in ("data_parallel", "zero_stage", "tensor_parallel", "batch_per_replica", "num_stages"):
+        kwargs.pop(key)
+    if method is not None:
+        kwargs["method"] = method
+    batch = int(cfg.train.batch_size)
+
+    def profiles(tp: int) -> Any:
+        one = _with_parallel(cfg, tp, per_stage // tp)
+        return profiles_by_size(one, tp_model_spec(one))
+
+    return partitioner.search_parallel(profiles, int(p.stages), batch, per_stage, tensor_parallel=tps,
+                                       zero_stages=zeros, **kwargs)
 
 
 def resolve_layout(config: Any, plan: Any) -> Config:
@@ -422,7 +537,13 @@ def resolve_layout(config: Any, plan: Any) -> Config:
     pipeline = dataclasses.replace(config.pipeline, schedule=ScheduleName(plan.schedule),
                                    microbatches=int(plan.microbatches), virtual_stages=int(plan.virtual_stages),
                                    max_inflight=plan.max_inflight)
-    return dataclasses.replace(config, pipeline=pipeline)
+    out = dataclasses.replace(config, pipeline=pipeline)
+    if parallel_search(out):   # the 3-D search chose the replicas, tp and ZeRO stage too
+        out = _with_parallel(out, plan.tensor_parallel, plan.data_parallel, plan.zero_stage)
+    if plan.reshard_after_forward is not None and str(out.optimizer.reshard_after_forward).lower() == "auto":
+        out = dataclasses.replace(out, optimizer=dataclasses.replace(
+            out.optimizer, reshard_after_forward=str(bool(plan.reshard_after_forward)).lower()))
+    return out
 
 
 def plan_matches(plan: Any, cfg: Any, num_layers: int) -> bool:

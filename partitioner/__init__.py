@@ -21,10 +21,11 @@ from .memory import SCHEDULES, inflight_per_chunk, static_factor
 from .plan import PartitionError, Plan
 from .planner import METHODS, partition
 from .profile import profile
-from .search import AUTO, Candidate, SearchResult, search
+from .collectives import Links
+from .search import AUTO, Candidate, SearchResult, search, search_parallel
 
 __all__ = [
     "LayerCost", "Profile", "FixedCosts", "profile", "partition", "Plan", "PartitionError", "DeviceSpec", "DEVICE_PRESETS",
     "ATTENTION_BACKENDS", "get_device_spec", "measure_cpu_spec", "SCHEDULES", "METHODS", "inflight_per_chunk", "static_factor",
-    "search", "SearchResult", "Candidate", "AUTO",
+    "search", "SearchResult", "Candidate", "AUTO", "search_parallel", "Links",
 ]

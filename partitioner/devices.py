@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+from .collectives import Links
 from .kernels import KERNEL_PRESETS, KernelModel, OpCharger
 
 __all__ = ["DeviceSpec", "DEVICE_PRESETS", "ATTENTION_BACKENDS", "get_device_spec", "measure_cpu_spec"]
@@ -46,6 +47,12 @@ class DeviceSpec:
     notes: str = ""
     attention: str = "flash"              # SDPA kernel it runs: one of ATTENTION_BACKENDS
     kernels: KernelModel | None = None    # per-op-class model (None: the flat roofline of op_time)
+    # collectives of the 3-D layout (partitioner.collectives): per-GPU rates, one direction
+    intra_node_bytes_per_s: float | None = None   # tensor parallel: NVLink
+    inter_node_bytes_per_s: float | None = None   # data parallel: the GPU's NIC
+    intra_node_latency_s: float = 0.0             # per collective
+    inter_node_latency_s: float = 0.0
+    collective_efficiency: float = 1.0            # fraction of the rate a ring collective reaches
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
@@ -66,6 +73,19 @@ class DeviceSpec:
         d = dtype.replace("torch.", "")
         return self.peak_flops.get(d, self.peak_flops.get("float32", max(self.peak_flops.values())))
 
+    @property
+    def links(self) -> Links | None:
+        """The collectives' links (:class:`partitioner.collectives.Links`), None when the spec
+        gives no intra- or inter-node rate (the measured CPU).
+
+        >>> get_device_spec("h100").links.inter_bytes_per_s
+        50000000000.0
+        """
+        if self.intra_node_bytes_per_s is None or self.inter_node_bytes_per_s is None:
+            return None
+        return Links(self.intra_node_bytes_per_s, self.inter_node_bytes_per_s, self.intra_node_latency_s,
+                     self.inter_node_latency_s, self.collective_efficiency)
+
     def charger(self, dtype: str = "float32") -> OpCharger | None:
         """An :class:`OpCharger` for ``dtype`` ops under :attr:`kernels` (None: flat roofline)."""
         if self.kernels is None:
@@ -74,17 +94,24 @@ class DeviceSpec:
 
 
 # Datasheet figures (dense, SXM parts; S1 in docs/device-model.md). fp32 uses TF32 tensor cores
-# for matmuls on these GPUs.
+# for matmuls on these GPUs. Collectives ("Collectives" in docs/device-model.md): NVLink per GPU, one
+# direction (half the datasheet's bidirectional figure); the NIC per GPU of a DGX/HGX node
+# (A100: ConnectX-6 HDR 200 Gb/s; H100/H200: ConnectX-7 NDR 400 Gb/s); efficiency and latencies
+# are from S3 (NCCL all-reduce on 8 H100s) or assumed, each stated in docs/device-model.md.
+_COLLECTIVES = dict(intra_node_latency_s=25e-6, inter_node_latency_s=30e-6, collective_efficiency=0.8)
 _FLAT: dict[str, DeviceSpec] = {
     "a100": DeviceSpec("a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
                        2.039e12, 80 * 2**30, 300e9, efficiency=0.7, overhead_s=5e-6,
-                       notes="A100 SXM 80GB; NVLink3 600 GB/s bidirectional"),
+                       notes="A100 SXM 80GB; NVLink3 600 GB/s bidirectional; HDR 200 Gb/s per GPU",
+                       intra_node_bytes_per_s=300e9, inter_node_bytes_per_s=25e9, **_COLLECTIVES),
     "h100": DeviceSpec("h100", {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
                        3.35e12, 80 * 2**30, 450e9, efficiency=0.7, overhead_s=5e-6,
-                       notes="H100 SXM 80GB; NVLink4 900 GB/s bidirectional"),
+                       notes="H100 SXM 80GB; NVLink4 900 GB/s bidirectional; NDR 400 Gb/s per GPU",
+                       intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, **_COLLECTIVES),
     "h200": DeviceSpec("h200", {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
                        4.8e12, 141 * 10**9, 450e9, efficiency=0.7, overhead_s=5e-6,
-                       notes="H200 SXM 141GB; NVLink4 900 GB/s bidirectional"),
+                       notes="H200 SXM 141GB; NVLink4 900 GB/s bidirectional; NDR 400 Gb/s per GPU",
+                       intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, **_COLLECTIVES),
 }
 # The plain names keep the flat roofline: on the held-out published figures (torchtitan's Llama 3.1
 # 8B step, docs/device-model.md) the per-op-class model predicts a faster step than the flat one,

@@ -81,21 +81,44 @@ class MemorySettings:
     grad_bucket_mb: float = GRAD_BUCKET_MB
     step_sync: str = "global"            # post_validate: the rollback snapshot (engine.footprint)
     grad_clip: bool = True               # post_validate keeps the gradients for a clipped redo
+    # ZeRO-3 (FSDP2, engine.fsdp): a chunk's layers are resharded after each of its actions (True)
+    # or stay gathered for the step (False)
+    reshard_after_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; use one of {PRECISIONS}")
         if self.optimizer.lower() not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {list(OPTIMIZERS)}")
-        if self.zero_stage not in ZERO_STAGES:
-            raise ValueError(f"zero_stage must be 0, 1 or 2 (got {self.zero_stage}); stage 3 shards "
-                             "weights, which a pipeline stage keeps whole")
+        if self.zero_stage not in (*ZERO_STAGES, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 (DeepSpeed) or 3 (FSDP2), got {self.zero_stage}")
+        if self.zero_stage == 3 and self.backend not in ("auto", "fsdp"):
+            raise ValueError(f"zero_stage=3 runs on FSDP2, not backend={self.backend!r}; use backend='auto'")
         if self.data_parallel < 1:
             raise ValueError(f"data_parallel must be >= 1, got {self.data_parallel}")
         check_grad_accum_dtype(self.grad_accum_dtype, self.precision)
 
+    @property
+    def zero3(self) -> bool:
+        return self.zero_stage == 3
+
+    def gathered_bytes_per_param(self) -> float:
+        """Under ZeRO-3, the bytes of a gathered (unsharded) parameter in the compute dtype; 0
+        otherwise (a whole-weight rank's parameters are all in :attr:`Footprint.parameters`)."""
+        if not self.zero3:
+            return 0.0
+        from engine.choices import weight_bytes
+
+        return float(min(weight_bytes(self.precision), 4))
+
     def footprint(self, numel: float, largest: float = 0) -> Footprint:
-        """The optimizer backend's bytes for a rank of ``numel`` parameters."""
+        """The optimizer backend's bytes for a rank of ``numel`` parameters (ZeRO-3: every layer
+        gathered, :func:`partitioner.zero3.zero3_footprint`)."""
+        if self.zero3:
+            from .zero3 import zero3_footprint
+
+            return zero3_footprint(numel, largest, data_parallel=self.data_parallel, precision=self.precision,
+                                   optimizer=self.optimizer, momentum=self.momentum)
         return state_footprint(int(numel), int(largest), precision=self.precision,
                                optimizer=self.optimizer, momentum=self.momentum,
                                zero_stage=self.zero_stage, data_parallel=self.data_parallel,
@@ -120,6 +143,8 @@ class MemorySettings:
     def node_split(self) -> bool:
         """Whether the engine splits I/W at the autograd nodes (the torch backend) or, when the
         backend cannot take gradient edges as backward roots (DeepSpeed's), at each layer."""
+        if self.zero3:   # FSDP2 (engine.fsdp: accepts_gradient_edges)
+            return True
         return backend_of(self.precision, self.zero_stage, self.backend) == "torch"
 
     def pending_grad_bytes(self, cost: "LayerCost") -> int:
@@ -164,8 +189,10 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
                    microbatch_activations: float = 0.0, in_backward: bool = True,
                    gradients_made: bool = True,
                    layer_transient: tuple[float, float] | None = None,
-                   weight_grads: bool = True) -> dict[str, float]:
-    """The rank's memory at its peak, by :data:`BREAKDOWN_KEYS` (bytes; they sum to the peak):
+                   weight_grads: bool = True, gathered: float | None = None) -> dict[str, float]:
+    """The rank's memory at its peak, by :data:`BREAKDOWN_KEYS` (bytes; they sum to the peak;
+    under ZeRO-3 ``parameters`` are the fp32 shards and ``gathered_parameters``, after it, the
+    unsharded copies in the compute dtype of the ``gathered`` elements held then, None: all):
     the larger of the forward/backward phase and the step phase. ``pending``: the gradients
     kept between I and W at the peak (split-backward schedules), booked as ``temporary``:
     gradients of intermediate tensors made by a backward, as MemTracker books them.
@@ -202,7 +229,19 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     step = {"parameters": f.parameters, "gradients": f.step_gradients,
             "optimizer_state": f.optimizer_state, "activations": 0.0, "communication": 0.0,
             "temporary": f.step_temporary}
+    if settings.zero3:
+        backward, step = _zero3_terms(settings, numel, gathered, backward), _zero3_terms(settings, numel, 0.0, step)
     return backward if sum(backward.values()) >= sum(step.values()) else step
+
+
+def _zero3_terms(settings: MemorySettings, numel: float, gathered: float | None, d: dict[str, float]
+                 ) -> dict[str, float]:
+    """``d`` (whose ``parameters`` hold every layer gathered) with ZeRO-3's parameters as two
+    terms: the shards and the ``gathered`` elements' unsharded copies (None: all)."""
+    w = settings.gathered_bytes_per_param()
+    g = numel if gathered is None else min(float(gathered), numel)
+    out = dict(d, parameters=d["parameters"] - w * numel)
+    return {"parameters": out.pop("parameters"), "gathered_parameters": w * g, **out}
 
 
 def layer_transient(settings: MemorySettings, largest: list[float], workspace: list[float],

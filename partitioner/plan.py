@@ -96,6 +96,9 @@ class Plan(JsonMixin):
     step_fixed_s: float = 0.0
     shared_cores: float | None = None
     rank_optimizer_s: list[float] = field(default_factory=list)
+    rank_collective_s: list[float] = field(default_factory=list)   # the replicas' per-step collectives, exposed
+    tensor_parallel: int = 1
+    reshard_after_forward: bool | None = None   # ZeRO-3's reshard policy (None: not ZeRO-3)
     rank_memory_bytes: list[int] = field(default_factory=list)
     rank_fits: list[bool] = field(default_factory=list)
     rank_memory_breakdown: list[dict[str, int]] = field(default_factory=list)
@@ -268,6 +271,8 @@ class Plan(JsonMixin):
         simulation (several steps, ``step_sync="post_validate"``): its last step plus the
         slowest rank's update (each rank updates between its steps; an upper bound)."""
         ends = [row[-1][2] if row else 0.0 for row in sim.timeline]
+        if len(self.rank_collective_s) == len(ends):   # the replicas' gradient sync (and gathers) after the schedule
+            ends = [e + c for e, c in zip(ends, self.rank_collective_s)]
         opt = list(self.rank_optimizer_s) or [0.0] * len(ends)
         if len(sim.steps_s) > 1:
             return sim.steps_s[-1] + max(opt, default=0.0) + self.step_fixed_s
@@ -309,6 +314,9 @@ class Plan(JsonMixin):
         title = (f"{self.method} split: {self.num_layers} layers, {self.schedule}, p={p}, m={self.microbatches}"
                  + (f", v={self.virtual_stages}" if self.virtual_stages > 1 else "")
                  + (f", dp={self.data_parallel} zero={self.zero_stage}" if self.data_parallel > 1 else "")
+                 + (f", tp={self.tensor_parallel}" if self.tensor_parallel > 1 else "")
+                 + (f" reshard_after_forward={str(self.reshard_after_forward).lower()}"
+                    if self.reshard_after_forward is not None else "")
                  + f", {self.precision} {self.optimizer}")
         foot = [
             f"step {self.step_s * 1e3:.3f} ms ({self.predicted_by}); bubble {self.bubble_fraction:.1%}; "
@@ -324,6 +332,9 @@ class Plan(JsonMixin):
         """Each rank's predicted peak memory by kind (GiB)."""
         keys = ("parameters", "gradients", "optimizer_state", "activations", "communication", "temporary")
         head = ["rank", "params", "grads", "optimizer", "activations", "comm", "temporary", "peak GiB"]
+        if any("gathered_parameters" in d for d in self.rank_memory_breakdown):   # ZeRO-3
+            keys = ("parameters", "gathered_parameters") + keys[1:]
+            head = ["rank", "param shards", "gathered"] + head[2:]
         rows = []
         for r, d in enumerate(self.rank_memory_breakdown):
             rows.append([str(r)] + [f"{d.get(k, 0) / 2**30:.3f}" for k in keys]
@@ -416,6 +427,12 @@ def format_search(record: dict[str, Any], width: int = 120) -> str:
     rows = [chosen] + list(record.get("alternatives", []))
     best = chosen.get("step_s")
     body = [[("*" if k == 0 else str(k + 1))] + _search_cells(r, best) for k, r in enumerate(rows)]
+    if chosen.get("tensor_parallel") is not None:   # the 3-D search: its layout per row
+        width = max(width, 170)
+        head = head[:1] + ["dp x tp", "ZeRO", "reshard"] + head[1:]
+        body = [b[:1] + [f"{r['data_parallel']} x {r['tensor_parallel']}", str(r["zero_stage"]),
+                         "-" if r.get("reshard_after_forward") is None else str(r["reshard_after_forward"]).lower()]
+                + b[1:] for b, r in zip(body, rows)]
     title = (f"search: {record['considered']} layouts ({record.get('ok', 0)} solved, "
              f"{record.get('pruned', 0)} pruned, {record.get('infeasible', 0)} infeasible, "
              f"{record.get('skipped', 0)} skipped), {record['seconds']:.2f} s"

@@ -41,6 +41,7 @@ from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message_ends, peak_inflight, send_mode
 
 from .batchsim import compile_schedule, simulate_many
+from .collectives import Links
 from .costs import FixedCosts, Profile
 from .memory import (BREAKDOWN_KEYS, SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
                      inflight_per_chunk, kept_output_bytes, layer_transient, peak_state, program_peaks, rank_breakdown,
@@ -140,6 +141,8 @@ class _Problem:
     transfers: tuple[int, str] = (0, "step")  # the runtime's receive lookahead and send_wait
     loss_cut: tuple[float, float] = (0.0, 0.0)  # per-layer cut: the loss input kept, the loss's saved freed at I
     explain: bool = True                      # an infeasible search says why (and what would fit)
+    ag: np.ndarray | None = None              # per layer: ZeRO-3's all-gather of its weights, seconds
+    rs: np.ndarray | None = None              # per layer: ZeRO-3's reduce-scatter of its gradients, seconds
 
     @property
     def n(self) -> int:
@@ -196,7 +199,9 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
               simulate: bool = True, max_inflight: int | None = None, precision: str | None = None,
               momentum: float = 0.0, grad_accum_dtype: str = "fp32", backend: str = "auto",
               overlap_grad_reduce: bool = True, grad_bucket_mb: float = GRAD_BUCKET_MB,
-              step_sync: str = "global", grad_clip: bool = True) -> Plan:
+              step_sync: str = "global", grad_clip: bool = True,
+              reshard_after_forward: bool | None = None, tensor_parallel: int = 1,
+              links: Links | None = None) -> Plan:
     """Split ``profile`` into ``num_stages`` pipeline stages (see the module docstring).
 
     ``memory_limit_bytes``: one number for every rank, or one per rank. ``method``: "optimal"
@@ -210,21 +215,52 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     ``grad_bucket_mb``: what the run keeps per parameter (:class:`partitioner.memory.MemorySettings`).
     ``step_sync`` (``optimizer.step_sync``) and ``grad_clip`` (whether it clips): with
     ``"post_validate"`` the ranks' memory holds the rollback snapshot and the step is predicted in
-    the steady state of consecutive steps (:meth:`Plan.simulate`). Raises :class:`PartitionError` when no split
-    fits, naming the smallest limit (or the stage count) that would.
+    the steady state of consecutive steps (:meth:`Plan.simulate`).
+    ``zero_stage=3`` (FSDP2): parameters, gradients and optimizer state sharded over the
+    ``data_parallel`` replicas, the layers gathered in the compute dtype, every layer for the
+    step (``reshard_after_forward=False``) or resharded between a chunk's actions (True); None:
+    the planner chooses (no resharding unless only resharding fits; ``Plan.reshard_after_forward``
+    says which). ``tensor_parallel``: ranks per tensor-parallel group; the profile must be one tp
+    rank's (``profile.meta["tensor_parallel"]``, the sharded shapes profiled: see
+    docs/performance.md), its all-reduces per layer ``profile.meta["tp_allreduces"]`` (default
+    :func:`partitioner.collectives.megatron_allreduces`). ``links``: the collectives' links
+    (``DeviceSpec.links``; None: collectives cost nothing, noted in the plan). Raises
+    :class:`PartitionError` when no split fits, naming the smallest limit (or the stage count)
+    that would.
     """
     p, m, v = int(num_stages), int(microbatches), int(virtual_stages)
     ckpt = _check_arguments(profile, p, m, v, schedule, method, link_bytes_per_s, activation_checkpointing,
                             max_inflight)
-    notes: list[str] = []
+    _check_parallel(profile, int(tensor_parallel), int(zero_stage), reshard_after_forward)
     if link_bytes_per_s is None and profile.fixed is not None:
         link_bytes_per_s = profile.fixed.link_bytes_per_s
+    if int(zero_stage) == 3 and reshard_after_forward is None:   # the planner's choice
+        try:
+            plan = partition(profile, p, schedule=schedule, microbatches=m, virtual_stages=v,
+                             data_parallel=data_parallel, zero_stage=3, optimizer=optimizer,
+                             memory_limit_bytes=memory_limit_bytes, method=method, link_bytes_per_s=link_bytes_per_s,
+                             activation_checkpointing=activation_checkpointing, simulate=simulate,
+                             max_inflight=max_inflight, precision=precision, momentum=momentum,
+                             grad_accum_dtype=grad_accum_dtype, backend=backend, reshard_after_forward=False,
+                             overlap_grad_reduce=overlap_grad_reduce, grad_bucket_mb=grad_bucket_mb,
+                             step_sync=step_sync, grad_clip=grad_clip, tensor_parallel=tensor_parallel, links=links)
+            plan.notes.append("reshard_after_forward=false chosen: the layers stay gathered for the step "
+                              "(one all-gather per layer per step)")
+            return plan
+        except PartitionError:
+            reshard_after_forward = True
+    notes: list[str] = []
+    if reshard_after_forward:
+        notes.append("reshard_after_forward=true: a chunk's layers are freed after each of its actions "
+                     "(an all-gather per layer per forward and per backward)")
     memory = MemorySettings(precision or ("fp32" if profile.itemsize >= 4 else "bf16"), optimizer, momentum,
                             int(zero_stage), int(data_parallel), grad_accum_dtype, backend,
                             bool(overlap_grad_reduce), float(grad_bucket_mb), str(step_sync),
-                            bool(grad_clip))
+                            bool(grad_clip),
+                            reshard_after_forward=bool(reshard_after_forward) and int(zero_stage) == 3)
     prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, link_bytes_per_s, memory,
-                    _rank_caps(memory_limit_bytes, p), simulate, notes)
+                    _rank_caps(memory_limit_bytes, p), simulate, notes,
+                    _Parallel(int(tensor_parallel), links))
     bounds, recompute = _search(method, prob, notes)
     _note_recompute(recompute, ckpt, notes)
     settings = dict(method=method, data_parallel=data_parallel, zero_stage=zero_stage, optimizer=optimizer,
@@ -234,6 +270,8 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
         bounds, local = _refine(prob, bounds, recompute, settings, notes)
     plan = _plan(prob, bounds, recompute, notes, **settings)
     plan.split_search = "local search" if local else "exact" if method == "optimal" else method
+    plan.tensor_parallel = int(tensor_parallel)
+    plan.reshard_after_forward = memory.reshard_after_forward if memory.zero3 else None
     if simulate:
         _predict(plan, prob)
     return plan
@@ -262,6 +300,75 @@ def _check_arguments(profile: Profile, p: int, m: int, v: int, schedule: str, me
     return ckpt
 
 
+def _check_parallel(profile: Profile, tp: int, zero_stage: int, reshard: bool | None) -> None:
+    """Refuse a tensor-parallel degree the profile was not made for, and a reshard policy
+    without ZeRO-3."""
+    if tp < 1:
+        raise ValueError(f"tensor_parallel must be >= 1, got {tp}")
+    got = int(profile.meta.get("tensor_parallel", 1))
+    if got != tp:
+        raise ValueError(f"tensor_parallel={tp} but the profile is of one rank of tensor_parallel={got}: "
+                         f"profile the layers with their tp-sharded shapes (experiments.partition does, from "
+                         f"pipeline.tensor_parallel) and set profile.meta['tensor_parallel'] = {tp}")
+    counts = profile.meta.get("tp_allreduces")
+    if counts is not None and len(counts) != len(profile):
+        raise ValueError(f"profile.meta['tp_allreduces'] has {len(counts)} entries; give one (forward, "
+                         f"backward) pair per layer ({len(profile)})")
+    if reshard is not None and zero_stage != 3:
+        raise ValueError(f"reshard_after_forward={reshard!r} is ZeRO-3's (FSDP2) policy; zero_stage={zero_stage} "
+                         "keeps whole weights: pass reshard_after_forward=None")
+
+
+@dataclass(frozen=True)
+class _Parallel:
+    """The tensor-parallel degree and the collectives' links of a problem."""
+
+    tp: int = 1
+    links: Links | None = None
+
+
+def _collective_times(profile: Profile, memory: MemorySettings, par: _Parallel, notes: list[str]
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer: tensor-parallel all-reduce seconds in its forward and in its backward (per
+    microbatch, on the critical path: no overlap with compute), and the replicas' collectives
+    per step (seconds each): under ZeRO-3 the all-gather of its weights in the compute dtype and
+    the reduce-scatter of its fp32 gradients; under ZeRO-0/1/2 (``ag`` zero) its gradients'
+    reduction, an fp32 all-reduce (ZeRO-0) or reduce-scatter plus the all-gather of the updated
+    weights (ZeRO-1/2)."""
+    L, n = profile.layers, len(profile)
+    zeros = np.zeros(n)
+    tp_f, tp_b, ag, rs = zeros.copy(), zeros.copy(), zeros.copy(), zeros.copy()
+    dp = memory.data_parallel
+    if (par.tp == 1 and dp == 1) or n == 0:
+        return tp_f, tp_b, ag, rs
+    if par.links is None:
+        if par.tp > 1 or memory.zero3:
+            notes.append("no links given (DeviceSpec.links): tensor-parallel and data-parallel collectives cost nothing")
+        return tp_f, tp_b, ag, rs
+    links = par.links
+    if par.tp > 1:
+        from .collectives import megatron_allreduces
+
+        counts = profile.meta.get("tp_allreduces") or megatron_allreduces(n)
+        for i, (nf, nb) in enumerate(counts):
+            tp_f[i] = nf * links.all_reduce(L[i].output_bytes, par.tp, "intra")
+            tp_b[i] = nb * links.all_reduce(L[i - 1].output_bytes if i > 0 else L[i].output_bytes, par.tp, "intra")
+        notes.append(f"tensor parallel {par.tp}: {float(tp_f.sum() + tp_b.sum()) * 1e3:.3f} ms of all-reduces per "
+                     "microbatch (forward + backward, all layers), not overlapped with compute")
+    if dp > 1:
+        numel = np.array([c.param_bytes for c in L], dtype=np.float64) / profile.itemsize
+        if memory.zero3:
+            w = memory.gathered_bytes_per_param()
+            ag = np.array([links.all_gather(w * x, dp, "inter") if x else 0.0 for x in numel])
+            rs = np.array([links.reduce_scatter(4.0 * x, dp, "inter") if x else 0.0 for x in numel])
+        elif memory.zero_stage == 0:
+            rs = np.array([links.all_reduce(4.0 * x, dp, "inter") if x else 0.0 for x in numel])
+        else:
+            rs = np.array([links.reduce_scatter(4.0 * x, dp, "inter")
+                           + links.all_gather(profile.itemsize * x, dp, "inter") if x else 0.0 for x in numel])
+    return tp_f, tp_b, ag, rs
+
+
 def _rank_caps(memory_limit_bytes: "float | Sequence[float] | None", p: int) -> list[float] | None:
     """The memory limit per rank (None: no limit)."""
     if memory_limit_bytes is None:
@@ -279,7 +386,7 @@ def _rank_caps(memory_limit_bytes: "float | Sequence[float] | None", p: int) -> 
 
 def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflight: int | None, ckpt: str,
              link: float | None, memory: MemorySettings, limits: list[float] | None, simulate: bool,
-             notes: list[str]) -> _Problem:
+             notes: list[str], par: _Parallel = _Parallel()) -> _Problem:
     """The profile as arrays, with the schedule's in-flight microbatches per chunk."""
     L = profile.layers
     numel = np.array([c.param_bytes for c in L], dtype=np.float64) / profile.itemsize
@@ -291,6 +398,10 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
         workspace[0] = 0.0   # token ids in: the first layer's backward makes its weight gradient only
     rank_numel = max(float(numel.sum()) / p, 1.0)   # the per-parameter costs at a balanced rank's size
     per_param = max(memory.per_param_bytes(rank_numel), memory.step_per_param_bytes(rank_numel))
+    if memory.zero3 and memory.reshard_after_forward and not SCHEDULE_INFO[schedule].splits_backward:
+        # one of a rank's v chunks gathered at a time, as the search sees it (each chunk books 1/v of
+        # its gathered copy; the exact peak, _rank_moments, corrects the split when it is more)
+        per_param -= memory.gathered_bytes_per_param() * (1.0 - 1.0 / v)
     # the loss's backward transient (the last layer's workspace) only on the rank holding it
     rest = float(workspace[:-1].max()) if len(L) > 1 else 0.0
     last_rank = chunk_ranks(schedule, p, v)[-1]
@@ -304,11 +415,17 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
     inflight, pending, states = _counts(profile, schedule, p, m, v, max_inflight, memory, simulate, act, pend)
     source = "engine schedule" if simulate or states else "closed form"
     notes.append(f"in-flight microbatches per stage {inflight} (from the {source})")
-    whole = np.array([c.backward_s for c in L])
+    tp_f, tp_b, ag, rs = _collective_times(profile, memory, par, notes)
+    whole = np.array([c.backward_s for c in L]) + tp_b
+    fwd = np.array([c.forward_s for c in L]) + tp_f
+    if memory.reshard_after_forward:   # an all-gather per layer per action, overlapped with its compute
+        fwd, whole = np.maximum(fwd, ag), np.maximum(whole, ag)
     if SCHEDULE_INFO[schedule].splits_backward:
         notes.append(f"microbatches with weight gradients pending (I done, W not) per stage {pending}, "
                      f"at the peak of activations + kept gradients")
-        b = np.array([c.split_backward_s for c in L])
+        b = np.array([c.split_backward_s for c in L]) + tp_b
+        if memory.reshard_after_forward:
+            b = np.maximum(b, ag)
         if b.sum() > whole.sum() * 1.001:
             notes.append(f"split backward (I + W) costs {b.sum() / whole.sum():.3f}x the whole backward "
                          "(measured on the engine's split)")
@@ -316,7 +433,7 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
         b = whole
     return _Problem(
         p=p, m=m, v=v, schedule=schedule, max_inflight=max_inflight, ckpt=ckpt, link=link,
-        f=np.array([c.forward_s for c in L]), b=b, b_whole=whole,
+        f=fwd, b=b, b_whole=whole, ag=ag, rs=rs,
         w=np.array([c.weight_s for c in L]),
         static=numel * per_param, act=act, out=out, pend=pend, pending=pending, states=states,
         input_grad=bool(profile.meta.get("input_requires_grad", True)),
@@ -325,7 +442,7 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
         param=np.array([c.param_bytes for c in L], dtype=np.float64), fixed=profile.fixed, memory=memory,
         numel=numel, largest=largest, workspace=workspace, reserve=reserve,
         loss_variants={name: (lambda prof=prof: _problem(prof, p, m, v, schedule, max_inflight, ckpt, link, memory,
-                                                          limits, simulate, []))
+                                                          limits, simulate, [], par))
                        for name, prof in _loss_variant_profiles(profile).items()},
         out_saved=np.array([c.output_saved_bytes or 0 for c in L], dtype=np.float64),
         transfers=_transfers(profile, schedule, p, m, v, max_inflight), has_loss=bool(profile.meta.get("loss")),
@@ -466,11 +583,78 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
                 communication=float(pk.communication), workspace=float(prob.workspace[layers].max()),
                 pending=float(sum(pend[c] * _pending_bytes(prob, *bounds[c], recompute[c]) for c in mine)),
                 microbatch_activations=float(per_mb), in_backward=in_backward, gradients_made=made,
-                layer_transient=transients[kind], weight_grads=kind != "I" or any(recompute[c] for c in mine))
+                layer_transient=transients[kind], weight_grads=kind != "I" or any(recompute[c] for c in mine),
+                gathered=_gathered(prob, bounds, mine, pk.pending))
             if best is None or sum(d.values()) > sum(best[0].values()):
                 best = (d, [held[c] for c in mine], [pend[c] for c in mine])
+        if _resharding(prob) and len(mine) > 1:   # the step's last backward: every chunk gathered
+            d = _last_backward(prob, bounds, recompute, mine, layers, transients["B"])
+            if sum(d.values()) > sum(best[0].values()):
+                best = (d, [int(c == mine[0]) for c in mine], [0] * len(mine))
         out.append(best)
     return out
+
+
+def _rank_collective_s(prob: _Problem, bounds: list[tuple[int, int]]) -> list[float]:
+    """Per rank, the replicas' collectives exposed once per step. ZeRO-0/1/2: the gradients'
+    reduction (and ZeRO-1/2's all-gather of the updated weights), after the schedule, not
+    overlapped (an upper bound where the backend overlaps buckets with the backward). ZeRO-3:
+    the reduce-scatter of every layer's
+    gradients after the schedule (``engine.fsdp.sync_gradients``, nothing left to overlap) and,
+    when the layers stay gathered for the step, their one all-gather at the step's first
+    forward: a chunk's first layer in full, each later one beyond the forward of the layer
+    before it (FSDP2 issues a layer's all-gather while the previous layer computes). Resharding
+    layers gather again in each of the chunk's ``2 m`` forward and backward actions: the first
+    layer's all-gather in full each time, counted here on the rank's path (the later layers'
+    beyond their compute are in the actions' times, ``_problem``). Zeros with one replica or
+    without links."""
+    out = [0.0] * prob.p
+    if prob.rs is None or not prob.rs.any():
+        return out
+    for c, (a, e) in enumerate(bounds):
+        t = float(prob.rs[a:e].sum())
+        if not prob.memory.zero3:
+            pass
+        elif prob.memory.reshard_after_forward:
+            t += 2 * prob.m * float(prob.ag[a])
+        else:
+            t += float(prob.ag[a]) + float(np.maximum(prob.ag[a + 1:e] - prob.f[a:e - 1], 0.0).sum())
+        out[prob.ranks[c]] += t
+    return out
+
+
+def _resharding(prob: _Problem) -> bool:
+    """ZeRO-3 with the layers resharded between a chunk's actions (``reshard_after_forward``)."""
+    return prob.memory.zero3 and prob.memory.reshard_after_forward
+
+
+def _gathered(prob: _Problem, bounds: list[tuple[int, int]], mine: list[int], pending: Sequence[int]
+              ) -> float | None:
+    """ZeRO-3's gathered parameters (elements) of the rank holding chunks ``mine`` at a moment
+    with ``pending`` microbatches between I and W per chunk: every layer without resharding
+    (None); with it (``engine.fsdp``: a chunk's layers are gathered from its action's first
+    layer to the action's end and stay gathered while a microbatch waits for its W), the
+    largest chunk (the one computing, at most) and every chunk with a pending W."""
+    if not _resharding(prob):
+        return None
+    size = [float(prob.numel[slice(*bounds[c])].sum()) for c in mine]
+    held = [x for x, q in zip(size, pending) if q > 0]
+    rest = [x for x, q in zip(size, pending) if q <= 0]
+    return sum(held) + (max(rest) if rest else 0.0)
+
+
+def _last_backward(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], mine: list[int],
+                   layers: list[int], transient: tuple[float, float]) -> dict[str, float]:
+    """The rank's memory in its step's last backward under ZeRO-3 with resharding: the chunks
+    whose backward work is done stay gathered until the step's reduce-scatter
+    (``engine.fsdp.after_compute``), so every layer is gathered while the last microbatch of its
+    first chunk is back-propagated (one microbatch's activations held)."""
+    c = mine[0]
+    return rank_breakdown(
+        prob.memory, numel=float(prob.numel[layers].sum()), largest=float(prob.largest[layers].max()),
+        activations=float(_held_activation_bytes(prob, *bounds[c], 1, recompute[c])), communication=0.0,
+        workspace=float(prob.workspace[layers].max()), in_backward=True, layer_transient=transient,
+        gathered=None)
 
 
 def _transients(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], mine: list[int]
@@ -624,6 +808,9 @@ class _Pricer:
             f, b = f + self.busy * self.ends, b + self.busy * self.ends
         comm = prob.comm_layer[np.array(splits, dtype=np.int64).T - 1]
         ends = simulate_many(self.graph, f, b, w, comm)
+        if prob.rs is not None and prob.rs.any():
+            for j, c in enumerate(splits):
+                ends[:, j] += _rank_collective_s(prob, _bounds_of(c, prob.n))
         if prob.fixed is not None:
             for j, c in enumerate(splits):
                 param = [prob.sums(s, e)[4] / self.shard for s, e in _bounds_of(c, prob.n)]
@@ -788,8 +975,9 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
         stage_inflight=held, stage_pending=pending, stage_recompute=list(recompute), stage_forward_s=f_c,
         stage_backward_s=b_c, stage_weight_s=w_c, boundary_comm_s=comm_b,
         rank_memory_bytes=[int(math.ceil(x)) for x in rank_mem], rank_fits=rank_fits,
-        rank_memory_breakdown=[{k: int(math.ceil(d[k])) for k in BREAKDOWN_KEYS} for d in breakdown],
+        rank_memory_breakdown=[{k: int(math.ceil(x)) for k, x in d.items()} for d in breakdown],
         precision=prob.memory.precision, layer_names=prob.names, notes=notes,
+        rank_collective_s=_rank_collective_s(prob, bounds),
         **_fixed_fields(prob, bounds, settings), **settings)
 
 

@@ -55,7 +55,7 @@ from .plan import PartitionError, Plan, format_search
 from .planner import checkpointing_mode, partition
 from .solve import pipeline_lower_bound
 
-__all__ = ["AUTO", "Candidate", "SearchResult", "search", "candidate_layouts", "microbatch_counts",
+__all__ = ["AUTO", "Candidate", "SearchResult", "search", "search_parallel", "parallel_layouts", "candidate_layouts", "microbatch_counts",
            "inflight_values", "scale_profile", "affine_profile", "V_SPLIT_BUDGET", "SCALINGS"]
 
 AUTO = "auto"
@@ -96,13 +96,22 @@ class Candidate:
     recompute: list[bool] = field(default_factory=list)
     note: str = ""
     plan: Plan | None = field(default=None, repr=False, compare=False)
+    # the 3-D layout (search_parallel): None where the search did not choose it
+    tensor_parallel: int | None = None
+    data_parallel: int | None = None
+    zero_stage: int | None = None
+    reshard_after_forward: bool | None = None
 
     @property
     def label(self) -> str:
-        """A short name: ``"zb-h2 m=8 inflight=3"``, ``"interleaved-1f1b v=3 m=8"``."""
+        """A short name: ``"zb-h2 m=8 inflight=3"``, ``"interleaved-1f1b v=3 m=8"`` (with
+        ``"dp8 tp8 zero3"`` first when :func:`search_parallel` chose them)."""
         out = self.schedule + (f" v={self.virtual_stages}" if SCHEDULE_INFO[self.schedule].chunks_per_rank is None
                                else "") + f" m={self.microbatches}"
-        return out + (f" inflight={self.max_inflight}" if self.max_inflight is not None else "")
+        out += f" inflight={self.max_inflight}" if self.max_inflight is not None else ""
+        if self.tensor_parallel is not None:
+            out = f"dp{self.data_parallel} tp{self.tensor_parallel} zero{self.zero_stage} " + out
+        return out
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -406,7 +415,9 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
            grad_accum_dtype: str = "fp32", backend: str = "auto", overlap_grad_reduce: bool = True,
            grad_bucket_mb: float = GRAD_BUCKET_MB, step_sync: str = "global", grad_clip: bool = True,
            top: int = 5, prune: bool = True,
-           v_split_budget: float = V_SPLIT_BUDGET, scaling: str = "bounded") -> SearchResult:
+           v_split_budget: float = V_SPLIT_BUDGET, scaling: str = "bounded",
+           tensor_parallel: int = 1, reshard_after_forward: bool | None = None,
+           links: Any = None) -> SearchResult:
     """Choose the layout with the smallest predicted step that fits (see the module docstring).
 
     ``profile``: a callable ``microbatch size -> Profile`` (profiled at each size searched), a
@@ -417,7 +428,9 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
     without recomputation; True, every chunk recomputes; "auto", recompute per chunk only where
     the memory limit needs it; ``precision`` / ``momentum`` / ``grad_accum_dtype`` / ``backend`` /
     ``overlap_grad_reduce`` / ``grad_bucket_mb`` / ``step_sync`` / ``grad_clip``: what the run keeps
-    per parameter, and how its steps follow each other). ``top``: the
+    per parameter, and how its steps follow each other;
+    ``tensor_parallel`` / ``reshard_after_forward`` / ``links``: the 3-D layout's, see
+    :func:`partitioner.partition`; :func:`search_parallel` chooses them too). ``top``: the
     alternatives kept exact (and shown); ``prune=False`` solves every layout. Raises :class:`PartitionError` when nothing fits.
     """
     t0 = time.perf_counter()
@@ -440,6 +453,7 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
                   precision=precision, momentum=momentum, grad_accum_dtype=grad_accum_dtype, backend=backend,
                   overlap_grad_reduce=overlap_grad_reduce, grad_bucket_mb=grad_bucket_mb,
                   step_sync=step_sync, grad_clip=grad_clip,
+                  tensor_parallel=tensor_parallel, reshard_after_forward=reshard_after_forward, links=links,
                   activation_checkpointing=_checkpointing(activation_checkpointing, memory_limit_bytes))
     notes = _run(cands, profile_for, p, B, n, kwargs, top if prune else None, v_split_budget)
     ranked = sorted(cands, key=_rank_key)
@@ -506,3 +520,74 @@ def _nothing_fits(ranked: list[Candidate], memory_limit_bytes: Any) -> str:
             hints.append(f"{c.label}: {c.note}")
     return (f"no layout of the {len(ranked)} considered fits memory_limit_bytes={memory_limit_bytes}; "
             + " | ".join(hints[:4]))
+
+
+def parallel_layouts(gpus_per_stage: int, batch: int, tensor_parallel: Sequence[int],
+                     zero_stages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The (tensor_parallel, data_parallel, zero_stage) triples :func:`search_parallel` solves:
+    each tp degree dividing ``gpus_per_stage`` (the GPUs of one pipeline stage, dp x tp), whose
+    replicas ``gpus_per_stage / tp`` divide the global ``batch``; with one replica only ZeRO-0
+    (nothing to shard over).
+
+    >>> parallel_layouts(8, 16, [1, 2, 8, 3], [1, 3])
+    [(1, 8, 1), (1, 8, 3), (2, 4, 1), (2, 4, 3), (8, 1, 0)]
+    """
+    out = []
+    for t in sorted(set(int(x) for x in tensor_parallel)):
+        if t < 1 or gpus_per_stage % t:
+            continue
+        d = gpus_per_stage // t
+        if batch % d:
+            continue
+        for z in sorted({0} if d == 1 else set(int(x) for x in zero_stages)):
+            out.append((t, d, z))
+    return out
+
+
+def search_parallel(profile_for_tp: Callable[[int], ProfileSource], num_stages: int, batch: int,
+                    gpus_per_stage: int, *, tensor_parallel: Sequence[int] = (1,),
+                    zero_stages: Sequence[int] = (1,), top: int = 5, **kwargs: Any) -> SearchResult:
+    """:func:`search` over the 3-D layouts too: on ``num_stages x gpus_per_stage`` GPUs with a
+    global ``batch`` (samples per step), each (tensor parallel, data parallel, ZeRO stage) of
+    :func:`parallel_layouts` is searched (``profile_for_tp(t)``: the profile source of one tp
+    rank, as :func:`search` takes it; the batch per replica ``batch / dp``) and every layout of
+    every triple is ranked together: with the GPUs and the batch fixed, the fastest step is the
+    most tokens per second per GPU. Under ZeRO-3 the reshard policy is the planner's per layout
+    (``reshard_after_forward`` None, :func:`partitioner.partition`) unless given in ``kwargs``.
+    ``kwargs``: :func:`search`'s other keywords (not ``data_parallel`` / ``zero_stage`` /
+    ``tensor_parallel``). Raises :class:`PartitionError` when no triple has a layout that fits.
+    """
+    t0 = time.perf_counter()
+    triples = parallel_layouts(int(gpus_per_stage), int(batch), tensor_parallel, zero_stages)
+    if not triples:
+        raise ValueError(f"no tensor-parallel degree of {list(tensor_parallel)} divides {gpus_per_stage} GPUs per "
+                         f"stage into replicas that divide the batch of {batch}; list divisors of {gpus_per_stage}")
+    cands: list[Candidate] = []
+    notes: list[str] = []
+    spent = 0.0
+    for t, d, z in triples:
+        reshard = kwargs.get("reshard_after_forward") if z == 3 else None
+        kw = dict(kwargs, reshard_after_forward=reshard)
+        try:
+            res = search(profile_for_tp(t), num_stages, batch // d, data_parallel=d, zero_stage=z,
+                         tensor_parallel=t, top=top, **kw)
+        except (PartitionError, ValueError) as exc:   # nothing fits; no microbatch count divides its batch
+            notes.append(f"dp{d} tp{t} zero{z}: {str(exc)[:300]}")
+            continue
+        spent += res.profile_seconds
+        for c in res.candidates:
+            c.tensor_parallel, c.data_parallel, c.zero_stage = t, d, z
+            c.reshard_after_forward = c.plan.reshard_after_forward if c.plan is not None else reshard
+        cands += res.candidates
+    ranked = sorted(cands, key=_rank_key)
+    if not ranked or ranked[0].status != "ok":
+        raise PartitionError(f"no 3-D layout of {[f'dp{d} tp{t} zero{z}' for t, d, z in triples]} fits: "
+                             + " | ".join(n[:400] for n in notes))
+    notes.append(f"3-D layouts searched (pp{num_stages} x dp x tp on {num_stages * gpus_per_stage} GPUs, "
+                 f"global batch {batch}): " + ", ".join(f"dp{d} tp{t} zero{z}" for t, d, z in triples))
+    result = SearchResult(ranked[0].plan, ranked, time.perf_counter() - t0, notes,  # type: ignore[arg-type]
+                          profile_seconds=spent)
+    result.plan.search = result.record(top)
+    result.plan.notes.append(f"chosen by the 3-D search over {len(ranked)} layouts (tensor parallel, replicas, "
+                             "ZeRO stage, reshard policy, schedule, chunks, microbatches, recompute, split)")
+    return result

@@ -1,7 +1,8 @@
 """ZeRO-3 (FSDP2 per stage, ``engine.fsdp``) state terms of one pipeline rank's memory.
 
-The planner's memory model (``partitioner.memory``) stops at ZeRO-2; these are the terms that
-differ under ``optimizer.zero_stage=3``, kept apart so that the model can add them:
+The terms that differ under ``optimizer.zero_stage=3``; the planner's memory model
+(``partitioner.memory.MemorySettings`` with ``zero_stage=3``) takes them through
+:func:`zero3_footprint`:
 
 * parameters: the fp32 sharded masters, ``4 N / dp`` (FSDP2 shards each tensor's dim 0; a dim 0
   not divisible by dp gives some ranks one row more, which this ignores), plus the gathered
@@ -27,9 +28,39 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.choices import weight_bytes
-from engine.footprint import optimizer_state_bytes_per_param
+from engine.footprint import Footprint, optimizer_state_bytes_per_param
 
-__all__ = ["zero3_state_bytes", "gathered_numel"]
+__all__ = ["zero3_state_bytes", "gathered_numel", "zero3_footprint"]
+
+
+def zero3_footprint(numel: float, largest: float, *, data_parallel: int, precision: str = "fp32",
+                    optimizer: str = "adamw", momentum: float = 0.0) -> Footprint:
+    """What a rank holding ``numel`` parameters keeps under ZeRO-3, as the planner's memory model
+    takes it (an ``engine.footprint.Footprint``), every layer of the rank gathered: ``parameters``
+    the fp32 shards plus the gathered copies in the compute dtype (``4 N / dp + w N``; the
+    planner books the gathered part as its own term and, when layers reshard between actions,
+    only the layers gathered at the peak, :class:`partitioner.memory.MemorySettings`);
+    ``gradients`` the fp32 unsharded accumulation (``4 N``: FSDP2 upcasts a 16-bit gradient to
+    its fp32 reduce dtype at each layer's post-backward, ``FSDPParam.to_accumulated_grad_if_needed``;
+    the gradient a backward makes before it is added is a transient, ``w`` times the largest
+    tensor, booked ``backward_temporary``); ``optimizer_state`` on the shards (``s N / dp``); the step holds the
+    shards, the reduced gradient shards and the state (no flat copies: the torch optimizer on
+    DTensor shards). Gradients exist from the step's first backward (``zero_grad`` sets them to
+    None), as with the torch backend.
+
+    >>> f = zero3_footprint(1000, 100, data_parallel=4, precision="bf16")
+    >>> f.parameters, f.gradients, f.optimizer_state, f.backward_temporary, f.step_gradients
+    (3000.0, 4000.0, 2000.0, 200.0, 1000.0)
+    """
+    d = int(data_parallel)
+    if d < 1:
+        raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
+    n, big = float(numel), float(min(largest, numel))
+    w = min(weight_bytes(precision), 4)
+    s = optimizer_state_bytes_per_param(optimizer, momentum)
+    return Footprint(parameters=4.0 * n / d + w * n, gradients=4.0 * n, optimizer_state=s * n / d,
+                     backward_temporary=w * big, step_gradients=4.0 * n / d,
+                     step_temporary=0.0, gradients_from_first_backward=True)
 
 
 def gathered_numel(chunk_numels: Sequence[float], *, reshard_after_forward: bool,

@@ -84,6 +84,22 @@ def test_planner_speed_script_tiny(tmp_path):
     assert rows and rows[0]["layers"] == 60 and rows[0]["cpu_s"] > 0 and rows[0]["split_search"] == "local search"
 
 
+def test_llama405_plan_script_tiny(tmp_path):
+    """scripts/llama405_plan.py on a tiny Llama (pp2 x dp2 x tp2): per schedule, the plan as the engine
+    runs it and with per-block checkpointing (without and with sequence-parallel inputs), and the
+    3-D search's choice."""
+    out = tmp_path / "l405.json"
+    proc = _run("scripts/llama405_plan.py", "--tiny", "--auto", "--limit", "none", "--json", str(out))
+    got = json.loads(out.read_text())
+    rows = got["rows"]
+    assert [r["schedule"] for r in rows] == ["1F1B"] * 3 + ["Interleaved 1F1B"] * 3
+    for k in (0, 3):
+        chunk, block, sp = rows[k:k + 3]
+        assert sp["peak_gib"] <= block["peak_gib"] and sp["step_s"] == block["step_s"]
+        assert "gathered_parameters" in chunk["breakdown_rank0"]
+    assert got["auto"][0]["tokens_per_s_per_gpu"] > 0 and "schedule=auto under none chose dp" in proc.stdout
+
+
 def _script(name: str):
     import importlib.util
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")

@@ -31,12 +31,14 @@ def _tie_pair(num_layers: int) -> tuple[str, str]:
     return ("0.wte.weight", f"{num_layers + 1}.lm_head.weight")
 
 
-def build_hf(cfg: Any) -> ModelSpec:
+def build_hf(cfg: Any, head_dim: int | None = None) -> ModelSpec:
     """Layer factories for a Hugging Face causal LM: from `cfg.pretrained` (a save_pretrained
     directory; each factory loads only its own tensors) or random weights of family `cfg.arch`.
 
     Fields: pretrained, arch, layers, dim, heads, vocab, seq_len, dropout, tie_embeddings,
     kv_heads, intermediate (the size fields are ignored with `pretrained`, which brings its own).
+    ``head_dim``: the attention head size of a random model (default dim / heads; a tensor-parallel
+    rank's shapes keep the whole model's, `experiments.wiring.tp_model_spec`).
     """
     pretrained = cfg.pretrained
     seq_len = int(cfg.seq_len)
@@ -50,6 +52,11 @@ def build_hf(cfg: Any) -> ModelSpec:
         name = f"hf-{lay.model_type}-{str(pretrained).rstrip('/').split('/')[-1]}"
     else:
         config = hf_config(cfg)
+        if head_dim is not None:
+            if not hasattr(config, "head_dim"):
+                raise ValueError(f"model.arch={cfg.arch}: its config has no head_dim; a tensor-parallel rank's "
+                                 "shapes need one (use a Llama-style family)")
+            config.head_dim = int(head_dim)
         config_json = config.to_json_string(use_diff=False)
         _, lay = meta_reference(config_json)
         factories = [partial(build_hf_layer, lay.model_type, config_json, i) for i in range(lay.num_layers + 2)]

@@ -1,0 +1,61 @@
+"""Per-layer activation checkpointing as a profile, for predictions of other runtimes.
+
+pipeshard's engine checkpoints a whole chunk (``engine.stage``: a held microbatch keeps the
+chunk's input, its backward recomputes the chunk, so one microbatch's activations of every layer
+of the chunk exist at once). torchtitan's and Megatron's "full" activation checkpointing wraps
+each transformer block instead: a held microbatch keeps every block's input, and a backward
+recomputes one block at a time. :func:`checkpoint_each_layer` turns a profile into the second
+(each checkpointed layer saves only its input; its activations and backward workspace become its
+backward's transient; its backward runs its forward again), so that :func:`partitioner.partition`
+with ``activation_checkpointing=False`` predicts that runtime's memory and time. The engine does
+not run this: use it to compare with published figures, not to plan a pipeshard run.
+
+Example::
+
+    >>> from partitioner import LayerCost, Profile
+    >>> prof = Profile([LayerCost(1.0, 2.0, 8, 100, 10, workspace_bytes=5)] * 3)
+    >>> c = checkpoint_each_layer(prof, [1]).layers[1]
+    >>> c.activation_bytes, c.workspace_bytes, c.backward_s
+    (10, 105, 3.0)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from .costs import Profile
+
+__all__ = ["checkpoint_each_layer"]
+
+
+def checkpoint_each_layer(profile: Profile, layers: Sequence[int] | None = None, *,
+                          input_shards: int = 1) -> Profile:
+    """``profile`` with each of ``layers`` (default: all but the first and the last, the
+    transformer blocks of an LM's pipeline layers) checkpointed on its own (module docstring):
+    its saved activations the input it receives (the previous layer's output; 0 for the first),
+    divided by ``input_shards`` (sequence parallelism over ``t`` tensor-parallel ranks keeps a
+    block's input sharded along the sequence: ``input_shards=t``), its workspace its former
+    activations plus workspace (recomputed then freed by its backward; as profiled, without
+    sequence parallelism: an upper bound with it), its backward (and a split backward's input
+    half) longer by its forward."""
+    if int(input_shards) < 1:
+        raise ValueError(f"input_shards must be >= 1, got {input_shards}")
+    n = len(profile)
+    chosen = set(range(1, n - 1) if layers is None else (int(i) for i in layers))
+    bad = sorted(i for i in chosen if not 0 <= i < n)
+    if bad:
+        raise ValueError(f"layers {bad} are not in the profile's {n} layers")
+    out = []
+    for i, c in enumerate(profile.layers):
+        if i not in chosen:
+            out.append(c)
+            continue
+        held = (profile.layers[i - 1].output_bytes if i > 0 else 0) // int(input_shards)
+        ws = c.workspace_bytes if c.workspace_bytes is not None else 2 * c.output_bytes
+        out.append(dataclasses.replace(
+            c, activation_bytes=int(held), workspace_bytes=int(c.activation_bytes + ws), shared_input_bytes=0,
+            output_saved_bytes=0, backward_s=c.backward_s + c.forward_s,
+            input_grad_s=None if c.input_grad_s is None else c.input_grad_s + c.forward_s,
+            backward_flops=None if c.backward_flops is None or c.forward_flops is None
+            else c.backward_flops + c.forward_flops))
+    return dataclasses.replace(profile, layers=out, meta=dict(profile.meta, checkpointed_layers=sorted(chosen)))
