@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.models.hf import (_ambient_meta, config_from_json, layer_prefixes, meta_layer,
-                                   meta_reference)
+from experiments.models.hf import (_ambient_meta, config_from_json, layer_prefixes, logit_softcap, meta_layer,
+                                   meta_reference, position_offset)
+from experiments.models.hf_cache import generation_refusal
 from experiments.models.hf_moe import router_spec
 
 __all__ = ["resolve_pretrained", "pretrained_config_json", "pretrained_facts", "weight_map",
@@ -69,7 +70,8 @@ def pretrained_config_json(path: str) -> str:
 def pretrained_facts(path: str | Path) -> dict[str, Any]:
     """What the configuration checks need from a directory, without loading weights:
     `num_layers` (decoder layers), `vocab`, `tie`, `model_type`, `learned_positions` (max
-    positions for models with a learned position table, else None). A directory a worker could
+    positions for models with a learned position table, else None), `logit_softcap` (the final
+    logit soft-capping, or None), `generation` (why `experiments.generate` cannot run it, or None). A directory a worker could
     not load is refused here (:func:`check_loadable`)."""
     config_json = pretrained_config_json(str(path))
     _, lay = meta_reference(config_json)
@@ -78,9 +80,12 @@ def pretrained_facts(path: str | Path) -> dict[str, Any]:
     learned = None
     if lay.positions:
         model, _ = meta_reference(config_json)
-        learned = model.get_submodule(lay.positions).num_embeddings
+        wpe = model.get_submodule(lay.positions)
+        learned = wpe.num_embeddings - position_offset(wpe)
     return {"num_layers": lay.num_layers, "vocab": int(config.vocab_size), "model_type": lay.model_type,
-            "tie": bool(getattr(config, "tie_word_embeddings", False)), "learned_positions": learned}
+            "tie": bool(getattr(config, "tie_word_embeddings", False)), "learned_positions": learned,
+            "logit_softcap": logit_softcap(config),
+            "generation": generation_refusal(meta_reference(config_json)[0], lay.layers)}
 
 
 @functools.lru_cache(maxsize=8)
