@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.models.hf_moe import RouterSpec, layer_stats, router_spec, routers_in
+from experiments.models.hf_moe import RouterSpec, layer_stats, meta_experts, router_spec, routers_in
 
 
 __all__ = [
@@ -263,7 +263,11 @@ class HFBlock(nn.Module):
                 raise TypeError(f"{type(self.block).__name__}.forward takes no KV cache argument")
             kwargs[self._cache_arg] = cache
             kwargs["use_cache"] = True
-        out = self.block(hidden, **kwargs)
+        if hidden.is_meta:   # the analytic profile: experts cost as top-k experts per token
+            with meta_experts(self.block):
+                out = self.block(hidden, **kwargs)
+        else:
+            out = self.block(hidden, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 
