@@ -3,8 +3,10 @@ small with random weights, written with `save_pretrained`, loaded by pipeshard l
 and compared with transformers (issue 41).
 
 For each type, in this order:
-1. a small config from generic sizes (hidden 64, 2 layers, 4 heads, vocab 128, plus the few
-   family sizes in `OVERRIDES`) and the model built from it; failing: **not tried** (why);
+1. a small config from generic sizes (hidden 64, 2 layers, 4 heads, vocab 128, 4 experts of
+   which 2 per token, plus the few family sizes in `OVERRIDES`); pipeshard's layout check on
+   the meta device (refused: its message); the model built from the config, at most
+   `MAX_PARAMS` parameters; failing: **not tried** (why);
 2. pipeshard's launcher check (`pretrained_facts`: the layout, the family refusals, every
    layer's tensors and buffers on meta tensors): an error is **refused** with its message;
 3. transformers' own loss with that config (`labels`, plus `output_router_logits` where the
@@ -36,15 +38,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 VOCAB, SEQ, NEW = 128, 12, 6
-MAX_PARAMS = 5_000_000   # larger after the generic sizes: the family keeps other sizes (not tried)
+MAX_PARAMS = 60_000_000   # larger after the generic sizes: the family keeps other sizes (not tried)
 GENERIC = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-               intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64)
+               intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64,
+               # Mixture-of-Experts sizes, where the config has them
+               num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=64, n_shared_experts=1)
 OVERRIDES: dict[str, dict[str, Any]] = {
     # family sizes the generic ones miss (names the config class does not map)
     "falcon": dict(alibi=False, new_decoder_architecture=True, num_kv_heads=4),
     "opt": dict(ffn_dim=128, word_embed_proj_dim=32, dropout=0.0),
     "gemma2": dict(head_dim=16, sliding_window=4, final_logit_softcapping=0.5, attn_logit_softcapping=0.5),
     "gemma3_text": dict(head_dim=16, sliding_window=4, final_logit_softcapping=0.5),
+    "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "helium": dict(head_dim=16),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    # hybrids: with 2 layers every layer is a linear-attention one, which transformers' own mask fails on
+    **{m: dict(num_hidden_layers=4) for m in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "jamba",
+                                                "kimi_linear", "recurrent_gemma", "bailing_hybrid")},
 }
 HEADER = """# Hugging Face causal-LM families through pipeshard (issue 41)
 
@@ -138,9 +148,16 @@ def survey_one(mtype: str, root: Path) -> dict[str, Any]:
         return {"result": "not tried", "detail": f"no small config from generic sizes ({_why(exc)})"}
     try:
         with torch.device("meta"):
-            size = sum(p.numel() for p in model_class(cfg)(cfg).parameters())
+            meta = model_class(cfg)(cfg)
+        size = sum(p.numel() for p in meta.parameters())
     except Exception as exc:  # noqa: BLE001
         return {"result": "not tried", "detail": f"transformers cannot build it small ({_why(exc)})"}
+    try:   # the launcher's first check (the layout and the family refusals), on the meta device
+        from experiments.models.hf import discover_layout
+
+        discover_layout(meta)
+    except ValueError as exc:
+        return {"result": "refused", "detail": str(exc).replace("|", "/").replace("\n", " ")[:400]}
     if size > MAX_PARAMS:
         return {"result": "not tried", "detail": f"the generic sizes still give {size / 1e6:.0f}M parameters "
                                                  "(sizes of sub-models or tables it does not take from them)"}
@@ -272,10 +289,22 @@ def two_stage(rows: dict[str, dict[str, Any]]) -> None:
         row.update(result=result, detail="; ".join(p for p in (row["detail"], two, gen) if p))
 
 
+def _read_rows(path: Path) -> dict[str, dict[str, Any]]:
+    """The rows of an existing table (family -> result, detail)."""
+    rows = {}
+    for line in path.read_text().splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) == 5 and parts[1] not in ("family", "---"):
+            rows[parts[1]] = {"result": parts[2], "detail": parts[3]}
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
     parser.add_argument("--write", action="store_true", help="write docs/hf_families.md")
+    parser.add_argument("--update", action="store_true", help="re-run the given types and replace their rows "
+                        "in docs/hf_families.md (the others kept)")
     args = parser.parse_args()
     _quiet()
     torch.set_num_threads(1)
@@ -290,7 +319,11 @@ def main() -> None:
             print(f"{mtype}: {rows[mtype]['result']}", file=sys.stderr, flush=True)
         two_stage(rows)
     lines = [f"| {m} | {r['result']} | {r['detail']} |" for m, r in rows.items()]
-    if not args.write:
+    if args.update:
+        rows = {**_read_rows(ROOT / "docs" / "hf_families.md"), **rows}
+        rows = dict(sorted(rows.items()))
+        lines = [f"| {m} | {r['result']} | {r['detail']} |" for m, r in rows.items()]
+    if not (args.write or args.update):
         print("\n".join(lines))
         return
     counts: dict[str, int] = {}

@@ -92,6 +92,13 @@ INCOMPATIBLE = {
     "biogpt": "computes its positions and scales its embeddings in its forward (pipeshard's layers failed)",
     "rwkv": "has blocks that take no attention arguments (pipeshard's layers failed)",
     "xlstm": "has no input embedding pipeshard can find",
+    # Found by scripts/hf_families.py (transformers 5.25).
+    "dory": "runs some of its decoder layers several times (recurrent loops) in its forward",
+    "gemma4_unified_text": "gives its decoder layers per-layer inputs computed in its forward (pipeshard's layers failed)",
+    "deepseek_v32": "runs a sparse-attention indexer (DSA) on the explicit mask its forward builds (pipeshard's layers failed)",
+    "glm_moe_dsa": "runs a sparse-attention indexer (DSA) on the explicit mask its forward builds (pipeshard's layers failed)",
+    "recurrent_gemma": "scales and soft-caps outside its layers (pipeshard's loss differed from transformers')",
+    "axk2": "runs a sparse-attention indexer (DSA) on the explicit mask its forward builds (pipeshard's layers failed)",
 }
 
 # What these families' forward does outside their modules, and the adapter reproduces: a factor
@@ -102,6 +109,7 @@ SCALED = {
     "cohere": (None, "logit_scale", "multiply"),
     "cohere2": (None, "logit_scale", "multiply"),
     "cohere2_moe": (None, "logit_scale", "multiply"),
+    "minicpm3": (None, "logits_scaling", "divide"),   # hidden / c before a bias-free head: logits / c
 }
 
 log = logging.getLogger(__name__)
@@ -431,7 +439,6 @@ def discover_layout(model: nn.Module) -> HFLayout:
         raise ValueError(f"model type {mtype!r} is not supported: it {INCOMPATIBLE[mtype]}, which "
                          "a pipeline of its modules cannot reproduce")
     _check_config(model.config, mtype)
-    _check_rotary(model, mtype)
     base = model.base_model
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if base is model or head is None:
@@ -447,6 +454,7 @@ def discover_layout(model: nn.Module) -> HFLayout:
     if problems:
         raise ValueError(f"{type(model).__name__} does not have the embedding / decoder layers / final "
                          f"norm / LM head layout pipeshard splits ({'; '.join(problems)})")
+    _check_rotary(model, mtype)
     one = {k: v[0] for k, v in found.items()}
     if mtype not in TESTED:
         log.warning("model type %r has the usual layout but is not among the tested families %s; "
@@ -502,11 +510,22 @@ def _model_class(arch: str) -> type:
     return model_class(AutoConfig.for_model(arch))
 
 
+def _special_floats(value: Any) -> Any:
+    """transformers' JSON spelling of inf / nan (`{"__float__": "Infinity"}`) back to floats."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
+
+
 def config_from_json(config_json: str) -> Any:
     """A transformers config from its JSON (`model_type` picks the class), attention on SDPA."""
     from transformers import AutoConfig
 
-    d = json.loads(config_json)
+    d = _special_floats(json.loads(config_json))
     config = AutoConfig.for_model(d.pop("model_type"), **d)
     config._attn_implementation = attention_implementation(config)
     return config

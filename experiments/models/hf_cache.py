@@ -48,7 +48,7 @@ def generation_refusal(model: nn.Module, layers: str) -> str | None:
     if other:
         return f"layer types {other} keep a cache that pipeshard's generation does not drive (only {ATTENTION_TYPES})"
     for i, block in enumerate(model.get_submodule(layers)):
-        if not any("Attention" in type(m).__name__ for m in block.modules()):
+        if not (hasattr(block, "self_attn") or any("Attention" in type(m).__name__ for m in block.modules())):
             return (f"decoder layer {i} ({type(block).__name__}) has no attention module: its state-space or "
                     "recurrent cache is not one pipeshard's generation drives")
     return None

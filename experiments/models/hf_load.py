@@ -216,13 +216,26 @@ def layer_tensors(path: str, index: int, meta: bool = False) -> dict[str, torch.
 
 def _placeholder(buf: torch.Tensor) -> tuple[torch.Tensor, float | int]:
     """A real copy of a meta buffer filled with a value no computation leaves (NaN, or the
-    integer minimum), and that value."""
+    integer minimum; a boolean buffer, e.g. GPT-Neo's causal mask, is held as uint8 2 until
+    filled), and that value."""
+    if buf.dtype == torch.bool:
+        return torch.full(buf.shape, 2, dtype=torch.uint8, device="cpu"), 2
     mark = float("nan") if buf.is_floating_point() else torch.iinfo(buf.dtype).min
     return torch.full(buf.shape, mark, dtype=buf.dtype, device="cpu"), mark
 
 
 def _unset(t: torch.Tensor, mark: float | int) -> bool:
     return bool(t.isnan().any()) if t.is_floating_point() else bool((t == mark).any())
+
+
+def _restore_bools(layer: nn.Module, bools: list[str]) -> None:
+    """Boolean buffers held as uint8 while filled (:func:`_placeholder`) back to bool."""
+    for name in bools:
+        owner, _, attr = name.rpartition(".")
+        module = layer.get_submodule(owner) if owner else layer
+        buf = module.get_buffer(attr)
+        if buf.dtype != torch.bool and not _unset(buf, 2):
+            module.register_buffer(attr, buf.bool(), persistent=False)
 
 
 def rebuild_buffers(layer: nn.Module, reference: nn.Module) -> list[str]:
@@ -232,9 +245,12 @@ def rebuild_buffers(layer: nn.Module, reference: nn.Module) -> list[str]:
     returns the names of those it left unset. Works on a layer whose parameters are still on
     the meta device too (the launcher's check, :func:`check_loadable`)."""
     placed: dict[str, tuple[torch.Tensor, float | int]] = {}
+    bools: list[str] = []
     for mname, module in layer.named_modules():
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf is not None and buf.is_meta and name in module._non_persistent_buffers_set:
+                if buf.dtype == torch.bool:
+                    bools.append(f"{mname}.{name}" if mname else name)
                 real, mark = _placeholder(buf)
                 module.register_buffer(name, real, persistent=False)
                 placed[f"{mname}.{name}" if mname else name] = (real, mark)
@@ -247,7 +263,9 @@ def rebuild_buffers(layer: nn.Module, reference: nn.Module) -> list[str]:
     finally:
         for t in kept:
             del t._is_hf_initialized
-    return [n for n, (_, mark) in placed.items() if _unset(layer.get_buffer(n), mark)]
+    left = [n for n, (_, mark) in placed.items() if _unset(layer.get_buffer(n), mark)]
+    _restore_bools(layer, bools)
+    return left
 
 
 @functools.lru_cache(maxsize=8)
