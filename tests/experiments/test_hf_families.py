@@ -226,3 +226,28 @@ def test_a_family_whose_layers_keep_no_kv_cache_is_refused_by_generate(tmp_path)
         run(compose_config("model=hf", f"model.pretrained={path}", "pipeline.stages=2",
                            "generate.prompts=[[1,2,3]]"), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["opt", "gemma3"])
+def test_export_writes_the_family_back(dirs, tmp_path, name):
+    """A checkpoint of changed weights exports to a directory transformers loads with the
+    pipeline's logits: OPT's projections and offset positions map back to `model.decoder`,
+    gemma's embedding scale (computed, not stored) is rebuilt."""
+    from engine.checkpoint import save_checkpoint
+    from experiments.export_hf import export
+
+    cfg = {"name": "hf", "pretrained": dirs[name], "seq_len": SEQ}
+    spec = build_model(cfg)
+    layers = compose(spec.layers)
+    with torch.no_grad():
+        for p in layers.parameters():
+            p.add_(0.01)
+    if spec.ties:
+        layers[-1].lm_head.weight = layers[0].wte.weight
+    save_checkpoint(tmp_path / "ck", 1, layers={i: m.state_dict() for i, m in enumerate(layers)},
+                    num_layers=len(layers), meta={"step": 1, "model": cfg})
+    model = reference(str(export(tmp_path / "ck", tmp_path / "hf"))).eval()
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, layers.eval()(x), **TOL)
+        assert (model(x).logits - reference(dirs[name])(x).logits).abs().amax() > 1e-3   # the changed weights
