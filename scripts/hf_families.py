@@ -77,6 +77,13 @@ same generic sizes for every family, plus a few family sizes in `OVERRIDES`), wr
 - **not tried**: the generic small config could not be built, or transformers' own forward or
   loss failed with it (a family that needs family-specific sizes), so nothing was compared.
 
+Per-family adapters (tests against transformers in tests/experiments/test_hf_families.py,
+test_hf_moe.py, test_hf_models.py): gemma2 / gemma3_text (final logit soft-capping, sliding and
+global layers, a rotary table per layer type), OPT (`model.decoder`, position offset,
+`project_in` / `project_out`, post-norm), falcon with rotary positions (ALiBi refused), the
+factors of `hf.SCALED` (granite, cohere, minicpm3), converted MoE checkpoints. Families whose
+layers keep no KV cache (mamba, hybrids) train but `experiments.generate` refuses them.
+
 Summary: {summary}.
 
 | family | result | detail |
