@@ -1005,6 +1005,9 @@ def _check_pretrained(model: HFModelConfig, facts: dict, data_name: str) -> None
     if data_name == "synthetic" and int(model.vocab) > facts["vocab"]:
         raise ConfigError(f"data=synthetic draws tokens below model.vocab={model.vocab} but {where} has a "
                           f"vocabulary of {facts['vocab']}; set model.vocab={facts['vocab']}")
+    if facts.get("logit_softcap") is not None and choice_text(model.loss) == "chunked":
+        raise ConfigError(f"model.loss=chunked cannot soft-cap the logits of {where} (final_logit_softcapping="
+                          f"{facts['logit_softcap']}); set model.loss=full")
     learned = facts["learned_positions"]
     if learned is not None and int(model.seq_len) > learned:
         raise ConfigError(f"model.seq_len={model.seq_len} exceeds the {learned} positions of {where}; "

@@ -113,7 +113,10 @@ def hf_model_from_layers(model_cfg: Any, layers: Mapping[int, Mapping[str, Any]]
             setattr(model.get_submodule(parent), leaf, type(model.get_submodule(lay.rotary))(config=config))
     if tied:
         model.tie_weights()
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    from experiments.models.hf_load import rebuild_buffers
+
+    left = rebuild_buffers(model, model)   # computed at construction (gemma's embed_scale, GPT-Neo's mask)
+    left += [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ConfigError(f"{type(model).__name__}: {left} are neither stored nor computable; cannot export")
     return model.eval()

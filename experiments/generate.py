@@ -340,6 +340,9 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
         prompts, tok = encode_prompts(cfg, texts)
     spec = build_model(cfg.model)
     facts = pretrained_facts(cfg.model)
+    if facts and facts.get("generation"):
+        raise ConfigError(f"generate: model type {facts['model_type']!r} cannot generate through pipeshard: "
+                          f"{facts['generation']}; train it with experiments.train instead")
     learned = facts["learned_positions"] if facts else (int(cfg.model.seq_len)
                                                         if spec.extra.get("arch") == "gpt2" else None)
     try:

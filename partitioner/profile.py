@@ -707,10 +707,12 @@ def _attention_mode(backend: str | None):
 def _fused_sdpa(backend: str, query, key, value, attn_mask=None, dropout_p: float = 0.0,
                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False):
     """SDPA through the fused kernel (flash; efficient when a mask is given or asked for).
-    Flash takes grouped-query key/value heads as they are; efficient needs them repeated."""
+    Flash takes grouped-query key/value heads as they are; efficient needs them repeated.
+    Flash needs one head size for queries and values: a smaller value head (DeepSeek's MLA)
+    goes through efficient, as PyTorch's dispatcher sends it."""
     import torch
 
-    if backend == "flash" and attn_mask is None:
+    if backend == "flash" and attn_mask is None and value.shape[-1] == query.shape[-1]:
         return torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout_p, is_causal, False, scale=scale)[0]
     if enable_gqa and key.shape[-3] != query.shape[-3]:

@@ -38,11 +38,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.models.hf_moe import RouterSpec, layer_stats, router_spec, routers_in
+from experiments.models.hf_moe import RouterSpec, layer_stats, meta_experts, router_spec, routers_in
 
 
 __all__ = [
     "ARCHS",
+    "TESTED",
     "HFLayout",
     "HFTokenEmbedding",
     "HFBlock",
@@ -59,6 +60,8 @@ __all__ = [
     "attention_mask",
     "attention_implementation",
     "family_scales",
+    "logit_softcap",
+    "position_offset",
     "SCALED",
     "additive_mask",
 ]
@@ -66,12 +69,14 @@ __all__ = [
 ARCHS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox")
 """Families `model.arch` builds with random weights; each is tested against its HF forward."""
 
+TESTED = (*ARCHS, "gemma", "gemma2", "gemma3_text", "opt", "falcon", "granite", "cohere", "mixtral", "qwen2_moe",
+          "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3")
+"""Families whose pretrained checkpoints the tests compare with transformers (tests/experiments/
+test_hf_models.py, test_hf_families.py, test_hf_moe.py); docs/hf_families.md lists the others."""
+
 # Model types whose forward does work outside the modules this adapter runs (it would silently
 # compute something else): refused with the reason.
 INCOMPATIBLE = {
-    "gemma2": "soft-caps attention and logits and alternates sliding and global attention",
-    "gemma3_text": "soft-caps logits and uses two rotary embeddings",
-    "falcon": "may use ALiBi position biases computed in its forward",
     "bloom": "uses ALiBi position biases computed in its forward",
     "mpt": "uses ALiBi position biases computed in its forward",
     "ctrl": "scales the embeddings and adds sinusoidal positions in its forward",
@@ -87,6 +92,13 @@ INCOMPATIBLE = {
     "biogpt": "computes its positions and scales its embeddings in its forward (pipeshard's layers failed)",
     "rwkv": "has blocks that take no attention arguments (pipeshard's layers failed)",
     "xlstm": "has no input embedding pipeshard can find",
+    # Found by scripts/hf_families.py (transformers 5.25).
+    "dory": "runs some of its decoder layers several times (recurrent loops) in its forward",
+    "gemma4_unified_text": "gives its decoder layers per-layer inputs computed in its forward (pipeshard's layers failed)",
+    "deepseek_v32": "runs a sparse-attention indexer (DSA) on the explicit mask its forward builds (pipeshard's layers failed)",
+    "glm_moe_dsa": "runs a sparse-attention indexer (DSA) on the explicit mask its forward builds (pipeshard's layers failed)",
+    "recurrent_gemma": "scales and soft-caps outside its layers (pipeshard's loss differed from transformers')",
+    "axk2": "runs a sparse-attention indexer (DSA) on the explicit mask its forward builds (pipeshard's layers failed)",
 }
 
 # What these families' forward does outside their modules, and the adapter reproduces: a factor
@@ -97,6 +109,7 @@ SCALED = {
     "cohere": (None, "logit_scale", "multiply"),
     "cohere2": (None, "logit_scale", "multiply"),
     "cohere2_moe": (None, "logit_scale", "multiply"),
+    "minicpm3": (None, "logits_scaling", "divide"),   # hidden / c before a bias-free head: logits / c
 }
 
 log = logging.getLogger(__name__)
@@ -141,29 +154,40 @@ def attention_mask(padding: torch.Tensor | None, q_len: int, window: int | None 
 
 
 # --------------------------------------------------------------------------- the pipeline layers
+def position_offset(wpe: nn.Module) -> int:
+    """Rows a learned position table keeps before position 0 (OPT's `offset` of 2; else 0)."""
+    return int(getattr(wpe, "offset", 0))
+
+
 class HFTokenEmbedding(nn.Module):
-    """Token embedding (+ learned positions, + dropout): `[b, t]` int64 -> `[b, t, d]`."""
+    """Token embedding (+ a projection to the hidden size, + learned positions, + dropout):
+    `[b, t]` int64 -> `[b, t, d]`. OPT: `proj` is its `project_in`, and its position table
+    is read at `position + offset` (the table's own forward takes an attention mask instead)."""
 
     def __init__(self, wte: nn.Embedding, wpe: nn.Embedding | None = None, drop: nn.Module | None = None,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, proj: nn.Module | None = None) -> None:
         super().__init__()
         self.wte = wte
         self.wpe = wpe
         self.drop = drop if drop is not None else nn.Identity()
         self.scale = scale   # granite's embedding_multiplier
+        self.proj = proj
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.wte(input_ids)
         if self.scale is not None:
             h = h * self.scale
+        if self.proj is not None:
+            h = self.proj(h)
         if self.wpe is not None:
+            offset = position_offset(self.wpe)
             if position_ids is None:
-                t = input_ids.shape[1]
-                if t > self.wpe.num_embeddings:
-                    raise ValueError(f"sequence length {t} exceeds the model's {self.wpe.num_embeddings} "
+                t, rows = input_ids.shape[1], self.wpe.num_embeddings - offset
+                if t > rows:
+                    raise ValueError(f"sequence length {t} exceeds the model's {rows} "
                                      "learned positions; use shorter sequences (model.seq_len)")
                 position_ids = torch.arange(t, device=input_ids.device)
-            h = h + self.wpe(position_ids)
+            h = h + nn.Embedding.forward(self.wpe, position_ids + offset)
         return self.drop(h)
 
 
@@ -180,14 +204,17 @@ class HFBlock(nn.Module):
     Rotary models compute their position embeddings once per model; here each block owns a
     (parameter-free) rotary module and computes them itself, so a block runs on any rank.
     `window`: the layer's sliding attention window (Mistral, Qwen2 sliding layers), or None.
+    `layer_type`: the layer's entry of `config.layer_types`, given to a rotary module that keeps
+    one table per layer type (gemma3's local and global rotary), else None.
     """
 
     def __init__(self, block: nn.Module, rotary: nn.Module | None = None, window: int | None = None,
-                 router: RouterSpec | None = None) -> None:
+                 router: RouterSpec | None = None, layer_type: str | None = None) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary
         self.window = window
+        self.layer_type = layer_type
         self.router = router
         self._routers = routers_in(block, router) if router is not None else []
         self._cache_arg, self._args = _call_names(block)
@@ -195,7 +222,12 @@ class HFBlock(nn.Module):
         self.eager = getattr(config, "_attn_implementation", "sdpa") == "eager"
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
-        return None if self.rotary is None else self.rotary(hidden, position_ids)
+        """The layer's rotary (cos, sin) for `position_ids`, or None without rotary."""
+        if self.rotary is None:
+            return None
+        if self.layer_type is not None:
+            return self.rotary(hidden, position_ids, self.layer_type)
+        return self.rotary(hidden, position_ids)
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Any:
         """Hidden states in and out; in an MoE model `(hidden, router stats)` in (or hidden
@@ -233,33 +265,45 @@ class HFBlock(nn.Module):
             kwargs["position_ids"] = position_ids
         if self.rotary is not None:
             kwargs["position_embeddings"] = (position_embeddings if position_embeddings is not None
-                                             else self.rotary(hidden, position_ids))
+                                             else self.position_embeddings(hidden, position_ids))
         if cache is not None:
             if self._cache_arg is None:
                 raise TypeError(f"{type(self.block).__name__}.forward takes no KV cache argument")
             kwargs[self._cache_arg] = cache
             kwargs["use_cache"] = True
-        out = self.block(hidden, **kwargs)
+        if hidden.is_meta:   # the analytic profile: experts cost as top-k experts per token
+            with meta_experts(self.block):
+                out = self.block(hidden, **kwargs)
+        else:
+            out = self.block(hidden, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 
 class HFHead(nn.Module):
-    """Final norm + LM head: `[b, t, d]` -> logits `[b, t, vocab]`; with `fused` (the chunked
-    loss, `experiments.models.loss`) the forward returns `HeadOutput(norm(hidden), weight,
-    bias)` instead, and `logits(hidden)` gives the logits either way (generation)."""
+    """Final norm (+ OPT's `project_out`) + LM head: `[b, t, d]` -> logits `[b, t, vocab]`;
+    with `fused` (the chunked loss, `experiments.models.loss`) the forward returns
+    `HeadOutput(norm(hidden), weight, bias)` instead, and `logits(hidden)` gives the logits
+    either way (generation). `softcap`: gemma2/3's final logit soft-capping,
+    `tanh(logits / c) * c` (the chunked loss cannot apply it: refused)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear, fused: bool = False, scale: float | None = None,
-                 divide: bool = False) -> None:
+    def __init__(self, norm: nn.Module | None, lm_head: nn.Linear, fused: bool = False, scale: float | None = None,
+                 divide: bool = False, proj: nn.Module | None = None, softcap: float | None = None) -> None:
         super().__init__()
-        self.norm = norm
+        self.norm = norm if norm is not None else nn.Identity()   # OPT without a final norm (post-LN)
+        self.proj = proj
         self.lm_head = lm_head
         self.fused = fused
         self.scale, self.divide = scale, divide   # cohere's logit_scale, granite's logits_scaling (divide)
+        self.softcap = softcap
 
     def _scaled(self, t: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
             return t
         return t / self.scale if self.divide else t * self.scale
+
+    def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = self.norm(hidden)
+        return h if self.proj is None else self.proj(h)
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Any:
         if isinstance(x, tuple):  # an MoE model's (hidden, router stats): the stats go on to the loss
@@ -270,17 +314,26 @@ class HFHead(nn.Module):
 
             if self.scale is not None and self.lm_head.bias is not None:
                 raise ValueError("model.loss=chunked cannot scale the logits of a head with a bias; use model.loss=full")
-            return HeadOutput(self._scaled(self.norm(hidden)), self.lm_head.weight, self.lm_head.bias)
+            if self.softcap is not None:
+                raise ValueError("model.loss=chunked cannot soft-cap the logits (final_logit_softcapping); "
+                                 "use model.loss=full")
+            return HeadOutput(self._scaled(self._normed(hidden)), self.lm_head.weight, self.lm_head.bias)
         return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._scaled(self.lm_head(self.norm(hidden)))
+        """The logits of hidden states `[b, t, d]` (norm, head, scale, soft-cap)."""
+        out = self._scaled(self.lm_head(self._normed(hidden)))
+        if self.softcap is not None:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
 
 
 # --------------------------------------------------------------------------- where the pieces are
 @dataclass(frozen=True)
 class HFLayout:
-    """Module paths of the pipeline pieces inside a transformers causal LM.
+    """Module paths of the pipeline pieces inside a transformers causal LM (`norm` None: a
+    post-norm OPT without a final norm; `project_in` / `project_out`: OPT's projections between
+    its embedding width and its hidden size).
 
     >>> HFLayout("llama", "model.embed_tokens", None, None, "model.layers", "model.norm",
     ...          "model.rotary_emb", "lm_head", 2).layers
@@ -292,39 +345,90 @@ class HFLayout:
     positions: str | None
     dropout: str | None
     layers: str
-    norm: str
+    norm: str | None
     rotary: str | None
     head: str
     num_layers: int
+    project_in: str | None = None
+    project_out: str | None = None
 
 
-def _kind(child: nn.Module) -> str:
-    name = type(child).__name__
+PROJECTIONS = ("project_in", "project_out")
+"""Linear children of a decoder found by name (OPT's embedding-width projections)."""
+
+
+def _kind(child: nn.Module, name: str = "") -> str:
+    cls = type(child).__name__
     if isinstance(child, nn.ModuleList):
         return "layers"
     if isinstance(child, nn.Embedding):
         return "positions"
     if isinstance(child, nn.Dropout):
         return "dropout"
-    if "Rotary" in name:
+    if "Rotary" in cls:
         return "rotary"
-    if "norm" in name.lower():
+    if "norm" in cls.lower():
         return "norm"
+    if isinstance(child, nn.Linear) and name in PROJECTIONS:
+        return name
     return "other"
 
 
 def _check_rotary(model: nn.Module, mtype: str) -> None:
-    """Refuse a rotary module that needs more than (hidden, positions): one table per layer
-    type (gemma3-style local/global rotary), which a block's own rotary cannot choose."""
+    """Refuse a rotary module that needs more than (hidden, positions), unless the only extra
+    argument is the layer type and `config.rope_parameters` has a table for every entry of
+    `config.layer_types` (gemma3's local and global tables: each block passes its own)."""
+    types = getattr(model.config, "layer_types", None)
+    tables = getattr(model.config, "rope_parameters", None)
+    per_type = bool(types) and isinstance(tables, dict) and all(tables.get(t) is not None for t in types)
     for name, module in model.named_modules():
         if "Rotary" not in type(module).__name__:
             continue
         params = list(inspect.signature(type(module).forward).parameters.values())[1:]
         extra = [p.name for p in params[2:] if p.default is inspect.Parameter.empty
                  and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if extra:
+        if extra and not (extra == ["layer_type"] and per_type):
             raise ValueError(f"model type {mtype!r} is not supported: its rotary embedding {name} takes "
                              f"{extra} (a table per layer type), which pipeshard's blocks do not pass")
+
+
+def _check_config(config: Any, mtype: str) -> None:
+    """Refuse what a family's config turns on that the pipeline layers do not reproduce."""
+    reasons = {
+        "falcon": (getattr(config, "alibi", False), "config.alibi=true: ALiBi position biases computed in "
+                   "its forward (falcon checkpoints with rotary positions, alibi=false, are supported)"),
+        "gemma3_text": (getattr(config, "use_bidirectional_attention", False),
+                        "config.use_bidirectional_attention=true: a bidirectional (non-causal) mask"),
+    }
+    on, why = reasons.get(mtype, (False, ""))
+    if on:
+        raise ValueError(f"model type {mtype!r} with {why}, which a pipeline of its modules cannot "
+                         "reproduce; it is not supported")
+
+
+DECODER_FAMILIES = ("opt",)
+"""Families whose base model holds its pieces one level down (OPT's `model.decoder`); other
+`model.decoder` families (BART-like: an embedding norm and scale in their forward) are refused."""
+
+
+def _decoder(base: nn.Module, prefix: str, mtype: str) -> tuple[nn.Module, str]:
+    """The module holding the layers: the base model, or, for `DECODER_FAMILIES`, its only
+    child when that child is a decoder with its own layers (OPT's `model.decoder`)."""
+    children = list(base.named_children())
+    if mtype in DECODER_FAMILIES and len(children) == 1 and \
+            any(isinstance(c, nn.ModuleList) for c in children[0][1].children()):
+        name, child = children[0]
+        return child, f"{prefix}.{name}"
+    return base, prefix
+
+
+def _problems(found: dict[str, list[str]], mtype: str, heads: list[str], extra: list[str]) -> list[str]:
+    optional_norm = mtype == "opt"   # OPT's post-norm checkpoints (350m) have no final norm
+    needed = ("embed", "layers") if optional_norm else ("embed", "layers", "norm")
+    return [f"{k}: {v}" for k, v in found.items() if len(v) > 1] + \
+        [f"no {k}" for k in needed if k not in found] + \
+        ([f"unexpected modules {found['other']}"] if "other" in found else []) + \
+        ([f"modules outside the base model {extra}"] if extra else []) + ([] if heads else ["no head"])
 
 
 def discover_layout(model: nn.Module) -> HFLayout:
@@ -334,30 +438,31 @@ def discover_layout(model: nn.Module) -> HFLayout:
     if mtype in INCOMPATIBLE:
         raise ValueError(f"model type {mtype!r} is not supported: it {INCOMPATIBLE[mtype]}, which "
                          "a pipeline of its modules cannot reproduce")
-    _check_rotary(model, mtype)
-    base, prefix = model.base_model, model.base_model_prefix
+    _check_config(model.config, mtype)
+    base = model.base_model
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if base is model or head is None:
         raise ValueError(f"{type(model).__name__} is not a causal LM with a base model and an LM head; "
                          "load it with AutoModelForCausalLM")
+    decoder, prefix = _decoder(base, model.base_model_prefix, mtype)
     found: dict[str, list[str]] = {}
-    for name, child in base.named_children():
-        found.setdefault("embed" if child is embed else _kind(child), []).append(f"{prefix}.{name}")
+    for name, child in decoder.named_children():
+        found.setdefault("embed" if child is embed else _kind(child, name), []).append(f"{prefix}.{name}")
     heads = [n for n, c in model.named_children() if c is head]
     extra = [n for n, c in model.named_children() if c is not head and c is not base]
-    problems = [f"{k}: {v}" for k, v in found.items() if len(v) > 1] + \
-        [f"no {k}" for k in ("embed", "layers", "norm") if k not in found] + \
-        ([f"unexpected modules {found['other']}"] if "other" in found else []) + \
-        ([f"modules outside the base model {extra}"] if extra else []) + ([] if heads else ["no head"])
+    problems = _problems(found, mtype, heads, extra)
     if problems:
         raise ValueError(f"{type(model).__name__} does not have the embedding / decoder layers / final "
                          f"norm / LM head layout pipeshard splits ({'; '.join(problems)})")
+    _check_rotary(model, mtype)
     one = {k: v[0] for k, v in found.items()}
-    if mtype not in ARCHS:
+    if mtype not in TESTED:
         log.warning("model type %r has the usual layout but is not among the tested families %s; "
-                    "compare a forward with transformers' before relying on it", mtype, ARCHS)
+                    "compare a forward with transformers' before relying on it (docs/hf_families.md)",
+                    mtype, TESTED)
     return HFLayout(mtype, one["embed"], one.get("positions"), one.get("dropout"), one["layers"],
-                    one["norm"], one.get("rotary"), heads[0], len(model.get_submodule(one["layers"])))
+                    one.get("norm"), one.get("rotary"), heads[0], len(model.get_submodule(one["layers"])),
+                    one.get("project_in"), one.get("project_out"))
 
 
 def layer_prefixes(layout: HFLayout, index: int) -> dict[str, str]:
@@ -374,11 +479,16 @@ def layer_prefixes(layout: HFLayout, index: int) -> dict[str, str]:
         out = {"wte": layout.embed}
         if layout.positions:
             out["wpe"] = layout.positions
+        if layout.project_in:
+            out["proj"] = layout.project_in
         return out
     if index <= n:
         return {"block": f"{layout.layers}.{index - 1}"}
     if index == n + 1:
-        return {"norm": layout.norm, "lm_head": layout.head}
+        out = {"norm": layout.norm} if layout.norm else {}
+        if layout.project_out:
+            out["proj"] = layout.project_out
+        return {**out, "lm_head": layout.head}
     raise IndexError(f"pipeline layer {index} does not exist (the model has {n + 2})")
 
 
@@ -400,11 +510,22 @@ def _model_class(arch: str) -> type:
     return model_class(AutoConfig.for_model(arch))
 
 
+def _special_floats(value: Any) -> Any:
+    """transformers' JSON spelling of inf / nan (`{"__float__": "Infinity"}`) back to floats."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
+
+
 def config_from_json(config_json: str) -> Any:
     """A transformers config from its JSON (`model_type` picks the class), attention on SDPA."""
     from transformers import AutoConfig
 
-    d = json.loads(config_json)
+    d = _special_floats(json.loads(config_json))
     config = AutoConfig.for_model(d.pop("model_type"), **d)
     config._attn_implementation = attention_implementation(config)
     return config
@@ -454,27 +575,52 @@ def _window(config: Any, layer: int) -> int | None:
     return window
 
 
+def _layer_type(config: Any, layer: int) -> str | None:
+    """The layer's `config.layer_types` entry when the rotary keeps a table per type, else None."""
+    types = getattr(config, "layer_types", None)
+    rotary_types = getattr(config, "rope_parameters", None)
+    if types is None or not isinstance(rotary_types, dict) or rotary_types.get(types[layer]) is None:
+        return None
+    return types[layer]
+
+
+def logit_softcap(config: Any) -> float | None:
+    """The final logit soft-capping of a config (gemma2/3: `final_logit_softcapping`), or None.
+
+    >>> from transformers import AutoConfig
+    >>> logit_softcap(AutoConfig.for_model("gemma2", final_logit_softcapping=30.0)), logit_softcap(AutoConfig.for_model("llama"))
+    (30.0, None)
+    """
+    cap = getattr(config, "final_logit_softcapping", None)
+    return None if cap is None else float(cap)
+
+
+def _pipeline_layer(model: nn.Module, lay: HFLayout, index: int, take: Any, rotary: nn.Module | None) -> nn.Module:
+    """Pipeline layer `index` made of `take(module)` for the model's modules (a deep copy, or the
+    module itself), with the given rotary module for a block."""
+    n, get, config = lay.num_layers, model.get_submodule, model.config
+    opt = (lambda path: take(get(path)) if path else None)
+    if index == 0:
+        return HFTokenEmbedding(take(get(lay.embed)), opt(lay.positions), opt(lay.dropout),
+                                family_scales(config)[0], opt(lay.project_in))
+    if index <= n:
+        return HFBlock(take(get(f"{lay.layers}.{index - 1}")), rotary, _window(config, index - 1),
+                       router_spec(model), _layer_type(config, index - 1))
+    if index == n + 1:
+        _, logit, divide = family_scales(config)
+        return HFHead(opt(lay.norm), take(get(lay.head)), scale=logit, divide=divide, proj=opt(lay.project_out),
+                      softcap=logit_softcap(config))
+    raise IndexError(f"pipeline layer {index} does not exist (the model has {n + 2})")
+
+
 def meta_layer(config_json: str, index: int) -> nn.Module:
     """Pipeline layer `index` with its weights on the meta device (rotary buffers on the CPU)."""
     model, lay = meta_reference(config_json)
-    n = lay.num_layers
-    get = model.get_submodule
-    if index == 0:
-        return HFTokenEmbedding(copy.deepcopy(get(lay.embed)),
-                                copy.deepcopy(get(lay.positions)) if lay.positions else None,
-                                copy.deepcopy(get(lay.dropout)) if lay.dropout else None,
-                                family_scales(model.config)[0])
-    if index <= n:
-        rotary = None
-        if lay.rotary:
-            with torch.device("cpu"):
-                rotary = type(get(lay.rotary))(config=model.config)
-        return HFBlock(copy.deepcopy(get(f"{lay.layers}.{index - 1}")), rotary, _window(model.config, index - 1),
-                       router_spec(model))
-    if index == n + 1:
-        _, logit, divide = family_scales(model.config)
-        return HFHead(copy.deepcopy(get(lay.norm)), copy.deepcopy(get(lay.head)), scale=logit, divide=divide)
-    raise IndexError(f"pipeline layer {index} does not exist (the model has {n + 2})")
+    rotary = None
+    if lay.rotary and 1 <= index <= lay.num_layers:
+        with torch.device("cpu"):
+            rotary = type(model.get_submodule(lay.rotary))(config=model.config)
+    return _pipeline_layer(model, lay, index, copy.deepcopy, rotary)
 
 
 def _ambient_meta() -> bool:
@@ -503,14 +649,8 @@ def build_hf_layer(arch: str, config_json: str, index: int) -> nn.Module:
 def layers_from_hf(model: nn.Module) -> list[nn.Module]:
     """Wrap an existing HF causal LM's own submodules as pipeshard layers (weights shared)."""
     lay = discover_layout(model)
-    get = model.get_submodule
-    embed, logit, divide = family_scales(model.config)
-    first = HFTokenEmbedding(get(lay.embed), get(lay.positions) if lay.positions else None,
-                             get(lay.dropout) if lay.dropout else None, embed)
-    rotary = get(lay.rotary) if lay.rotary else None
-    router = router_spec(model)
-    blocks = [HFBlock(b, rotary, _window(model.config, i), router) for i, b in enumerate(get(lay.layers))]
-    return [first, *blocks, HFHead(get(lay.norm), get(lay.head), scale=logit, divide=divide)]
+    rotary = model.get_submodule(lay.rotary) if lay.rotary else None
+    return [_pipeline_layer(model, lay, i, lambda m: m, rotary) for i in range(lay.num_layers + 2)]
 
 
 # --------------------------------------------------------------------------- configs and specs

@@ -26,7 +26,32 @@ from torch import nn
 
 from experiments.models.hf import HFBlock, HFHead, HFTokenEmbedding, attention_mask
 
-__all__ = ["HFCachedChunk", "position_ids"]
+__all__ = ["HFCachedChunk", "position_ids", "generation_refusal"]
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+"""`config.layer_types` entries whose layers keep a key/value cache this chunk drives."""
+
+
+def generation_refusal(model: nn.Module, layers: str) -> str | None:
+    """Why the chunk cannot generate with a model (whose decoder layers are at `layers`), or
+    None: every decoder layer must be an attention layer taking a KV cache (state-space and
+    hybrid layers keep another cache and read a 2D mask: mamba, falcon_mamba, ...).
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+    ...                                      num_attention_heads=2, vocab_size=32))
+    >>> generation_refusal(model, "model.layers") is None
+    True
+    """
+    types = getattr(model.config, "layer_types", None) or []
+    other = sorted({t for t in types if t not in ATTENTION_TYPES})
+    if other:
+        return f"layer types {other} keep a cache that pipeshard's generation does not drive (only {ATTENTION_TYPES})"
+    for i, block in enumerate(model.get_submodule(layers)):
+        if not (hasattr(block, "self_attn") or any("Attention" in type(m).__name__ for m in block.modules())):
+            return (f"decoder layer {i} ({type(block).__name__}) has no attention module: its state-space or "
+                    "recurrent cache is not one pipeshard's generation drives")
+    return None
 
 
 def position_ids(mask: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -66,17 +91,17 @@ class HFCachedChunk:
         q = x.shape[1]
         pos = position_ids(mask, q)
         masks: dict[int | None, torch.Tensor | None] = {}
-        rotary: Any = None
+        rotary: dict[str | None, Any] = {}   # per layer type (gemma3: local and global tables)
         for layer in self.layers:
             if isinstance(layer, HFTokenEmbedding):
                 x = layer(x, pos)
             elif isinstance(layer, HFBlock):
                 if layer.window not in masks:
                     masks[layer.window] = attention_mask(mask, q, layer.window)
-                if rotary is None and layer.rotary is not None:
-                    rotary = layer.position_embeddings(x, pos)
+                if layer.rotary is not None and layer.layer_type not in rotary:
+                    rotary[layer.layer_type] = layer.position_embeddings(x, pos)
                 x = layer.run(x, mask=masks[layer.window], position_ids=pos, cache=cache,
-                              position_embeddings=rotary)
+                              position_embeddings=rotary.get(layer.layer_type))
             else:  # the head: only the last position's logits are used (as transformers' generate)
                 x = layer.logits(x[:, -1:])
         return x

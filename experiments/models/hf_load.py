@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from experiments.models.hf import (_ambient_meta, config_from_json, layer_prefixes, meta_layer,
-                                   meta_reference)
+from experiments.models.hf import (_ambient_meta, config_from_json, layer_prefixes, logit_softcap, meta_layer,
+                                   meta_reference, position_offset)
+from experiments.models.hf_cache import generation_refusal
 from experiments.models.hf_moe import router_spec
 
 __all__ = ["resolve_pretrained", "pretrained_config_json", "pretrained_facts", "weight_map",
@@ -69,7 +70,8 @@ def pretrained_config_json(path: str) -> str:
 def pretrained_facts(path: str | Path) -> dict[str, Any]:
     """What the configuration checks need from a directory, without loading weights:
     `num_layers` (decoder layers), `vocab`, `tie`, `model_type`, `learned_positions` (max
-    positions for models with a learned position table, else None). A directory a worker could
+    positions for models with a learned position table, else None), `logit_softcap` (the final
+    logit soft-capping, or None), `generation` (why `experiments.generate` cannot run it, or None). A directory a worker could
     not load is refused here (:func:`check_loadable`)."""
     config_json = pretrained_config_json(str(path))
     _, lay = meta_reference(config_json)
@@ -78,9 +80,12 @@ def pretrained_facts(path: str | Path) -> dict[str, Any]:
     learned = None
     if lay.positions:
         model, _ = meta_reference(config_json)
-        learned = model.get_submodule(lay.positions).num_embeddings
+        wpe = model.get_submodule(lay.positions)
+        learned = wpe.num_embeddings - position_offset(wpe)
     return {"num_layers": lay.num_layers, "vocab": int(config.vocab_size), "model_type": lay.model_type,
-            "tie": bool(getattr(config, "tie_word_embeddings", False)), "learned_positions": learned}
+            "tie": bool(getattr(config, "tie_word_embeddings", False)), "learned_positions": learned,
+            "logit_softcap": logit_softcap(config),
+            "generation": generation_refusal(meta_reference(config_json)[0], lay.layers)}
 
 
 @functools.lru_cache(maxsize=8)
@@ -211,13 +216,26 @@ def layer_tensors(path: str, index: int, meta: bool = False) -> dict[str, torch.
 
 def _placeholder(buf: torch.Tensor) -> tuple[torch.Tensor, float | int]:
     """A real copy of a meta buffer filled with a value no computation leaves (NaN, or the
-    integer minimum), and that value."""
+    integer minimum; a boolean buffer, e.g. GPT-Neo's causal mask, is held as uint8 2 until
+    filled), and that value."""
+    if buf.dtype == torch.bool:
+        return torch.full(buf.shape, 2, dtype=torch.uint8, device="cpu"), 2
     mark = float("nan") if buf.is_floating_point() else torch.iinfo(buf.dtype).min
     return torch.full(buf.shape, mark, dtype=buf.dtype, device="cpu"), mark
 
 
 def _unset(t: torch.Tensor, mark: float | int) -> bool:
     return bool(t.isnan().any()) if t.is_floating_point() else bool((t == mark).any())
+
+
+def _restore_bools(layer: nn.Module, bools: list[str]) -> None:
+    """Boolean buffers held as uint8 while filled (:func:`_placeholder`) back to bool."""
+    for name in bools:
+        owner, _, attr = name.rpartition(".")
+        module = layer.get_submodule(owner) if owner else layer
+        buf = module.get_buffer(attr)
+        if buf.dtype != torch.bool and not _unset(buf, 2):
+            module.register_buffer(attr, buf.bool(), persistent=False)
 
 
 def rebuild_buffers(layer: nn.Module, reference: nn.Module) -> list[str]:
@@ -227,9 +245,12 @@ def rebuild_buffers(layer: nn.Module, reference: nn.Module) -> list[str]:
     returns the names of those it left unset. Works on a layer whose parameters are still on
     the meta device too (the launcher's check, :func:`check_loadable`)."""
     placed: dict[str, tuple[torch.Tensor, float | int]] = {}
+    bools: list[str] = []
     for mname, module in layer.named_modules():
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf is not None and buf.is_meta and name in module._non_persistent_buffers_set:
+                if buf.dtype == torch.bool:
+                    bools.append(f"{mname}.{name}" if mname else name)
                 real, mark = _placeholder(buf)
                 module.register_buffer(name, real, persistent=False)
                 placed[f"{mname}.{name}" if mname else name] = (real, mark)
@@ -242,7 +263,9 @@ def rebuild_buffers(layer: nn.Module, reference: nn.Module) -> list[str]:
     finally:
         for t in kept:
             del t._is_hf_initialized
-    return [n for n, (_, mark) in placed.items() if _unset(layer.get_buffer(n), mark)]
+    left = [n for n, (_, mark) in placed.items() if _unset(layer.get_buffer(n), mark)]
+    _restore_bools(layer, bools)
+    return left
 
 
 @functools.lru_cache(maxsize=8)

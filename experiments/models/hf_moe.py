@@ -33,7 +33,10 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["RouterSpec", "router_spec", "layer_stats", "aux_loss", "RouterLoss", "routers_in",
-           "moe_summary"]
+           "moe_summary", "meta_experts_forward", "meta_experts", "META_EXPERTS"]
+
+META_EXPERTS = "pipeshard_meta"
+"""The experts implementation (transformers' `ExpertsInterface`) a block uses on the meta device."""
 
 
 @dataclass(frozen=True)
@@ -148,3 +151,63 @@ def moe_summary(spec: RouterSpec | None) -> dict[str, Any]:
     if spec is None:
         return {}
     return {"num_experts": spec.num_experts, "experts_per_token": spec.top_k, "router_aux_loss_coef": spec.coef}
+
+
+# --------------------------------------------------------------------------- the meta device
+def _one_expert(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool) -> Tensor:
+    """`x` through one expert's matrix (expert 0 of the stack: the same shapes as any)."""
+    w = weight[0]
+    y = x @ (w if transposed else w.transpose(0, 1))
+    return y if bias is None else y + bias
+
+
+def meta_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                         top_k_weights: Tensor) -> Tensor:
+    """transformers' experts forward (`grouped_mm_experts_forward`) with the same shapes and
+    work, for the meta device, where routing has no values (the grouped kernel cannot run there
+    in fp32): every token's `top_k` routed copies (`S = tokens * top_k` rows) go through one
+    expert-sized up (gate-up) and down projection, so the FLOPs and activations are those of
+    top-k experts per token, not of all experts; the weights are the whole expert stacks (all
+    experts' parameters stay in the layer and receive a full-size gradient)."""
+    tokens, dim = hidden_states.shape
+    k = top_k_index.size(-1)
+    x = hidden_states.repeat_interleave(k, dim=0)             # (S, dim)
+    ids = top_k_index.reshape(-1)
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[ids] if self.has_bias else None
+    h = _one_expert(x, up, up_bias, self.is_transposed)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    out = _one_expert(h, self.down_proj, self.down_proj_bias[ids] if self.has_bias else None, self.is_transposed)
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    out = out * top_k_weights.reshape(-1, 1)
+    return out.view(tokens, k, dim).sum(dim=1).to(hidden_states.dtype)
+
+
+class meta_experts:  # noqa: N801 - a context manager used like a function
+    """Within the block, experts modules run :func:`meta_experts_forward` (the analytic,
+    meta-device profile); restored on exit. A block without such modules is left alone.
+
+    >>> with meta_experts(nn.Linear(2, 2)):
+    ...     pass
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        self.configs = {id(m.config): m.config for m in block.modules()
+                        if hasattr(m, "has_gate") and hasattr(m, "_is_expert_parallel") and hasattr(m, "config")}
+        self.saved: dict[int, Any] = {}
+
+    def __enter__(self) -> "meta_experts":
+        if self.configs:
+            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+            if META_EXPERTS not in ALL_EXPERTS_FUNCTIONS:
+                ALL_EXPERTS_FUNCTIONS[META_EXPERTS] = meta_experts_forward
+        for key, config in self.configs.items():
+            self.saved[key] = config._experts_implementation
+            config._experts_implementation = META_EXPERTS
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for key, config in self.configs.items():
+            config._experts_implementation = self.saved[key]

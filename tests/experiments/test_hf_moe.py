@@ -360,3 +360,64 @@ def test_families_a_pipeline_would_get_wrong_are_refused(mtype, reason):
         model = model_class(cfg)(cfg)
     with pytest.raises(ValueError, match=f"{mtype}.*not supported.*{reason}"):
         discover_layout(model)
+
+
+# ---------------------------------------------------------------------------- the planner's costs
+def _hand_count(config, batch: int, seq: int) -> tuple[int, int]:
+    """(forward FLOPs, parameters) of one MoE decoder layer counted by hand: attention
+    projections, SDPA (QK^T and PV, as torch's flop counter counts them), the router, and
+    `top_k` experts per token (not all of them); every expert's parameters."""
+    d, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or d // heads
+    experts, k = _routing(config)
+    f = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    tokens = batch * seq
+    attention = 2 * tokens * d * (2 * heads * hd + 2 * kv * hd) + 4 * batch * heads * seq * seq * hd
+    router = 2 * tokens * d * experts
+    routed = tokens * k * (2 * d * 2 * f + 2 * f * d)          # gate+up, then down, per chosen expert
+    params = d * (2 * heads * hd + 2 * kv * hd) + d * experts + experts * 3 * f * d + 2 * d
+    if config.model_type == "qwen3_moe":
+        params += 2 * hd   # q_norm, k_norm
+    return attention + router + routed, params
+
+
+def _routing(config) -> tuple[int, int]:
+    """(experts, experts per token) of a config."""
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    return int(experts), int(config.num_experts_per_tok)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_analytic_profile_costs_moe_layers_as_top_k_experts(dirs, arch):
+    """`partitioner.profile(mode="analytic")` (the meta device) on an MoE model: every expert's
+    parameters in the layer's memory, the router and top-k experts per token in its FLOPs."""
+    import partitioner
+    from experiments.models.hf import meta_reference
+    from experiments.models.hf_load import pretrained_config_json
+
+    spec = _spec(dirs[arch])
+    batch = 4
+    prof = partitioner.profile(spec.layers, spec.example_input(batch), mode="analytic", device_spec="h100")
+    config = meta_reference(pretrained_config_json(dirs[arch]))[0].config
+    flops, params = _hand_count(config, batch, SEQ)
+    experts, k = _routing(config)
+    assert k < experts
+    for layer in prof.layers[1:-1]:
+        assert layer.forward_flops == flops
+        assert layer.param_bytes == 4 * params
+        assert layer.backward_flops > layer.forward_flops
+
+
+def test_analytic_profile_of_an_mla_moe_model(dirs):
+    """DeepSeek-V3 (MLA: a value head smaller than the query head, so SDPA goes through the
+    efficient kernel, not flash; shared experts; a dense first layer) profiles on the meta
+    device, each layer holding exactly its modules' parameters."""
+    import partitioner
+
+    spec = _spec(dirs["deepseek_v3"])
+    prof = partitioner.profile(spec.layers, spec.example_input(2), mode="analytic", device_spec="h100")
+    layers = compose(spec.layers)
+    for cost, layer in zip(prof.layers, layers):
+        assert cost.param_bytes == 4 * sum(p.numel() for p in layer.parameters())
+    dense, moe = prof.layers[1], prof.layers[2]
+    assert moe.param_bytes > dense.param_bytes and moe.forward_flops > 0
