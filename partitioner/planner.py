@@ -249,14 +249,10 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
             return plan
         except PartitionError:
             reshard_after_forward = True
-    notes: list[str] = []
-    if reshard_after_forward:
-        notes.append("reshard_after_forward=true: a chunk's layers are freed after each of its actions "
-                     "(an all-gather per layer per forward and per backward)")
+    notes: list[str] = [_RESHARD_NOTE] if reshard_after_forward else []
     memory = MemorySettings(precision or ("fp32" if profile.itemsize >= 4 else "bf16"), optimizer, momentum,
                             int(zero_stage), int(data_parallel), grad_accum_dtype, backend,
-                            bool(overlap_grad_reduce), float(grad_bucket_mb), str(step_sync),
-                            bool(grad_clip),
+                            bool(overlap_grad_reduce), float(grad_bucket_mb), str(step_sync), bool(grad_clip),
                             reshard_after_forward=bool(reshard_after_forward) and int(zero_stage) == 3)
     prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, link_bytes_per_s, memory,
                     _rank_caps(memory_limit_bytes, p), simulate, notes,
@@ -275,6 +271,10 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     if simulate:
         _predict(plan, prob)
     return plan
+
+
+_RESHARD_NOTE = ("reshard_after_forward=true: a chunk's layers are freed after each of its actions "
+                 "(an all-gather per layer per forward and per backward)")
 
 
 def _check_arguments(profile: Profile, p: int, m: int, v: int, schedule: str, method: str,
