@@ -45,6 +45,15 @@ class GPTEmbedding(nn.Module):
         nn.init.normal_(self.tok.weight, std=_INIT_STD)
         nn.init.normal_(self.pos.weight, std=_INIT_STD)
 
+    def tp_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism (`engine.tp`): the token table split on the vocabulary (each rank
+        looks up its rows, the vectors are summed); the position table replicated."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        _check_tp(self.tok.num_embeddings, tp, "model.vocab")
+        return {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.pos.num_embeddings:
@@ -80,9 +89,26 @@ class GPTBlock(nn.Module):
             nn.init.normal_(lin.weight, std=_INIT_STD / math.sqrt(2 * num_blocks))
             nn.init.zeros_(lin.bias)
 
+    def tp_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism (`engine.tp`): q/k/v (one fused Linear, each part split on its own)
+        and the MLP's up projection colwise, the attention's and the MLP's out projections
+        rowwise; afterwards the block holds `heads / tp` heads."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from engine.tp import FusedColwiseParallel
+
+        _check_tp(self.heads, tp, "model.heads")
+        _check_tp(self.fc.out_features, tp, "the MLP width (model.dim x model.mlp_ratio)")
+        _check_tp(self.ln1.normalized_shape[0], tp, "model.dim")
+        self.heads //= tp
+        return {"qkv": FusedColwiseParallel(3), "proj": RowwiseParallel(),
+                "fc": ColwiseParallel(), "fc_out": RowwiseParallel()}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        b, t, _ = x.shape
+        qkv = self.qkv(self.ln1(x))
+        d = qkv.shape[-1] // 3   # dim / tp under tensor parallelism (this rank's heads)
+        q, k, v = qkv.split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
@@ -104,6 +130,18 @@ class GPTHead(nn.Module):
         self.fused = fused
         nn.init.normal_(self.head.weight, std=_INIT_STD)
 
+    def tp_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism (`engine.tp`): the LM head split on the vocabulary; its logits stay
+        sharded (a DTensor) and `lm_loss` takes the cross-entropy from the shards."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        if self.fused:
+            raise ValueError("model.loss=chunked is not supported with pipeline.tensor_parallel > 1; "
+                             "use model.loss=full (the vocabulary-parallel loss never gathers the logits)")
+        _check_tp(self.head.out_features, tp, "model.vocab")
+        return {"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+
     def forward(self, x: torch.Tensor) -> Any:
         if self.fused:
             return HeadOutput(self.ln_f(x), self.head.weight, self.head.bias)
@@ -111,6 +149,12 @@ class GPTHead(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))
+
+
+def _check_tp(size: int, tp: int, what: str) -> None:
+    if size % tp:
+        raise ValueError(f"pipeline.tensor_parallel={tp} does not divide {what}={size}; choose a "
+                         "tensor_parallel that divides it")
 
 
 def random_tokens(batch: int, *, seq_len: int, vocab: int, seed: int = 0) -> torch.Tensor:

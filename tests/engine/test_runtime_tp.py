@@ -1,0 +1,140 @@
+"""The runtime (``engine.Pipeline``) with tensor parallelism: DTensor ``parallelize_module`` on
+each layer of a stage over its tp group (``engine.tp``), on the GPT model's plan.
+
+pp2 x tp2 (world 4) on 1f1b and zb-h1, and pp2 x tp2 x dp2 (world 8), gloo, fp32, SGD and AdamW
+(one case with clipping active): losses, the global grad norm, whole gradients (every step) and
+whole parameters after 3 steps equal a single process trained on the whole global batch (rtol
+1e-5). The sharded parameters really are sharded: each rank holds half of every q/k/v, MLP,
+embedding and head matrix.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from dist_helpers import run_workers
+from engine.optim import OptimizerConfig
+from problems import ranges, reference
+
+pytestmark = pytest.mark.slow
+
+SEED, STAGES, TP, M, BATCH, STEPS = 3, 2, 2, 2, 8, 3
+SGD = dict(name="sgd", lr=0.5, momentum=0.9)
+# Adam's step m / (sqrt(v) + eps) moves by up to lr / eps per unit change of a gradient near 0.
+# The key bias's gradient is 0 in exact arithmetic (softmax ignores a shift shared by every key),
+# fp32 rounding noise (~1e-12) in either run; with the default eps (1e-8) that noise becomes
+# lr-sized steps of any sign. eps=1e-3 bounds the effect of a 1e-10 rounding difference in a
+# gradient to 1e-9 (the tolerance stays rtol 1e-5).
+ADAMW = dict(name="adamw", lr=0.01, weight_decay=0.01, eps=1e-3)
+CLIPPED = dict(ADAMW, grad_clip=0.05)
+CASES = [dict(schedule=s, opt=o) for s in ("1f1b", "zb-h1") for o in (SGD, ADAMW)]
+CASES += [dict(schedule="1f1b", opt=CLIPPED), dict(schedule="zb-h1", opt=SGD, recompute=True)]
+DP_CASES = [dict(schedule="1f1b", opt=ADAMW), dict(schedule="zb-h1", opt=CLIPPED)]
+
+
+def _model():
+    from experiments.config import GPTConfig
+    from experiments.models.gpt import build_gpt
+
+    return build_gpt(GPTConfig(layers=2, dim=16, heads=2, vocab=32, seq_len=8))
+
+
+def _data(step: int):
+    from experiments.models.gpt import random_tokens
+
+    x = random_tokens(BATCH, seq_len=8, vocab=32, seed=100 + step)
+    y = random_tokens(BATCH, seq_len=8, vocab=32, seed=200 + step)
+    return x, y
+
+
+def _worker(cases, replicas):
+    from engine import Pipeline
+
+    torch.set_num_threads(1)
+    spec = _model()
+    out = []
+    for case in cases:
+        pipe = Pipeline(spec.layers, ranges(len(spec.layers), STAGES), loss_fn=spec.loss_fn,
+                        schedule=case["schedule"], microbatches=M, data_parallel=replicas,
+                        tensor_parallel=TP, seed=SEED, comm_timeout_s=60,
+                        activation_checkpointing=case.get("recompute", False),
+                        optimizer=OptimizerConfig(**case["opt"]))
+        losses, norms, grads = [], [], []
+        for step in range(STEPS):
+            r = pipe.train_step(*_data(step))
+            losses.append(r.loss)
+            norms.append(r.grad_norm)
+            grads.append(pipe.optimizer.full_grads())
+        local = {n: tuple(p.to_local().shape) for n, p in pipe.optimizer.named.items()
+                 if hasattr(p, "to_local")}
+        out.append({"losses": losses, "norms": norms, "grads": grads, "local": local,
+                    "params": pipe.optimizer.full_parameters(),
+                    "eval": pipe.eval_step(*_data(STEPS))})
+    return out
+
+
+def _reference(opt: dict):
+    spec = _model()
+    ref = reference(spec.layers, _data, OptimizerConfig(**opt), STEPS, seed=SEED,
+                    loss_fn=spec.loss_fn)
+    x, y = _data(STEPS)
+    with torch.no_grad():
+        ref["eval"] = float(spec.loss_fn(ref["model"](x), y))
+    return ref
+
+
+def _check(got: dict, ref: dict, clipped: bool) -> set:
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-7)
+    assert got["eval"] == pytest.approx(ref["eval"], rel=1e-5)
+    for step in range(STEPS):
+        for name, g in got["grads"][step].items():
+            if clipped:   # the engine keeps the clipped gradient in .grad
+                g = g * max(1.0, ref["norms"][step] / 0.05)
+            torch.testing.assert_close(g, ref["grads"][step][name], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, name=name, step=step: f"step {step} gradient {name}: {m}")
+    for name, t in got["params"].items():
+        torch.testing.assert_close(t, ref["params"][name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, name=name: f"parameter {name}: {m}")
+    assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    return set(got["params"])
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_workers(_worker, STAGES * TP, CASES, 1, timeout_s=600)
+
+
+@pytest.mark.parametrize("k", range(len(CASES)), ids=[
+    f"{c['schedule']}-{c['opt']['name']}{'-clip' if c['opt'].get('grad_clip') else ''}"
+    f"{'-recompute' if c.get('recompute') else ''}" for c in CASES])
+def test_pp2_tp2_matches_single_process(results, k):
+    ref = _reference(CASES[k]["opt"])
+    seen: set = set()
+    for rank in results:
+        seen |= _check(rank[k], ref, bool(CASES[k]["opt"].get("grad_clip")))
+    assert seen == set(ref["params"])
+
+
+def test_weights_are_sharded_over_tp(results):
+    """Every rank holds half of each sharded matrix: the vocabulary rows of the embedding and
+    head, the q/k/v and MLP-up rows, the out-projections' columns."""
+    expect = {"0.tok.weight": (16, 16), "1.qkv.weight": (24, 16), "1.qkv.bias": (24,),
+              "1.proj.weight": (16, 8), "1.fc.weight": (32, 16), "1.fc_out.weight": (16, 32),
+              "3.head.weight": (16, 16)}
+    held = {}
+    for rank in results:
+        held.update(rank[0]["local"])
+    for name, shape in expect.items():
+        assert held[name] == shape, (name, held[name])
+
+
+def test_pp2_tp2_dp2_matches_single_process():
+    got = run_workers(_worker, STAGES * TP * 2, DP_CASES, 2, timeout_s=600)
+    for k, case in enumerate(DP_CASES):
+        ref = _reference(case["opt"])
+        seen: set = set()
+        for rank in got:
+            seen |= _check(rank[k], ref, bool(case["opt"].get("grad_clip")))
+        assert seen == set(ref["params"])
