@@ -72,8 +72,13 @@ def build_layers(layers: LayerSpec, start: int, stop: int, seed: int = 0,
 
 
 def _storage(t: Tensor) -> Any:
-    """A tensor's storage; a DTensor's (tensor parallelism, FSDP2): its local shard's."""
-    return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+    """A tensor's storage; a DTensor's (tensor parallelism, FSDP2): its local shard's; an
+    in-flight collective's result (``AsyncCollectiveTensor``): its result's, once done."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if hasattr(t, "trigger_wait"):
+        t = t.trigger_wait()
+    return t.untyped_storage()
 
 
 def _rg(ts: Sequence[Tensor]) -> list[Tensor]:
@@ -256,9 +261,9 @@ class Chunk:
         for t in ts:
             try:
                 st = _storage(t)
+                ptr = st.data_ptr()
             except (RuntimeError, NotImplementedError):
                 continue
-            ptr = st.data_ptr()
             if ptr not in params:
                 seen[ptr] = st.nbytes()
 

@@ -40,8 +40,8 @@ from torch import Tensor, nn
 
 from engine.optim import OptimizerConfig, TorchStageOptimizer, make_torch_optimizer
 
-__all__ = ["parallelize_layer", "FusedColwiseParallel", "vocab_parallel_cross_entropy",
-           "styles_from_hf_plan", "TpStageOptimizer", "HF_STYLES"]
+__all__ = ["parallelize_layer", "FusedColwiseParallel", "ReplicateWithGradSum",
+           "vocab_parallel_cross_entropy", "styles_from_hf_plan", "TpStageOptimizer", "HF_STYLES"]
 
 IGNORE_INDEX = -100
 
@@ -105,19 +105,41 @@ def parallelize_layer(layer: nn.Module, tp_mesh: Any) -> nn.Module:
 
 
 # ---- Hugging Face plans ------------------------------------------------------------------------
+def _parallel_style_cls() -> Any:
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    return ParallelStyle
+
+
+class ReplicateWithGradSum(_parallel_style_cls()):  # type: ignore[misc]
+    """A module kept whole on every tp rank whose gradient is a partial sum per rank (a norm over
+    each rank's own heads: transformers' ``replicated_with_grad_allreduce``): its parameters are
+    marked, and :class:`TpStageOptimizer` sums their gradients over the tp group.
+
+    >>> lin = ReplicateWithGradSum()._apply(nn.Linear(2, 2), None)
+    >>> lin.weight._tp_grad_sum
+    True
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        for prm in module.parameters():
+            prm._tp_grad_sum = True   # type: ignore[attr-defined]
+        return module
+
+
 def _hf_style(name: str) -> Any:
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles = {
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(),
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-        # vocabulary-parallel embedding: each rank its rows, the looked-up vectors summed
-        "embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
-        # vocabulary-parallel LM head: logits stay sharded for vocab_parallel_cross_entropy
-        "lm_head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "replicated_with_grad_allreduce": ReplicateWithGradSum,
     }
     if name not in styles:
         raise ValueError(f"tensor-parallel style {name!r} of the model's base_model_tp_plan is "
@@ -126,16 +148,17 @@ def _hf_style(name: str) -> Any:
     return styles[name]()
 
 
-HF_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "embedding", "lm_head")
+HF_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep",
+             "rowwise_split_input", "embedding_rowwise", "replicated_with_grad_allreduce")
 
 
 def styles_from_hf_plan(plan: Mapping[str, str], module: nn.Module,
                         prefix: str = "") -> dict[str, Any]:
     """``parallelize_module``'s plan for ``module`` from a transformers ``base_model_tp_plan``
     (``{"layers.*.self_attn.q_proj": "colwise", ...}``): the entries under ``prefix`` (e.g.
-    ``"layers.*."`` for a decoder layer) whose submodule exists, with their style names mapped to
-    DTensor styles (``colwise``, ``rowwise``, ``*_rep``; the ``gather``/``local_*``/sequence-
-    parallel styles are refused).
+    ``"layers.*."`` for a decoder layer) whose submodule exists, with their style names
+    (:data:`HF_STYLES`) mapped to DTensor styles; others (expert-parallel ``local_*``, ...) are
+    refused.
 
     >>> blk = nn.Module(); blk.mlp = nn.Module(); blk.mlp.up_proj = nn.Linear(2, 4)
     >>> sorted(styles_from_hf_plan({"layers.*.mlp.up_proj": "colwise", "norm": "x"}, blk,
@@ -249,7 +272,8 @@ class TpStageOptimizer(TorchStageOptimizer):
         self.reducer = None
 
     def sync_gradients(self) -> None:
-        """Sum the local gradient shards over the data-parallel group (once per step)."""
+        """Sum the local gradient shards over the data-parallel group (once per step); first,
+        the gradients of :class:`ReplicateWithGradSum` modules over the tp group."""
         if self._synced:
             return
         self._synced = True
@@ -259,6 +283,9 @@ class TpStageOptimizer(TorchStageOptimizer):
             # vocabulary-parallel embedding's comes out replicated): keep only this rank's shard
             if g is not None and hasattr(g, "placements") and g.placements != prm.placements:
                 prm.grad = g.redistribute(prm.device_mesh, prm.placements)
+        partial = [self._grad(p) for p in self.params if getattr(p, "_tp_grad_sum", False)]
+        if partial and self.mesh.tensor_parallel > 1:
+            self._all_reduce_buckets(partial, self.mesh.tp_group)
         if self.mesh.data_parallel > 1:
             self._all_reduce_buckets([_local(self._grad(p)) for p in self.params],
                                      self.mesh.dp_group)
