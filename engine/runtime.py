@@ -291,8 +291,7 @@ class Pipeline:
         n_chunks = p * v
         self.schedule, self.num_stages, self.virtual_stages = sched, p, v
         self.microbatches, self.data_parallel = microbatches, data_parallel
-        self.tensor_parallel = int(tensor_parallel)
-        self.mesh = Mesh(p, data_parallel, self.tensor_parallel)
+        self.mesh = Mesh(p, data_parallel, int(tensor_parallel))
         self.precision, self.loss_fn = precision, loss_fn
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device())
@@ -349,6 +348,11 @@ class Pipeline:
         self.diagnose_every = int(diagnose_every)
         self.memory_every = int(memory_every)
         self.step_count = 0
+
+    @property
+    def tensor_parallel(self) -> int:
+        """Tensor-parallel ranks per stage and replica (``engine.tp``)."""
+        return self.mesh.tensor_parallel
 
     @staticmethod
     def check_arguments(num_layers: int, stage_ranges: Sequence[Sequence[int]], *,
