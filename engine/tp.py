@@ -10,6 +10,10 @@ Hugging Face layers translate the model's own ``base_model_tp_plan``
 (:func:`styles_from_hf_plan`). A layer without parameters is left replicated; one with
 parameters and no ``tp_plan`` is refused.
 
+With sequence parallelism (the GPT layers' ``sequence_parallel``) the norms and the residual
+stream are split on the sequence (``SequenceParallel``, ``Shard(1)``): the sharded matmuls
+all-gather their input and reduce-scatter their output (gloo has both collectives).
+
 Inside a stage every tp rank runs the same program; between stages each tp rank exchanges
 activations and gradients with the same tp rank of the neighbouring stage (the pipeline group
 of its (replica, tp rank), ``engine.mesh``). Activations crossing a stage boundary are whole
@@ -56,13 +60,14 @@ class FusedColwiseParallel(_colwise_cls()):  # type: ignore[misc]
     """``ColwiseParallel`` for a Linear whose output is ``parts`` projections side by side (a
     fused q/k/v): each part is sharded over tp on its own (``_StridedShard``), so a rank's
     output is its slice of every part, ``[..., parts * out / parts / tp]``, in part order.
+    Keywords as ``ColwiseParallel``'s (``input_layouts=Shard(1)`` under sequence parallelism).
 
     >>> FusedColwiseParallel(3).parts
     3
     """
 
-    def __init__(self, parts: int) -> None:
-        super().__init__()
+    def __init__(self, parts: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.parts = int(parts)
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:

@@ -169,6 +169,7 @@ class GPTConfig(ModelConfig):
     tie_embeddings: bool = False  # share the token embedding with the LM head (summed gradients)
     loss: LossKind = LossKind["full"]  # LM head + cross-entropy: full ([b, s, V] logits) | chunked (never materialises the fp32 logits)
     loss_chunk: int = 1024  # chunked loss: tokens per chunk of the fused head + cross-entropy
+    sequence_parallel: bool = False  # with pipeline.tensor_parallel > 1: LayerNorms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp)
 
 
 @dataclass
@@ -811,7 +812,8 @@ def _tp_sizes(model: Any) -> dict[str, Any]:
             raise ConfigError("pipeline.tensor_parallel > 1 does not support tied weights; set "
                               "model.tie_embeddings=false, or pipeline.tensor_parallel=1")
         return {"model.heads": model.heads, "model.dim": model.dim, "model.vocab": model.vocab,
-                "model.dim x model.mlp_ratio": model.dim * model.mlp_ratio}
+                "model.dim x model.mlp_ratio": model.dim * model.mlp_ratio,
+                **({"model.seq_len": model.seq_len} if model.sequence_parallel else {})}
     from experiments.models.hf import hf_config
 
     if model.pretrained:

@@ -174,7 +174,9 @@ def test_zero_stage_unsupported(base_cfg):
             (dict(pipeline__tensor_parallel=2, model__loss="chunked"), "model.loss=full"),
             (dict(pipeline__tensor_parallel=2, precision="bf16"), "precision=bf16-autocast"),
             (dict(pipeline__tensor_parallel=2, pipeline__schedule="auto"), "planner does not model"),
-            (dict(pipeline__tensor_parallel=0), "at least 1")):
+            (dict(pipeline__tensor_parallel=0), "at least 1"),
+            (dict(pipeline__tensor_parallel=3, model__heads=3, model__dim=96, model__vocab=258,
+                  model__sequence_parallel=True), "does not divide model.seq_len=128")):
         with pytest.raises(ConfigError, match=match):
             validate_config(_cfg(base_cfg, **kw))
     validate_config(_cfg(base_cfg, optimizer__zero_stage=3, model__tie_embeddings=False))

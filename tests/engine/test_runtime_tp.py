@@ -37,7 +37,11 @@ CASES += [dict(schedule="1f1b", opt=CLIPPED), dict(schedule="zb-h1", opt=SGD, re
 # relative in the first step's embedding gradient) grow under Adam past 1e-5 by the third step.
 CASES += [dict(schedule=s, opt=o, model="llama") for s, o in (("1f1b", ADAMW), ("zb-h1", SGD))]
 CASES += [dict(schedule=s, opt=SGD, model="qwen3") for s in ("1f1b", "zb-h1")]
-DP_CASES = [dict(schedule="1f1b", opt=ADAMW), dict(schedule="zb-h1", opt=CLIPPED)]
+# sequence parallelism: norms and the residual stream split on the sequence (activations
+# between stages too), all-gathered / reduce-scattered around the sharded matmuls
+CASES += [dict(schedule=s, opt=o, model="gpt-sp") for s, o in (("1f1b", ADAMW), ("zb-h1", SGD))]
+DP_CASES = [dict(schedule="1f1b", opt=ADAMW), dict(schedule="zb-h1", opt=CLIPPED),
+            dict(schedule="zb-h1", opt=ADAMW, model="gpt-sp")]
 
 
 def _model(name: str = "gpt"):
@@ -45,8 +49,9 @@ def _model(name: str = "gpt"):
     from experiments.models import build_model
     from experiments.models.gpt import build_gpt
 
-    if name == "gpt":
-        return build_gpt(GPTConfig(layers=2, dim=16, heads=2, vocab=32, seq_len=8))
+    if name.startswith("gpt"):
+        return build_gpt(GPTConfig(layers=2, dim=16, heads=2, vocab=32, seq_len=8,
+                                   sequence_parallel=name == "gpt-sp"))
     return build_model({"name": "hf", "arch": name, "layers": 2, "dim": 16, "heads": 4,
                         "kv_heads": 2, "intermediate": 32, "vocab": 32, "seq_len": 8,
                         "tie_embeddings": False})
@@ -80,7 +85,9 @@ def _worker(cases, replicas):
             grads.append(pipe.optimizer.full_grads())
         local = {n: tuple(p.to_local().shape) for n, p in pipe.optimizer.named.items()
                  if hasattr(p, "to_local")}
-        out.append({"losses": losses, "norms": norms, "grads": grads, "local": local,
+        with torch.no_grad():   # what the first stage sends on (sequence-sharded under SP)
+            sent = tuple(pipe.layer_module["0"](_data(0)[0]).shape) if "0" in pipe.layer_module else None
+        out.append({"losses": losses, "norms": norms, "grads": grads, "local": local, "sent": sent,
                     "params": pipe.optimizer.full_parameters(),
                     "eval": pipe.eval_step(*_data(STEPS))})
     return out
@@ -142,10 +149,23 @@ def test_weights_are_sharded_over_tp(results):
         assert held[name] == shape, (name, held[name])
 
 
+def test_sequence_parallel_shards_the_residual_stream(results):
+    """Under sequence parallelism the first stage sends each tp rank's half of the sequence, and
+    the LayerNorms are replicated DTensors; without it the whole sequence and plain norms."""
+    for k, case in enumerate(CASES):
+        if case.get("model", "gpt") not in ("gpt", "gpt-sp"):
+            continue
+        sp = case.get("model") == "gpt-sp"
+        sent = [rank[k]["sent"] for rank in results if rank[k]["sent"] is not None]
+        assert sent == [(BATCH, 4 if sp else 8, 16)] * TP, sent
+        held = {n for rank in results for n in rank[k]["local"]}
+        assert ("1.ln1.weight" in held) == sp and ("3.ln_f.weight" in held) == sp
+
+
 def test_pp2_tp2_dp2_matches_single_process():
     got = run_workers(_worker, STAGES * TP * 2, DP_CASES, 2, timeout_s=600)
     for k, case in enumerate(DP_CASES):
-        ref = _reference(case["opt"])
+        ref = _reference(case["opt"], case.get("model", "gpt"))
         seen: set = set()
         for rank in got:
             seen |= _check(rank[k], ref, bool(case["opt"].get("grad_clip")))
