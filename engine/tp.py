@@ -220,8 +220,10 @@ def vocab_parallel_cross_entropy(logits: Any, targets: Tensor) -> Tensor:
     targets that are not -100) for DTensor ``logits`` sharded on the last (vocabulary) dim, from
     each rank's shard: the same loss on every tp rank, gradients only into this rank's logits.
 
-    >>> vocab_parallel_cross_entropy.__name__
-    'vocab_parallel_cross_entropy'
+    Example (inside a tp group; ``head`` a ``ColwiseParallel(output_layouts=Shard(-1),
+    use_local_output=False)`` Linear)::
+
+        loss = vocab_parallel_cross_entropy(head(hidden), targets)   # == F.cross_entropy
     """
     from torch.distributed.tensor import Shard
 

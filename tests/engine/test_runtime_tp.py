@@ -65,6 +65,12 @@ def _data(step: int):
     return x, y
 
 
+# DTensor parameters kept whole on every tp rank (replicated): the rowwise layers' biases and,
+# under sequence parallelism, the LayerNorms
+REPLICATED = {f"{i}.{m}.{w}" for i in (1, 2) for m in ("proj", "fc_out") for w in ("bias",)} | {
+    f"{i}.{m}.{w}" for i in (1, 2, 3) for m in ("ln1", "ln2", "ln_f") for w in ("weight", "bias")}
+
+
 def _worker(cases, replicas):
     from engine import Pipeline
 
@@ -85,12 +91,27 @@ def _worker(cases, replicas):
             grads.append(pipe.optimizer.full_grads())
         local = {n: tuple(p.to_local().shape) for n, p in pipe.optimizer.named.items()
                  if hasattr(p, "to_local")}
+        resident = _resident_parameter_bytes(pipe)
         with torch.no_grad():   # what the first stage sends on (sequence-sharded under SP)
             sent = tuple(pipe.layer_module["0"](_data(0)[0]).shape) if "0" in pipe.layer_module else None
         out.append({"losses": losses, "norms": norms, "grads": grads, "local": local, "sent": sent,
+                    "resident": resident, "whole": {n: t.numel() * t.element_size() for n, t in
+                                                    pipe.optimizer.full_parameters().items()},
                     "params": pipe.optimizer.full_parameters(),
                     "eval": pipe.eval_step(*_data(STEPS))})
     return out
+
+
+def _resident_parameter_bytes(pipe) -> int:
+    """MemTracker's reading of the parameter bytes this rank holds."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mt = MemTracker()
+    mt.track_external(pipe.layer_module)
+    with mt:
+        pass
+    return sum(int(n) for per_kind in mt.get_tracker_snapshot("current").values()
+               for kind, n in per_kind.items() if str(getattr(kind, "value", kind)) == "Parameter")
 
 
 def _reference(opt: dict, model: str = "gpt"):
@@ -147,6 +168,18 @@ def test_weights_are_sharded_over_tp(results):
         held.update(rank[0]["local"])
     for name, shape in expect.items():
         assert held[name] == shape, (name, held[name])
+
+
+def test_memtracker_sees_parameters_split_over_tp(results):
+    """MemTracker on each rank: the parameter bytes are half of every sharded matrix plus the
+    replicated norms, biases and positions: under 0.6 of the stage's whole on every rank."""
+    for k, case in enumerate(CASES):
+        for rank in results:
+            got = rank[k]
+            sharded = {n for n in got["local"] if n not in REPLICATED}
+            want = sum(b // TP if n in sharded else b for n, b in got["whole"].items())
+            assert got["resident"] == want, (case, got["resident"], want)
+            assert got["resident"] < 0.6 * sum(got["whole"].values())
 
 
 def test_sequence_parallel_shards_the_residual_stream(results):
