@@ -35,7 +35,7 @@ def make_optimizer(config: OptimizerConfig, module: torch.nn.Module, mesh: Any, 
     parameter). The DeepSpeed backend is imported only when selected.
     """
     backend = check_optimizer_config(config, precision)
-    if getattr(mesh, "tensor_parallel", 1) > 1:
+    if getattr(mesh, "tensor_parallel", 1) > 1 and backend != "fsdp":
         from engine.tp import TpStageOptimizer
         return TpStageOptimizer(config, dict(module.named_parameters()), mesh,
                                 microbatches=microbatches, precision=precision,

@@ -216,16 +216,17 @@ def _check_layout(num_layers: int, stage_ranges: Sequence[Sequence[int]], schedu
 
 def _check_tensor_parallel(optimizer: OptimizerConfig, precision: str,
                            ties: Sequence[tuple[str, str]]) -> None:
-    """What tensor parallelism runs with: the torch backend (ZeRO 0), fp32 weights, no ties."""
+    """What tensor parallelism runs with: the torch backend (ZeRO 0) or FSDP2 (ZeRO 3), no
+    ties."""
     from engine.optim import resolve_backend
 
-    if int(optimizer.zero_stage) != 0 or resolve_backend(optimizer, precision) != "torch":
-        raise ValueError(f"tensor_parallel > 1 runs on the torch optimizer backend with "
-                         f"zero_stage=0 (got zero_stage={optimizer.zero_stage}, backend "
-                         f"{resolve_backend(optimizer, precision)!r}): ZeRO-1/2 (DeepSpeed) and "
-                         "ZeRO-3 (FSDP2) with tensor parallelism are not built; set "
-                         "optimizer.zero_stage=0 (and a precision with fp32 weights: fp32 or "
-                         "*-autocast) or tensor_parallel=1")
+    backend = resolve_backend(optimizer, precision)
+    if backend not in ("torch", "fsdp"):
+        raise ValueError(f"tensor_parallel > 1 runs on the torch optimizer backend (zero_stage 0) "
+                         f"or FSDP2 (zero_stage 3), not {backend!r} (zero_stage="
+                         f"{optimizer.zero_stage}): DeepSpeed's ZeRO-1/2 with tensor parallelism "
+                         "is not built; set optimizer.zero_stage=0 or 3 (and a precision with "
+                         "fp32 weights: fp32 or *-autocast) or tensor_parallel=1")
     if ties:
         raise ValueError(f"tensor_parallel > 1 does not support tied parameters ({ties[0][0]} "
                          f"tied to {ties[0][1]}); untie them (model.tie_embeddings=false) or "

@@ -25,7 +25,8 @@ gathered).
 :class:`TpStageOptimizer` is torch.optim (foreach kernels) on the DTensor parameters: gradients
 are summed over the data-parallel group only (the local shards, bucketed), the global norm
 counts a sharded gradient's shards on every tp rank and a replicated one once, and checkpoints
-hold whole tensors (gathered on save, re-sharded on load), so they load into any layout.
+hold whole tensors (gathered on save, re-sharded on load), so they load into any layout. Under
+``zero_stage=3`` ``engine.fsdp`` shards the tp-sharded layers over dp instead (2-D parameters).
 
 Example::
 

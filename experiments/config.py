@@ -781,10 +781,14 @@ def _check_tensor_parallel(cfg: Config) -> None:
         raise ConfigError(f"{key}: model={name} has no tensor-parallel plan; use model=gpt or a Hugging Face "
                           f"model, {off}")
     zero, backend = int(cfg.optimizer.zero_stage), choice_text(cfg.optimizer.backend)
-    if zero or backend == "deepspeed":
+    if zero in (1, 2) or backend != "auto":
         raise ConfigError(f"{key} with optimizer.zero_stage={zero} (backend {backend}) is not built: tensor "
-                          "parallelism runs on the torch optimizer backend; set optimizer.zero_stage=0 and "
-                          f"optimizer.backend=auto (shard the weights further with more tensor-parallel ranks), {off}")
+                          "parallelism runs on the torch optimizer backend (zero_stage=0) or FSDP2 (zero_stage=3, "
+                          f"Hugging Face models); set optimizer.backend=auto and optimizer.zero_stage=0 or 3, {off}")
+    if zero == 3 and name == "gpt":
+        raise ConfigError(f"{key} with optimizer.zero_stage=3 is not built for model=gpt (FSDP2 cannot re-shard "
+                          "its fused q/k/v, split over tp part by part); set optimizer.zero_stage=0, or use a "
+                          f"Hugging Face model (separate q/k/v projections), {off}")
     from engine.choices import weight_bytes
 
     precision = choice_text(cfg.precision)
@@ -797,10 +801,27 @@ def _check_tensor_parallel(cfg: Config) -> None:
     if searches(cfg):
         raise ConfigError(f"{key}: the planner does not model tensor parallelism yet; give pipeline.schedule "
                           f"and pipeline.microbatches explicitly (e.g. pipeline.schedule=1f1b pipeline.microbatches=4), {off}")
+    if zero == 3 and (getattr(cfg.model, "sequence_parallel", False) or "replicated_with_grad_allreduce" in {
+            str(v) for v in (getattr(_hf_transformers_config(cfg.model), "base_model_tp_plan", None) or {}).values()}):
+        raise ConfigError(f"{key} with optimizer.zero_stage=3 does not support weights whose gradient is summed "
+                          "over the tp ranks (sequence parallelism, a plan's replicated_with_grad_allreduce norms); "
+                          f"set optimizer.zero_stage=0, {off}")
     for what, size in _tp_sizes(cfg.model).items():
         if size is not None and int(size) % tp:
             raise ConfigError(f"{key} does not divide {what}={size}; choose a tensor_parallel that divides the "
                               "attention heads, key/value heads, hidden size, MLP width and vocabulary")
+
+
+def _hf_transformers_config(model: HFModelConfig) -> Any:
+    """The transformers config of an `hf` model group: the pretrained directory's, else the random
+    model's (`experiments.models.hf.hf_config`)."""
+    if model.pretrained:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(model.pretrained))
+    from experiments.models.hf import hf_config
+
+    return hf_config(model)
 
 
 def _tp_sizes(model: Any) -> dict[str, Any]:
@@ -814,16 +835,8 @@ def _tp_sizes(model: Any) -> dict[str, Any]:
         return {"model.heads": model.heads, "model.dim": model.dim, "model.vocab": model.vocab,
                 "model.dim x model.mlp_ratio": model.dim * model.mlp_ratio,
                 **({"model.seq_len": model.seq_len} if model.sequence_parallel else {})}
-    from experiments.models.hf import hf_config
-
-    if model.pretrained:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(model.pretrained))
-        where = f"{model.pretrained}'s "
-    else:
-        config = hf_config(model)
-        where = "model."
+    config = _hf_transformers_config(model)
+    where = f"{model.pretrained}'s " if model.pretrained else "model."
     mtype = getattr(config, "model_type", "?")
     if not getattr(config, "base_model_tp_plan", None):
         raise ConfigError(f"pipeline.tensor_parallel > 1: model type {mtype!r} ships no base_model_tp_plan in "

@@ -42,6 +42,10 @@ CASES += [dict(schedule=s, opt=SGD, model="qwen3") for s in ("1f1b", "zb-h1")]
 CASES += [dict(schedule=s, opt=o, model="gpt-sp") for s, o in (("1f1b", ADAMW), ("zb-h1", SGD))]
 DP_CASES = [dict(schedule="1f1b", opt=ADAMW), dict(schedule="zb-h1", opt=CLIPPED),
             dict(schedule="zb-h1", opt=ADAMW, model="gpt-sp")]
+# ZeRO-3 x tp: FSDP2 over the dp group on the DTensor-sharded layers (2-D parameters); Llama
+# (separate q/k/v projections: GPT's fused q/k/v is refused, see test_zero3_refuses_fused_qkv)
+DP_CASES += [dict(schedule="zb-h1", opt=SGD, zero=3, reshard="true", model="llama"),
+             dict(schedule="1f1b", opt=ADAMW, zero=3, reshard="false", model="llama")]
 
 
 def _model(name: str = "gpt"):
@@ -82,7 +86,8 @@ def _worker(cases, replicas):
                         schedule=case["schedule"], microbatches=M, data_parallel=replicas,
                         tensor_parallel=TP, seed=SEED, comm_timeout_s=60,
                         activation_checkpointing=case.get("recompute", False),
-                        optimizer=OptimizerConfig(**case["opt"]))
+                        optimizer=OptimizerConfig(**case["opt"], zero_stage=case.get("zero", 0),
+                                                  reshard_after_forward=case.get("reshard", "auto")))
         losses, norms, grads = [], [], []
         for step in range(STEPS):
             r = pipe.train_step(*_data(step))
@@ -193,6 +198,23 @@ def test_sequence_parallel_shards_the_residual_stream(results):
         assert sent == [(BATCH, 4 if sp else 8, 16)] * TP, sent
         held = {n for rank in results for n in rank[k]["local"]}
         assert ("1.ln1.weight" in held) == sp and ("3.ln_f.weight" in held) == sp
+
+
+def _zero3_gpt_worker():
+    from engine import Pipeline
+
+    spec = _model("gpt")
+    Pipeline(spec.layers, ranges(len(spec.layers), STAGES), loss_fn=spec.loss_fn, microbatches=M,
+             tensor_parallel=TP, optimizer=OptimizerConfig(**SGD, zero_stage=3))
+
+
+def test_zero3_refuses_fused_qkv():
+    """FSDP2 would shard GPT's fused q/k/v (each part split over tp on its own) on dim 0 again,
+    a layout its gathers do not reproduce: refused with the fix."""
+    from dist_helpers import WorkerError
+
+    with pytest.raises(WorkerError, match="fused .*tensor_parallel.*zero_stage=0"):
+        run_workers(_zero3_gpt_worker, STAGES * TP, timeout_s=120)
 
 
 def test_pp2_tp2_dp2_matches_single_process():
