@@ -35,6 +35,11 @@ def make_optimizer(config: OptimizerConfig, module: torch.nn.Module, mesh: Any, 
     parameter). The DeepSpeed backend is imported only when selected.
     """
     backend = check_optimizer_config(config, precision)
+    if getattr(mesh, "tensor_parallel", 1) > 1 and backend != "fsdp":
+        from engine.tp import TpStageOptimizer
+        return TpStageOptimizer(config, dict(module.named_parameters()), mesh,
+                                microbatches=microbatches, precision=precision,
+                                nonfinite=nonfinite, norm_skip=norm_skip)
     if backend == "fsdp":
         from engine.fsdp import FsdpStageOptimizer, resolve_reshard
         return FsdpStageOptimizer(config, module, mesh, microbatches=microbatches,

@@ -107,6 +107,17 @@ class FsdpStageOptimizer(TorchStageOptimizer):
         if list(norm_skip):
             raise ValueError("zero_stage=3 does not support tied parameters yet; untie them or "
                              "use zero_stage 0-2")
+        if any(type(pl).__name__ == "_StridedShard" for p in module.parameters()
+               for pl in getattr(p, "placements", ())):
+            raise ValueError("zero_stage=3 cannot shard a fused q/k/v split over tensor_parallel "
+                             "part by part (GPT's qkv): FSDP2 would shard its rows again in a layout "
+                             "its gathers do not reproduce; use zero_stage=0 with tensor_parallel "
+                             "(a Hugging Face model's separate projections do run), or "
+                             "tensor_parallel=1")
+        if any(getattr(p, "_tp_grad_sum", False) for p in module.parameters()):
+            raise ValueError("zero_stage=3 with tensor parallelism does not support parameters whose "
+                             "gradient is summed over tp (sequence parallelism, replicated_with_grad_"
+                             "allreduce); use zero_stage=0 or tensor_parallel=1")
         self.config, self.mesh, self.m = config, mesh, microbatches
         self.precision, self.nonfinite = precision, nonfinite
         self.reshard_after_forward = bool(reshard_after_forward)
@@ -252,7 +263,8 @@ class FsdpStageOptimizer(TorchStageOptimizer):
         """Global grad norm from the local shards: one all-reduce over every rank."""
         p = self.mesh.num_stages
         dev = self.params[0].device if self.params else torch.device("cpu")
-        local = [_local(pr.grad) for pr in self.params if pr.grad is not None]
+        local = [_local(pr.grad) for pr in self.params
+                 if pr.grad is not None and _counted_here(pr, self.mesh)]
         sq = torch.zeros((), dtype=torch.float64, device=dev)
         if local:
             sq += torch.stack([v.double() for v in torch._foreach_norm(local)]).pow(2).sum()
@@ -305,6 +317,18 @@ class FsdpStageOptimizer(TorchStageOptimizer):
     def full_parameters(self) -> dict[str, Tensor]:
         """Whole fp32 parameters by name (a collective over the data-parallel group)."""
         return {n: _full(p).detach().clone() for n, p in self.named.items()}
+
+
+def _counted_here(param: Tensor, mesh: Any) -> bool:
+    """Whether this rank's shard of ``param`` enters the global norm: always without tensor
+    parallelism; with it, a parameter split over tp on every tp rank, one whole over tp (norms,
+    rowwise biases) on tp rank 0 only."""
+    if getattr(mesh, "tensor_parallel", 1) == 1:
+        return True
+    names = tuple(getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ())
+    if "tp" in names and not param.placements[names.index("tp")].is_replicate():
+        return True
+    return mesh.tp_rank == 0
 
 
 def _local(t: Tensor) -> Tensor:

@@ -214,6 +214,25 @@ def _check_layout(num_layers: int, stage_ranges: Sequence[Sequence[int]], schedu
     return sched
 
 
+def _check_tensor_parallel(optimizer: OptimizerConfig, precision: str,
+                           ties: Sequence[tuple[str, str]]) -> None:
+    """What tensor parallelism runs with: the torch backend (ZeRO 0) or FSDP2 (ZeRO 3), no
+    ties."""
+    from engine.optim import resolve_backend
+
+    backend = resolve_backend(optimizer, precision)
+    if backend not in ("torch", "fsdp"):
+        raise ValueError(f"tensor_parallel > 1 runs on the torch optimizer backend (zero_stage 0) "
+                         f"or FSDP2 (zero_stage 3), not {backend!r} (zero_stage="
+                         f"{optimizer.zero_stage}): DeepSpeed's ZeRO-1/2 with tensor parallelism "
+                         "is not built; set optimizer.zero_stage=0 or 3 (and a precision with "
+                         "fp32 weights: fp32 or *-autocast) or tensor_parallel=1")
+    if ties:
+        raise ValueError(f"tensor_parallel > 1 does not support tied parameters ({ties[0][0]} "
+                         f"tied to {ties[0][1]}); untie them (model.tie_embeddings=false) or "
+                         "set tensor_parallel=1")
+
+
 def _check_zero2_ties(ties: Sequence[tuple[str, str]], num_layers: int,
                       stage_ranges: Sequence[Sequence[int]], sched: Any) -> None:
     """ZeRO-2 shards gradients during backward: no parameter may be tied across ranks."""
@@ -271,7 +290,7 @@ class Pipeline:
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
                  recv_lookahead: int | None = None, diagnose_every: int = 100, memory_every: int = 0,
                  max_inflight: int | None = None, transport_threads: str | None = None,
-                 send_wait: str | None = None):
+                 send_wait: str | None = None, tensor_parallel: int = 1):
         from engine.schedules import lower
 
         sched = self.check_arguments(
@@ -279,13 +298,13 @@ class Pipeline:
             virtual_stages=virtual_stages, data_parallel=data_parallel, optimizer=optimizer,
             precision=precision, nonfinite=nonfinite, comm_timeout_s=comm_timeout_s,
             world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized()
-            else None, ties=ties, max_inflight=max_inflight)
+            else None, ties=ties, max_inflight=max_inflight, tensor_parallel=tensor_parallel)
         v, p = sched.virtual_stages, sched.num_stages
         self.ranges = check_stage_ranges(stage_ranges, len(layers), p * v)
         n_chunks = p * v
         self.schedule, self.num_stages, self.virtual_stages = sched, p, v
         self.microbatches, self.data_parallel = microbatches, data_parallel
-        self.mesh = Mesh(p, data_parallel)
+        self.mesh = Mesh(p, data_parallel, int(tensor_parallel))
         self.precision, self.loss_fn = precision, loss_fn
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device())
@@ -305,7 +324,7 @@ class Pipeline:
         self.chunks: dict[int, Chunk] = {}
         for s in self.my_stages:
             start, stop = self.ranges[s]
-            built = [m.to(self._build_dtype()) for m in
+            built = [self._parallelize(m.to(self._build_dtype())) for m in
                      build_layers(layers, start, stop, seed, self.device)]
             self.chunks[s] = Chunk(
                 s, start, built,
@@ -343,6 +362,11 @@ class Pipeline:
         self.memory_every = int(memory_every)
         self.step_count = 0
 
+    @property
+    def tensor_parallel(self) -> int:
+        """Tensor-parallel ranks per stage and replica (``engine.tp``)."""
+        return self.mesh.tensor_parallel
+
     @staticmethod
     def check_arguments(num_layers: int, stage_ranges: Sequence[Sequence[int]], *,
                         schedule: Any = "1f1b", microbatches: int, virtual_stages: int = 1,
@@ -351,7 +375,7 @@ class Pipeline:
                         comm_timeout_s: float = 60.0, world_size: int | None = None,
                         global_batch: int | None = None,
                         ties: Sequence[tuple[str, str]] = (),
-                        max_inflight: int | None = None) -> Any:
+                        max_inflight: int | None = None, tensor_parallel: int = 1) -> Any:
         """Check a pipeline's arguments without starting anything; returns the validated
         ``Schedule``. ``Pipeline`` runs the same checks inside each worker; call this in the
         launching process to refuse bad input before any worker starts::
@@ -363,7 +387,9 @@ class Pipeline:
         ``world_size``: the number of processes that will run it (must be stages x replicas);
         ``global_batch``: the batch size passed to ``train_step`` (must split into
         ``data_parallel`` x ``microbatches``). ``max_inflight``: zb-h2's memory knob (see
-        ``engine.schedules.build_schedule``). Raises ``ValueError`` saying how to fix it.
+        ``engine.schedules.build_schedule``). ``tensor_parallel``: ranks per stage and replica
+        (``engine.tp``; world = stages x data_parallel x tensor_parallel). Raises ``ValueError``
+        saying how to fix it.
         """
         check_precision(precision)
         check_nonfinite(nonfinite)
@@ -372,13 +398,16 @@ class Pipeline:
                              f"{comm_timeout_s!r}")
         if int(data_parallel) < 1:
             raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
+        if int(tensor_parallel) < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
         sched = _check_layout(num_layers, stage_ranges, schedule, microbatches, virtual_stages,
                               max_inflight)
-        p = sched.num_stages
-        if world_size is not None and world_size != p * data_parallel:
+        p, t = sched.num_stages, int(tensor_parallel)
+        if world_size is not None and world_size != p * data_parallel * t:
+            what = f" x {t} tensor-parallel ranks" if t > 1 else ""
             raise ValueError(f"{world_size} processes cannot run {p} stages x {data_parallel} "
-                             f"replicas; start {p * data_parallel} (launch(fn, "
-                             f"{p * data_parallel}) or torchrun --nproc-per-node) or change "
+                             f"replicas{what}; start {p * data_parallel * t} (launch(fn, "
+                             f"{p * data_parallel * t}) or torchrun --nproc-per-node) or change "
                              "the layout")
         if global_batch is not None and global_batch % (data_parallel * microbatches):
             per = data_parallel * microbatches
@@ -389,6 +418,8 @@ class Pipeline:
             check_optimizer_config(optimizer, precision)
             if int(optimizer.zero_stage) == 2:
                 _check_zero2_ties(ties, num_layers, stage_ranges, sched)
+            if t > 1:
+                _check_tensor_parallel(optimizer, precision, ties)
             if int(optimizer.zero_stage) == 3 and ties:
                 raise ValueError(f"zero_stage=3 (FSDP2) does not support tied parameters yet "
                                  f"({ties[0][0]} tied to {ties[0][1]}); untie them or use "
@@ -396,6 +427,15 @@ class Pipeline:
         return sched
 
     # ---- setup helpers -------------------------------------------------------------------------
+    def _parallelize(self, layer: nn.Module) -> nn.Module:
+        """Under tensor parallelism, ``layer`` sharded over the tp group by its plan
+        (``engine.tp``); else as it is."""
+        if self.tensor_parallel == 1:
+            return layer
+        from engine.tp import parallelize_layer
+
+        return parallelize_layer(layer, self.mesh.submesh("tp"))
+
     def _reread_params(self) -> None:
         """ZeRO moves parameters into flat buffers, FSDP2 shards them: the chunks re-read what
         they differentiate (under FSDP2 the gathered parameters, ``engine.fsdp``)."""
@@ -717,7 +757,7 @@ class Pipeline:
         """Evaluation: the mean over microbatches on the last stage, averaged over replicas, on
         every rank (a forward-only step sends nothing back up to carry it)."""
         buf = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if losses:
+        if losses and self.mesh.tp_rank == 0:   # every tp rank of the last stage has it
             buf[0] = mean_loss(losses) / self.data_parallel
         if self.mesh.distributed and self.mesh.world_size > 1:
             dist.all_reduce(buf)

@@ -71,6 +71,16 @@ def build_layers(layers: LayerSpec, start: int, stop: int, seed: int = 0,
     return out
 
 
+def _storage(t: Tensor) -> Any:
+    """A tensor's storage; a DTensor's (tensor parallelism, FSDP2): its local shard's; an
+    in-flight collective's result (``AsyncCollectiveTensor``): its result's, once done."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if hasattr(t, "trigger_wait"):
+        t = t.trigger_wait()
+    return t.untyped_storage()
+
+
 def _rg(ts: Sequence[Tensor]) -> list[Tensor]:
     return [t for t in ts if t.requires_grad]
 
@@ -130,14 +140,14 @@ class Chunk:
         self._every_param = every
         # FSDP2's gathered parameters get new storage at each all-gather: read their places live
         self._moving_params = params_of is not None
-        self._fixed_ptrs = {p.untyped_storage().data_ptr() for p in every}
+        self._fixed_ptrs = {_storage(p).data_ptr() for p in every}
 
     @property
     def _param_ptrs(self) -> set[int]:
         """Where the parameters' storages are now (the diagnostics leave them out)."""
         if not self._moving_params:
             return self._fixed_ptrs
-        return {p.untyped_storage().data_ptr() for p in self._every_param}
+        return {_storage(p).data_ptr() for p in self._every_param}
 
     @classmethod
     def build(cls, index: int, factories: LayerSpec, start: int, stop: int, seed: int = 0,
@@ -250,10 +260,10 @@ class Chunk:
         params = self._param_ptrs
         for t in ts:
             try:
-                st = t.untyped_storage()
+                st = _storage(t)
+                ptr = st.data_ptr()
             except (RuntimeError, NotImplementedError):
                 continue
-            ptr = st.data_ptr()
             if ptr not in params:
                 seen[ptr] = st.nbytes()
 

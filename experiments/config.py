@@ -170,6 +170,7 @@ class GPTConfig(ModelConfig):
     tie_embeddings: bool = False  # share the token embedding with the LM head (summed gradients)
     loss: LossKind = LossKind["full"]  # LM head + cross-entropy: full ([b, s, V] logits) | chunked (never materialises the fp32 logits)
     loss_chunk: int = 1024  # chunked loss: tokens per chunk of the fused head + cross-entropy
+    sequence_parallel: bool = False  # with pipeline.tensor_parallel > 1: LayerNorms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp)
 
 
 @dataclass
@@ -224,7 +225,7 @@ class PipelineConfig:
     virtual_stages: int = 1  # model chunks per rank (v); the schedule says which (>= 2: interleaved-1f1b, 2: zbv); chosen under schedule=auto
     max_inflight: Optional[int] = None  # zb-h2: most microbatches a rank holds, stages..2*stages-1 (null: 2*stages-1); chosen under schedule=auto
     data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel * tensor_parallel
-    tensor_parallel: int = 1  # tensor-parallel ranks per stage (t; the mesh's innermost axis); only 1 is built so far
+    tensor_parallel: int = 1  # tensor-parallel ranks per stage and replica (t; the mesh's innermost axis; engine.tp, GPT and HF models)
     activation_checkpointing: Union[bool, str] = False  # false | true (every chunk recomputes) | auto (the partitioner decides per chunk)
     comm_timeout_s: float = 60.0  # a point-to-point transfer waiting longer than this fails the job
     nonfinite: NonFinite = NonFinite["raise"]  # a non-finite loss/gradient: raise (stop) | skip (drop the step)
@@ -771,13 +772,91 @@ def _check_counts(cfg: Config) -> None:
 
 
 def _check_tensor_parallel(cfg: Config) -> None:
+    """`pipeline.tensor_parallel` > 1 (`engine.tp`): a model with a plan whose sizes it divides, on
+    the torch optimizer backend (ZeRO 0, fp32 weights), untied, full loss, a fixed layout."""
     tp = int(cfg.pipeline.tensor_parallel)
     if tp < 1:
         raise ConfigError(f"pipeline.tensor_parallel={tp}; it must be at least 1")
-    if tp > 1:
-        raise ConfigError(f"pipeline.tensor_parallel={tp}: tensor parallelism is not built yet (the mesh has "
-                          "its tp axis, the layers no tensor-parallel plan); set pipeline.tensor_parallel=1 and "
-                          "use pipeline.data_parallel (with optimizer.zero_stage=3 to shard the weights) instead")
+    if tp == 1:
+        return
+    key, off = f"pipeline.tensor_parallel={tp}", "or set pipeline.tensor_parallel=1"
+    name = choice_text(cfg.model.name)
+    if name not in ("gpt", *HF_MODELS):
+        raise ConfigError(f"{key}: model={name} has no tensor-parallel plan; use model=gpt or a Hugging Face "
+                          f"model, {off}")
+    zero, backend = int(cfg.optimizer.zero_stage), choice_text(cfg.optimizer.backend)
+    if zero in (1, 2) or backend != "auto":
+        raise ConfigError(f"{key} with optimizer.zero_stage={zero} (backend {backend}) is not built: tensor "
+                          "parallelism runs on the torch optimizer backend (zero_stage=0) or FSDP2 (zero_stage=3, "
+                          f"Hugging Face models); set optimizer.backend=auto and optimizer.zero_stage=0 or 3, {off}")
+    if zero == 3 and name == "gpt":
+        raise ConfigError(f"{key} with optimizer.zero_stage=3 is not built for model=gpt (FSDP2 cannot re-shard "
+                          "its fused q/k/v, split over tp part by part); set optimizer.zero_stage=0, or use a "
+                          f"Hugging Face model (separate q/k/v projections), {off}")
+    from engine.choices import weight_bytes
+
+    precision = choice_text(cfg.precision)
+    if precision in PRECISIONS and weight_bytes(precision) < 4:
+        raise ConfigError(f"{key} with precision={precision} (16-bit weights, DeepSpeed's fp32 masters) is not "
+                          f"built; use precision={precision}-autocast or fp32, {off}")
+    if choice_text(cfg.model.loss) != "full":
+        raise ConfigError(f"{key} with model.loss=chunked is not built; use model.loss=full (the "
+                          f"vocabulary-parallel loss never gathers the logits), {off}")
+    if searches(cfg):
+        raise ConfigError(f"{key}: the planner does not model tensor parallelism yet; give pipeline.schedule "
+                          f"and pipeline.microbatches explicitly (e.g. pipeline.schedule=1f1b pipeline.microbatches=4), {off}")
+    if zero == 3 and (getattr(cfg.model, "sequence_parallel", False) or "replicated_with_grad_allreduce" in {
+            str(v) for v in (getattr(_hf_transformers_config(cfg.model), "base_model_tp_plan", None) or {}).values()}):
+        raise ConfigError(f"{key} with optimizer.zero_stage=3 does not support weights whose gradient is summed "
+                          "over the tp ranks (sequence parallelism, a plan's replicated_with_grad_allreduce norms); "
+                          f"set optimizer.zero_stage=0, {off}")
+    for what, size in _tp_sizes(cfg.model).items():
+        if size is not None and int(size) % tp:
+            raise ConfigError(f"{key} does not divide {what}={size}; choose a tensor_parallel that divides the "
+                              "attention heads, key/value heads, hidden size, MLP width and vocabulary")
+
+
+def _hf_transformers_config(model: HFModelConfig) -> Any:
+    """The transformers config of an `hf` model group: the pretrained directory's, else the random
+    model's (`experiments.models.hf.hf_config`)."""
+    if model.pretrained:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(model.pretrained))
+    from experiments.models.hf import hf_config
+
+    return hf_config(model)
+
+
+def _tp_sizes(model: Any) -> dict[str, Any]:
+    """The sizes tensor parallelism splits (heads, KV heads, hidden, MLP width, vocabulary), by
+    the config key (or the pretrained config.json field) that sets them. A tied model, a model
+    without transformers' `base_model_tp_plan` or a mixture-of-experts one is a ConfigError."""
+    if isinstance(model, GPTConfig):
+        if model.tie_embeddings:
+            raise ConfigError("pipeline.tensor_parallel > 1 does not support tied weights; set "
+                              "model.tie_embeddings=false, or pipeline.tensor_parallel=1")
+        return {"model.heads": model.heads, "model.dim": model.dim, "model.vocab": model.vocab,
+                "model.dim x model.mlp_ratio": model.dim * model.mlp_ratio,
+                **({"model.seq_len": model.seq_len} if model.sequence_parallel else {})}
+    config = _hf_transformers_config(model)
+    where = f"{model.pretrained}'s " if model.pretrained else "model."
+    mtype = getattr(config, "model_type", "?")
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ConfigError(f"pipeline.tensor_parallel > 1: model type {mtype!r} ships no base_model_tp_plan in "
+                          "transformers; use a family that does (llama, mistral, qwen2, qwen3, phi3, gpt_neox, "
+                          "...), or pipeline.tensor_parallel=1")
+    if any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        raise ConfigError(f"pipeline.tensor_parallel > 1 does not support mixture-of-experts models ({mtype}); "
+                          "set pipeline.tensor_parallel=1")
+    if getattr(config, "tie_word_embeddings", False):
+        raise ConfigError("pipeline.tensor_parallel > 1 does not support tied weights; set "
+                          "model.tie_embeddings=false (a random model), or pipeline.tensor_parallel=1")
+    heads = getattr(config, "num_attention_heads", None)
+    return {f"{where}heads": heads, f"{where}kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            f"{where}dim": getattr(config, "hidden_size", None),
+            f"{where}intermediate": getattr(config, "intermediate_size", None),
+            f"{where}vocab": getattr(config, "vocab_size", None)}
 
 
 def _check_batch(cfg: Config) -> None:

@@ -330,6 +330,10 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict | None:
     if not isinstance(cfg.model, HFModelConfig):
         raise ConfigError(f"model={cfg.model.name} cannot generate; use model=hf (model.pretrained=DIR)")
     stages = int(cfg.pipeline.stages)
+    if int(cfg.pipeline.tensor_parallel) != 1:
+        raise ConfigError(f"pipeline.tensor_parallel={cfg.pipeline.tensor_parallel}: generation runs without "
+                          "tensor parallelism (a checkpoint of a tensor-parallel run holds whole tensors and "
+                          "loads as it is); set pipeline.tensor_parallel=1")
     layers = count_pipeline_layers(cfg.model)  # also checks model.pretrained
     if not 1 <= stages <= layers:
         raise ConfigError(f"pipeline.stages={stages}; generation needs 1 <= stages <= {layers} (the model's "

@@ -103,10 +103,20 @@ class StopFlag:
         self._old.clear()
 
 
-def _rank_figures(gathered: list[dict], p: int) -> list[dict]:
-    """Per pipeline rank (replica 0's processes), the figures of `RANK_FIGURES` and the idle share."""
+def _stage_ranks(gathered: list[Any], p: int, tp: int = 1) -> list[Any]:
+    """Replica 0's entry per pipeline rank, at tp rank 0 (global ranks 0, tp, 2 tp, ...).
+
+    >>> _stage_ranks(["s0t0", "s0t1", "s1t0", "s1t1"], 2, 2)
+    ['s0t0', 's1t0']
+    """
+    return gathered[:p * tp:tp]
+
+
+def _rank_figures(gathered: list[dict], p: int, tp: int = 1) -> list[dict]:
+    """Per pipeline rank (replica 0's processes, tp rank 0), the figures of `RANK_FIGURES` and the
+    idle share."""
     out = []
-    for s in gathered[:p]:
+    for s in _stage_ranks(gathered, p, tp):
         dt = s.get("step_time_s") or float("nan")
         row = {k: s.get(k) for k in RANK_FIGURES}
         row["idle_fraction"] = (s.get("idle_s", 0.0) / dt) if dt > 0 else None
@@ -184,8 +194,8 @@ class Trainer:
                              optimizer=OptimizerConfig(**engine_optimizer_kwargs(self.cfg, self.plan)), **kwargs)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.p = self.pipe.num_stages
-        self.owner = self.rank == self.p - 1  # last stage of replica 0 owns the loss
+        self.p, self.tp = self.pipe.num_stages, self.pipe.tensor_parallel
+        self.owner = self.rank == (self.p - 1) * self.tp  # last stage of replica 0 (tp rank 0) owns the loss
         self.last = self.pipe.schedule.num_chunks - 1
         needs_data = 0 in self.pipe.chunks or self.last in self.pipe.chunks
         self.data = (make_dataset(self.cfg, replica=self.pipe.mesh.replica, prepared=self.job.data)
@@ -309,7 +319,8 @@ class Trainer:
             dist.all_gather_object(gathered, stats)
         else:
             gathered = [stats]
-        ranks = _rank_figures(gathered, self.p)
+        ranks = _rank_figures(gathered, self.p, self.tp)
+        stages = _stage_ranks(gathered, self.p, self.tp)
         warm = done > self.start + 1  # the first step warms up
         for j, s in enumerate(ranks):
             s.update(predicted_peak_activation_bytes=self.pred_act[j], predicted_forward_s=self.pred_f[j],
@@ -319,20 +330,20 @@ class Trainer:
                 self.measured_f[j] += s["forward_s"] or 0.0
                 self.measured_b[j] += s["backward_s"] or 0.0
         self.n_gathered += warm
-        if all("memory_measured" in g for g in gathered[:self.p]):
-            self._memory_figures(ranks, gathered, done)
-        aux = [g["aux_loss"] for g in gathered[:self.p] if g.get("aux_loss") is not None]
+        if all("memory_measured" in g for g in stages):
+            self._memory_figures(ranks, stages, done)
+        aux = [g["aux_loss"] for g in stages if g.get("aux_loss") is not None]
         extra = {"optimizer_state_bytes": [g.get("optimizer_state_bytes") for g in gathered],
                  **({"aux_loss": aux[0]} if aux else {}),
                  "bubble_fraction": statistics.fmean(
                      s["idle_fraction"] for s in ranks if s["idle_fraction"] is not None)}
         return ranks, extra
 
-    def _memory_figures(self, ranks: list[dict], gathered: list[dict], done: int) -> None:
-        """Measured beside predicted peak memory per pipeline rank (replica 0); a warning
-        (:func:`memory_warning`) when a rank's modelled memory exceeds the plan's by 10%."""
+    def _memory_figures(self, ranks: list[dict], stages: list[dict], done: int) -> None:
+        """Measured beside predicted peak memory per pipeline rank (replica 0, tp rank 0); a
+        warning (:func:`memory_warning`) when a rank's modelled memory exceeds the plan's by 10%."""
         pred = list(self.plan.rank_memory_bytes or [None] * self.p)
-        for j, (row, g) in enumerate(zip(ranks, gathered[:self.p])):
+        for j, (row, g) in enumerate(zip(ranks, stages)):
             mem = g["memory_measured"]
             row.update(peak_bytes_measured=mem["peak_bytes"], peak_bytes_predicted=pred[j],
                        memory_measured=mem["breakdown"])

@@ -50,7 +50,8 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any] | None:
         return None
     if under_torchrun():
         _close_process_group()
-    owner = int(cfg.pipeline.stages) - 1  # the last stage of replica 0 owns the loss
+    # the last stage of replica 0 (its tp rank 0) owns the loss (rank order: engine.mesh)
+    owner = (int(cfg.pipeline.stages) - 1) * int(cfg.pipeline.tensor_parallel)
     summary = results[owner] if len(results) > owner else None
     if under_torchrun() and any(r.get("stopped_at") for r in results if r is not None):
         if int(os.environ["RANK"]) == 0:

@@ -261,6 +261,7 @@ def pipeline_kwargs(cfg: Any, stage_ranges: Sequence[Sequence[int]], *, ties: Se
         "virtual_stages": int(p.virtual_stages),
         "max_inflight": _optional_int(p.max_inflight),
         "data_parallel": int(p.data_parallel),
+        "tensor_parallel": int(p.tensor_parallel),
         "precision": _text(cfg.precision),
         "activation_checkpointing": ckpt,
         "memory_every": int(cfg.train.memory_every or 0),

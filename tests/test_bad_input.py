@@ -175,9 +175,23 @@ def test_zero_stage_unsupported(base_cfg):
         validate_config(_cfg(base_cfg, optimizer__zero_stage=3, model__tie_embeddings=True))
     with pytest.raises(ConfigError, match="reshard_after_forward='sometimes'; choose auto, true"):
         validate_config(_cfg(base_cfg, optimizer__reshard_after_forward="sometimes"))
-    with pytest.raises(ConfigError, match="pipeline.tensor_parallel=2: tensor parallelism is not "
-                                          "built yet"):
-        validate_config(_cfg(base_cfg, pipeline__tensor_parallel=2))
+    validate_config(_cfg(base_cfg, pipeline__tensor_parallel=2))
+    for kw, match in (
+            (dict(pipeline__tensor_parallel=3), "tensor_parallel=3 does not divide model.heads=4"),
+            (dict(pipeline__tensor_parallel=2, optimizer__zero_stage=1), "optimizer.zero_stage=1 .* "
+             "is not built.*optimizer.zero_stage=0 or 3"),
+            (dict(pipeline__tensor_parallel=2, optimizer__zero_stage=3), "zero_stage=3 is not built for "
+             "model=gpt.*fused q/k/v"),
+            (dict(pipeline__tensor_parallel=2, model__tie_embeddings=True), "tied weights.*"
+             "model.tie_embeddings=false"),
+            (dict(pipeline__tensor_parallel=2, model__loss="chunked"), "model.loss=full"),
+            (dict(pipeline__tensor_parallel=2, precision="bf16"), "precision=bf16-autocast"),
+            (dict(pipeline__tensor_parallel=2, pipeline__schedule="auto"), "planner does not model"),
+            (dict(pipeline__tensor_parallel=0), "at least 1"),
+            (dict(pipeline__tensor_parallel=3, model__heads=3, model__dim=96, model__vocab=258,
+                  model__sequence_parallel=True), "does not divide model.seq_len=128")):
+        with pytest.raises(ConfigError, match=match):
+            validate_config(_cfg(base_cfg, **kw))
     validate_config(_cfg(base_cfg, optimizer__zero_stage=3, model__tie_embeddings=False))
     with pytest.raises(ConfigError, match="needs DeepSpeed; set optimizer.backend=auto"):
         validate_config(_cfg(base_cfg, optimizer__zero_stage=1, optimizer__backend="torch"))

@@ -37,13 +37,31 @@ _INIT_STD = 0.02
 class GPTEmbedding(nn.Module):
     """Token + learned position embedding: `[b, t]` int64 -> `[b, t, dim]`."""
 
-    def __init__(self, vocab: int, dim: int, seq_len: int, dropout: float = 0.0) -> None:
+    def __init__(self, vocab: int, dim: int, seq_len: int, dropout: float = 0.0,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq_len, dim)
         self.drop = nn.Dropout(dropout)
         nn.init.normal_(self.tok.weight, std=_INIT_STD)
         nn.init.normal_(self.pos.weight, std=_INIT_STD)
+
+    def tp_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism (`engine.tp`): the token table split on the vocabulary (each rank
+        looks up its rows, the vectors are summed); the position table replicated. With
+        `sequence_parallel` the sum is reduce-scattered on the sequence (each rank its positions;
+        the position table's gradient is then summed over tp)."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        _check_tp(self.tok.num_embeddings, tp, "model.vocab")
+        if not self.sequence_parallel:
+            return {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+        _check_tp(self.pos.num_embeddings, tp, "model.seq_len")
+        for prm in self.pos.parameters():
+            prm._tp_grad_sum = True   # type: ignore[attr-defined]  # engine.tp.TpStageOptimizer
+        return {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -52,15 +70,21 @@ class GPTEmbedding(nn.Module):
                 f"sequence length {t} exceeds model.seq_len={self.pos.num_embeddings}; "
                 "raise model.seq_len or feed shorter sequences"
             )
-        positions = torch.arange(t, device=idx.device)
-        return self.drop(self.tok(idx) + self.pos(positions))
+        h = self.tok(idx)
+        start = 0
+        if h.shape[1] != t:   # sequence parallel: this tp rank's positions
+            start = self.tok.weight.device_mesh.get_local_rank() * h.shape[1]
+        positions = torch.arange(start, start + h.shape[1], device=idx.device)
+        return self.drop(h + self.pos(positions))
 
 
 class GPTBlock(nn.Module):
     """Pre-norm transformer block: `x + attn(ln(x))`, then `x + mlp(ln(x))`; `[b, t, d] -> [b, t, d]`."""
 
-    def __init__(self, dim: int, heads: int, dropout: float = 0.0, mlp_ratio: int = 4, num_blocks: int = 1) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0, mlp_ratio: int = 4, num_blocks: int = 1,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         if dim % heads:
             raise ValueError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
         self.heads = heads
@@ -80,9 +104,34 @@ class GPTBlock(nn.Module):
             nn.init.normal_(lin.weight, std=_INIT_STD / math.sqrt(2 * num_blocks))
             nn.init.zeros_(lin.bias)
 
+    def tp_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism (`engine.tp`): q/k/v (one fused Linear, each part split on its own)
+        and the MLP's up projection colwise, the attention's and the MLP's out projections
+        rowwise; afterwards the block holds `heads / tp` heads. With `sequence_parallel` the
+        LayerNorms and the residual stream are split on the sequence: all-gathered before q/k/v
+        and the MLP, reduce-scattered after their out projections."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+        from engine.tp import FusedColwiseParallel
+
+        _check_tp(self.heads, tp, "model.heads")
+        _check_tp(self.fc.out_features, tp, "the MLP width (model.dim x model.mlp_ratio)")
+        _check_tp(self.ln1.normalized_shape[0], tp, "model.dim")
+        self.heads //= tp
+        if not self.sequence_parallel:
+            return {"qkv": FusedColwiseParallel(3), "proj": RowwiseParallel(),
+                    "fc": ColwiseParallel(), "fc_out": RowwiseParallel()}
+        seq = Shard(1)
+        return {"ln1": SequenceParallel(), "qkv": FusedColwiseParallel(3, input_layouts=seq),
+                "proj": RowwiseParallel(output_layouts=seq), "ln2": SequenceParallel(),
+                "fc": ColwiseParallel(input_layouts=seq), "fc_out": RowwiseParallel(output_layouts=seq)}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        qkv = self.qkv(self.ln1(x))
+        b, t = qkv.shape[:2]   # the whole sequence, also under sequence parallelism
+        d = qkv.shape[-1] // 3   # dim / tp under tensor parallelism (this rank's heads)
+        q, k, v = qkv.split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
@@ -97,12 +146,30 @@ class GPTHead(nn.Module):
     chunked loss) the forward returns `HeadOutput(ln_f(x), weight, bias)` instead, and
     `logits(x)` gives the logits either way (generation)."""
 
-    def __init__(self, dim: int, vocab: int, fused: bool = False) -> None:
+    def __init__(self, dim: int, vocab: int, fused: bool = False, sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.fused = fused
         nn.init.normal_(self.head.weight, std=_INIT_STD)
+
+    def tp_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism (`engine.tp`): the LM head split on the vocabulary; its logits stay
+        sharded (a DTensor) and `lm_loss` takes the cross-entropy from the shards."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        if self.fused:
+            raise ValueError("model.loss=chunked is not supported with pipeline.tensor_parallel > 1; "
+                             "use model.loss=full (the vocabulary-parallel loss never gathers the logits)")
+        _check_tp(self.head.out_features, tp, "model.vocab")
+        if not self.sequence_parallel:
+            return {"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        return {"ln_f": SequenceParallel(),
+                "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
 
     def forward(self, x: torch.Tensor) -> Any:
         if self.fused:
@@ -111,6 +178,12 @@ class GPTHead(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))
+
+
+def _check_tp(size: int, tp: int, what: str) -> None:
+    if size % tp:
+        raise ValueError(f"pipeline.tensor_parallel={tp} does not divide {what}={size}; choose a "
+                         "tensor_parallel that divides it")
 
 
 def random_tokens(batch: int, *, seq_len: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -123,7 +196,8 @@ def build_gpt(cfg: Any) -> ModelSpec:
     """Build the GPT layer factories from the typed model group (`experiments.config.GPTConfig`;
     `experiments.models.build_model` types a mapping).
 
-    Fields: layers, dim, heads, vocab, seq_len, dropout, mlp_ratio, tie_embeddings.
+    Fields: layers, dim, heads, vocab, seq_len, dropout, mlp_ratio, tie_embeddings, loss,
+    loss_chunk, sequence_parallel.
     """
     layers = int(cfg.layers)
     dim = int(cfg.dim)
@@ -136,9 +210,10 @@ def build_gpt(cfg: Any) -> ModelSpec:
     loss, chunk = loss_settings(cfg)
     if dim % heads:
         raise ValueError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
-    factories = [partial(GPTEmbedding, vocab, dim, seq_len, dropout)]
-    factories += [partial(GPTBlock, dim, heads, dropout, mlp_ratio, layers) for _ in range(layers)]
-    factories.append(partial(GPTHead, dim, vocab))
+    sp = {"sequence_parallel": True} if getattr(cfg, "sequence_parallel", False) else {}
+    factories = [partial(GPTEmbedding, vocab, dim, seq_len, dropout, **sp)]
+    factories += [partial(GPTBlock, dim, heads, dropout, mlp_ratio, layers, **sp) for _ in range(layers)]
+    factories.append(partial(GPTHead, dim, vocab, **sp))
     ties = [("0.tok.weight", f"{layers + 1}.head.weight")] if tie else []
     return lm_spec(factories, ties, seq_len=seq_len, vocab=vocab, name=f"gpt-L{layers}-d{dim}-v{vocab}",
                    loss=loss, loss_chunk=chunk)

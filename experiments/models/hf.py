@@ -159,6 +159,12 @@ def position_offset(wpe: nn.Module) -> int:
     return int(getattr(wpe, "offset", 0))
 
 
+def _check_tp(size: int, tp: int, what: str) -> None:
+    if size % tp:
+        raise ValueError(f"pipeline.tensor_parallel={tp} does not divide {what} ({size}); choose a "
+                         "tensor_parallel that divides it")
+
+
 class HFTokenEmbedding(nn.Module):
     """Token embedding (+ a projection to the hidden size, + learned positions, + dropout):
     `[b, t]` int64 -> `[b, t, d]`. OPT: `proj` is its `project_in`, and its position table
@@ -172,6 +178,15 @@ class HFTokenEmbedding(nn.Module):
         self.drop = drop if drop is not None else nn.Identity()
         self.scale = scale   # granite's embedding_multiplier
         self.proj = proj
+
+    def tp_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism (`engine.tp`): the token table split on the vocabulary (each rank
+        looks up its rows, the vectors summed); learned positions replicated."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        _check_tp(self.wte.num_embeddings, tp, "the vocabulary (model.vocab)")
+        return {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.wte(input_ids)
@@ -220,6 +235,32 @@ class HFBlock(nn.Module):
         self._cache_arg, self._args = _call_names(block)
         config = getattr(getattr(block, "self_attn", None), "config", None)
         self.eager = getattr(config, "_attn_implementation", "sdpa") == "eager"
+
+    def tp_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism (`engine.tp`): the decoder layer sharded by the model's own
+        `base_model_tp_plan` (its `layers.*.` entries), translated by
+        `engine.tp.styles_from_hf_plan`; attention then runs on its rank's heads (transformers
+        infers the head count from the projections' widths)."""
+        from engine.tp import styles_from_hf_plan
+
+        config = next((m.config for m in self.block.modules() if hasattr(m, "config")), None)
+        plan = getattr(config, "base_model_tp_plan", None)
+        mtype = getattr(config, "model_type", type(self.block).__name__)
+        if not plan:
+            raise ValueError(f"model type {mtype!r} ships no base_model_tp_plan in transformers, so "
+                             "pipeshard has no tensor-parallel plan for it; set pipeline.tensor_parallel=1")
+        if self.router is not None:
+            raise ValueError(f"tensor parallelism of mixture-of-experts layers ({mtype}) is not supported; "
+                             "set pipeline.tensor_parallel=1")
+        heads = getattr(config, "num_attention_heads", None)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        for size, what in ((heads, "the attention heads"), (kv, "the key/value heads"),
+                           (getattr(config, "hidden_size", None), "the hidden size"),
+                           (getattr(config, "intermediate_size", None), "the MLP width")):
+            if size is not None:
+                _check_tp(int(size), tp, what)
+        styles = styles_from_hf_plan(plan, self.block, "layers.*.")
+        return {f"block.{name}": style for name, style in styles.items()}
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
         """The layer's rotary (cos, sin) for `position_ids`, or None without rotary."""
@@ -295,6 +336,19 @@ class HFHead(nn.Module):
         self.fused = fused
         self.scale, self.divide = scale, divide   # cohere's logit_scale, granite's logits_scaling (divide)
         self.softcap = softcap
+
+    def tp_plan(self, tp: int) -> dict[str, Any]:
+        """Tensor parallelism (`engine.tp`): the LM head split on the vocabulary, its logits left
+        sharded for `lm_loss`'s vocabulary-parallel cross-entropy (transformers' own plan gathers
+        them: `colwise_gather_output`); the final norm replicated."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        if self.fused:
+            raise ValueError("model.loss=chunked is not supported with pipeline.tensor_parallel > 1; "
+                             "use model.loss=full (the vocabulary-parallel loss never gathers the logits)")
+        _check_tp(self.lm_head.out_features, tp, "the vocabulary (model.vocab)")
+        return {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
 
     def _scaled(self, t: torch.Tensor) -> torch.Tensor:
         if self.scale is None:

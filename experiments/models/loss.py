@@ -56,9 +56,14 @@ class HeadOutput(NamedTuple):
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean next-token cross-entropy over all positions: logits `[b, t, v]`, targets `[b, t]`
-    (a :class:`HeadOutput` is taken too, by the chunked loss with its default chunk)."""
+    (a :class:`HeadOutput` is taken too, by the chunked loss with its default chunk; logits that
+    are a DTensor sharded on the vocabulary, by `engine.tp.vocab_parallel_cross_entropy`)."""
     if isinstance(logits, tuple):
         return chunked_lm_loss(HeadOutput(*logits), targets)
+    if hasattr(logits, "device_mesh"):   # a tensor-parallel head's vocabulary-sharded DTensor
+        from engine.tp import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits, targets)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 

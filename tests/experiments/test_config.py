@@ -136,7 +136,14 @@ def test_bad_choice_fails_at_composition(compose_cfg, override):
         (["partitioner.memory_limit='1GiB,2GiB,3GiB'"], "exactly 2"),
         (["optimizer.zero_stage=4"], "choose 0"),
         (["optimizer.zero_stage=3", "optimizer.backend=deepspeed"], "set optimizer.backend=auto"),
-        (["pipeline.tensor_parallel=2"], "not built yet"),
+        (["pipeline.tensor_parallel=3"], "divides the attention heads"),
+        (["pipeline.tensor_parallel=2", "model=mlp"], "has no tensor-parallel plan"),
+        (["pipeline.tensor_parallel=2", "model=hf_gpt2", "model.tie_embeddings=false"],
+         "'gpt2' ships no base_model_tp_plan"),
+        (["pipeline.tensor_parallel=2", "model=hf_llama", "model.tie_embeddings=false", "model.kv_heads=1"],
+         "does not divide model.kv_heads=1"),
+        (["pipeline.tensor_parallel=2", "model=hf_llama", "model.tie_embeddings=false", "model.arch=qwen3",
+          "optimizer.zero_stage=3"], "replicated_with_grad_allreduce"),
         (["model.vocab=128"], "model.vocab>=256"),
         (["model=mlp"], "data=synthetic"),
         (["model.heads=3"], "heads dividing dim"),
@@ -234,3 +241,10 @@ def test_bad_search_settings_are_refused_with_a_remedy(compose_cfg, overrides, r
     with pytest.raises(ConfigError) as err:
         validate_config(compose_cfg(*overrides))
     assert remedy in str(err.value)
+
+
+def test_tensor_parallel_layouts_that_run_are_accepted(compose_cfg):
+    """pipeline.tensor_parallel=2 on GPT (with sequence parallelism) and on a Llama (ZeRO-3 too)."""
+    validate_config(compose_cfg("pipeline.tensor_parallel=2", "model.sequence_parallel=true"))
+    validate_config(compose_cfg("pipeline.tensor_parallel=2", "model=hf_llama", "model.tie_embeddings=false",
+                                "optimizer.zero_stage=3"))

@@ -1,7 +1,8 @@
 """Checkpoint and resume through `python -m experiments.train` (issues 4 and 7).
 
 Interrupted + resumed equals uninterrupted exactly (fp32, same split); a checkpoint written by
-2 stages x 1 replica resumes as 3 stages, and as 2 replicas, with the same losses (rtol 1e-5);
+2 stages x 1 replica resumes as 3 stages, as 2 replicas and with 2 tensor-parallel ranks, and
+one written with 2 tensor-parallel ranks as 2 replicas, with the same losses (rtol 1e-5);
 SIGTERM during training stops after the current step, saves, exits 0, and the run resumes.
 """
 
@@ -87,6 +88,29 @@ def test_resume_resplits_to_another_layout(runs, tmp_path, layout):
     plan = json.loads((run_dir / "plan.json").read_text())
     assert (plan["num_stages"], plan["data_parallel"]) == ((3, 1) if "stages" in layout[0] else (2, 2))
     want, got = losses(full), losses(run_dir)
+    assert [got[s] for s in (4, 5, 6)] == pytest.approx([want[s] for s in (4, 5, 6)], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_trains_and_resumes_across_layouts(runs, tmp_path):
+    """`pipeline.tensor_parallel=2` end to end (2 stages x 2 tp ranks, 4 processes): the same
+    losses as the 2-stage run, its per-stage figures once per stage; its checkpoint (whole
+    tensors) resumes as 2 replicas without tp, and the tp=1 checkpoint resumes with tp=2."""
+    full, part = runs
+    want = losses(full)
+    tp_run = tmp_path / "tp"
+    train(tp_run, "train.steps=3", "pipeline.tensor_parallel=2")
+    got = losses(tp_run)
+    assert [got[s] for s in (1, 2, 3)] == pytest.approx([want[s] for s in (1, 2, 3)], rel=1e-5)
+    assert all(len(r["rank_forward_s"]) == 2 for r in read_metrics(tp_run))
+    out = train(tp_run, "train.steps=6", "pipeline.data_parallel=2")
+    assert "resuming from" in out and "step_000003" in out
+    got = losses(tp_run)
+    assert [got[s] for s in (4, 5, 6)] == pytest.approx([want[s] for s in (4, 5, 6)], rel=1e-5)
+    run_dir = _copy_interrupted(part, tmp_path / "run")
+    out = train(run_dir, "train.steps=6", "pipeline.tensor_parallel=2")
+    assert "resuming from" in out
+    got = losses(run_dir)
     assert [got[s] for s in (4, 5, 6)] == pytest.approx([want[s] for s in (4, 5, 6)], rel=1e-5)
 
 

@@ -1,0 +1,50 @@
+"""`python -m experiments.train pipeline.tensor_parallel=2` on a Hugging Face Llama (4 processes:
+2 stages x 2 tp ranks, the decoder layers sharded by transformers' base_model_tp_plan), then
+`python -m experiments.export_hf`: the checkpoint of the tp run holds whole tensors, and the
+exported model equals the one exported from the same run without tensor parallelism.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ["experiment=smoke", "partitioner.method=uniform", "logger.progress=false", "logger.timeline=false",
+        "checkpoint.every_steps=2", "train.steps=2", "model=hf_llama", "model.tie_embeddings=false",
+        "model.layers=2", "model.dim=32", "model.heads=4", "model.kv_heads=2", "model.intermediate=64",
+        "model.seq_len=32", "optimizer.name=sgd", "optimizer.lr=0.5"]
+
+
+def _run(module: str, *args: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1", PYTHONPATH=str(ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_tensor_parallel_llama_trains_and_exports(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    exported = {}
+    for tp in (2, 1):
+        run = tmp_path / f"tp{tp}"
+        _run("experiments.train", *BASE, f"pipeline.tensor_parallel={tp}", f"hydra.run.dir={run}")
+        _run("experiments.export_hf", f"checkpoint={run}", f"out={tmp_path / f'out{tp}'}")
+        exported[tp] = (AutoModelForCausalLM.from_pretrained(tmp_path / f"out{tp}").state_dict(),
+                        [r["loss"] for r in read_metrics(run)])
+    (got, got_losses), (want, want_losses) = exported[2], exported[1]
+    assert got_losses == pytest.approx(want_losses, rel=1e-5)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
