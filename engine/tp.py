@@ -268,6 +268,9 @@ class TpStageOptimizer(TorchStageOptimizer):
         if list(norm_skip):
             raise ValueError("tensor_parallel > 1 does not support tied parameters; untie them "
                              "(model.tie_embeddings=false) or set tensor_parallel=1")
+        if getattr(config, "step_sync", "global") == "post_validate":
+            raise ValueError("tensor_parallel > 1 does not support step_sync='post_validate' (the rank-local "
+                             "norm would not sum the tp shards); use step_sync='global' or tensor_parallel=1")
         config = dataclasses.replace(config, overlap_grad_reduce=False)
         super().__init__(config, named_params, mesh, microbatches=microbatches,
                          precision=precision, nonfinite=nonfinite)

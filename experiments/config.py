@@ -802,8 +802,12 @@ def _check_tensor_parallel(cfg: Config) -> None:
     if choice_text(cfg.model.loss) != "full":
         raise ConfigError(f"{key} with model.loss=chunked is not built; use model.loss=full (the "
                           f"vocabulary-parallel loss never gathers the logits), {off}")
+    if choice_text(cfg.optimizer.step_sync) == "post_validate":
+        raise ConfigError(f"{key} with optimizer.step_sync=post_validate is not built (its rank-local norm does "
+                          f"not sum the tp shards); set optimizer.step_sync=global, {off}")
     if searches(cfg):
-        raise ConfigError(f"{key}: the planner does not model tensor parallelism yet; give pipeline.schedule "
+        raise ConfigError(f"{key}: a training run does not search its layout under tensor parallelism yet (experiments.partition "
+                          f"plans and searches tp layouts); give pipeline.schedule "
                           f"and pipeline.microbatches explicitly (e.g. pipeline.schedule=1f1b pipeline.microbatches=4), {off}")
     if zero == 3 and (getattr(cfg.model, "sequence_parallel", False) or "replicated_with_grad_allreduce" in {
             str(v) for v in (getattr(_hf_transformers_config(cfg.model), "base_model_tp_plan", None) or {}).values()}):

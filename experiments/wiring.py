@@ -24,6 +24,8 @@ plain layout.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from pathlib import Path
@@ -457,11 +459,31 @@ def make_plan(cfg: Any, spec: Any, prof: Any = None, *, method: str | None = Non
 
     if searches(cfg):
         return search_layout(cfg, spec, prof, method=method).plan
-    prof = prof if prof is not None else profile_model(cfg, spec)
     kwargs = partition_kwargs(cfg)
+    whole = None
+    if prof is None and int(as_config(cfg).pipeline.tensor_parallel) > 1:
+        spec, whole = _tp_rank_spec(cfg, spec)
+    if whole is not None:   # no tp-rank shapes for this model: plan the whole layers, say so
+        one = as_config(cfg)
+        one = dataclasses.replace(one, pipeline=dataclasses.replace(one.pipeline, tensor_parallel=1))
+        prof, kwargs["tensor_parallel"] = profile_model(one, spec), 1
+    prof = prof if prof is not None else profile_model(cfg, spec)
     if method is not None:
         kwargs["method"] = method
-    return partitioner.partition(prof, **kwargs)
+    plan = partitioner.partition(prof, **kwargs)
+    if whole is not None:
+        plan.notes.append(f"planned as tensor_parallel=1 (each rank's parameters, gradients and activations "
+                          f"whole, an upper bound on memory; no tp collectives): {whole}")
+    return plan
+
+
+def _tp_rank_spec(cfg: Any, spec: Any) -> tuple[Any, str | None]:
+    """(one tp rank's model spec, None), or (`spec`, why not) when the model has no tp-rank shapes
+    to profile (`tp_model_spec`: random Llama-style Hugging Face models only)."""
+    try:
+        return tp_model_spec(cfg), None
+    except ConfigError as e:
+        return spec, str(e)
 
 
 def search_layout(cfg: Any, spec: Any, profiles: Any = None, *, method: str | None = None) -> Any:

@@ -222,3 +222,15 @@ def test_one_checkpointing_rule_for_the_planner_and_the_search(compose_cfg, layo
         pipeline_kwargs(resolved, plan.stage_ranges)
     assert pipeline_kwargs(resolve_layout(to_plain_dict(on), everywhere), everywhere.stage_ranges,
                            recompute=everywhere.stage_recompute)["activation_checkpointing"] is True
+
+
+def test_tensor_parallel_plan_without_tp_shapes_is_the_whole_model_and_says_so(compose_cfg):
+    """A GPT run with tensor_parallel=2 has no tp-rank shapes to profile (`tp_model_spec`): its
+    plan is the tp=1 plan of the same layout (an upper bound on memory), with a note."""
+    base = ("experiment=smoke", "partitioner.profile=analytic", "pipeline.schedule=1f1b")
+    tp2 = compose_cfg(*base, "pipeline.tensor_parallel=2")
+    spec = build_model(tp2.model)
+    plan = make_plan(tp2, spec)
+    one = make_plan(compose_cfg(*base), spec)
+    assert plan.tensor_parallel == 1 and plan.rank_memory_bytes == one.rank_memory_bytes
+    assert "planned as tensor_parallel=1" in plan.notes[-1] and "Llama-style" in plan.notes[-1]
