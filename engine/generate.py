@@ -411,7 +411,9 @@ class _Run:
     def control(self, lanes: int) -> list[list[int]]:
         """Rank 0: admit the prompts into lanes, decide and run every lane step, collect the
         tokens; a prompt is done at ``k`` tokens or an eos, a lane refills when all its are."""
-        pending = deque(range(len(self.prompts)))
+        # shortest first: a lane's prompts have similar lengths (less left padding to compute)
+        # and the first prefill, which the downstream ranks wait for, is the shortest
+        pending = deque(sorted(range(len(self.prompts)), key=lambda j: len(self.prompts[j])))
         out: list[list[int]] = [[] for _ in self.prompts]
         done = [False] * len(self.prompts)
         inflight: deque[int] = deque()
