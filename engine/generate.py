@@ -1,7 +1,8 @@
 """Pipelined generation: continuous microbatching through the pipeline ranks, a KV cache per
 lane per stage, so that every stage stays busy.
 
-The prompts go into ``microbatches`` lanes (at most ``microbatch_size`` prompts each). Rank 0
+The prompts go into ``microbatches`` lanes (at most ``microbatch_size`` prompts each), shortest
+first, so that a lane's prompts need little left padding. Rank 0
 drives: it runs a lane step on its chunk (a prefill of the lane's prompts, or one decode step)
 and sends the output on with a control tensor naming the step and the lane's prompts; ranks
 1..p-1 apply the same step to their copy of the lane and send on; the last rank samples (greedy,

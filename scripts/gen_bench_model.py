@@ -25,15 +25,18 @@ def prompt_lengths(n: int, seed: int = 0, low: int = 16, high: int = 32) -> list
     return [rng.randint(low, high) for _ in range(n)]
 
 
-def build(out: str | Path, prompts: int = 32, seed: int = 0) -> Path:
-    """Save the model (fp32, seeded random weights) and ``prompts.json`` into ``out``."""
+def build(out: str | Path, prompts: int = 32, seed: int = 0, *, layers: int = 8, hidden: int = 512,
+          intermediate: int = 1376, heads: int = 8, vocab: int = 32000) -> Path:
+    """Save the model (fp32, seeded random weights) and ``prompts.json`` into ``out`` (the
+    defaults are the must-show's sizes; tests pass smaller ones)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=2048,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     LlamaForCausalLM(config).eval().save_pretrained(out)
     rng = random.Random(seed + 1)
