@@ -1,7 +1,8 @@
 """Pipelined generation: continuous microbatching through the pipeline ranks, a KV cache per
 lane per stage, so that every stage stays busy.
 
-The prompts go into ``microbatches`` lanes (at most ``microbatch_size`` prompts each). Rank 0
+The prompts go into ``microbatches`` lanes (at most ``microbatch_size`` prompts each), shortest
+first, so that a lane's prompts need little left padding. Rank 0
 drives: it runs a lane step on its chunk (a prefill of the lane's prompts, or one decode step)
 and sends the output on with a control tensor naming the step and the lane's prompts; ranks
 1..p-1 apply the same step to their copy of the lane and send on; the last rank samples (greedy,
@@ -411,7 +412,9 @@ class _Run:
     def control(self, lanes: int) -> list[list[int]]:
         """Rank 0: admit the prompts into lanes, decide and run every lane step, collect the
         tokens; a prompt is done at ``k`` tokens or an eos, a lane refills when all its are."""
-        pending = deque(range(len(self.prompts)))
+        # shortest first: a lane's prompts have similar lengths (less left padding to compute)
+        # and the first prefill, which the downstream ranks wait for, is the shortest
+        pending = deque(sorted(range(len(self.prompts)), key=lambda j: len(self.prompts[j])))
         out: list[list[int]] = [[] for _ in self.prompts]
         done = [False] * len(self.prompts)
         inflight: deque[int] = deque()

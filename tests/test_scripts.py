@@ -130,3 +130,20 @@ def test_mlp_search_check_reads_the_head_to_head_medians_and_judges_the_choice()
     conf["layouts"][0]["step_s"] = 0.0899   # 10.1% under its prediction
     assert not mod.check(mod.table_rows(result))["within_tolerance"]
     assert "bench.sweep_max=5" in mod.overrides() and "model.depth=12" in mod.overrides()
+
+
+def test_gen_bench_model_builds_the_generation_workload(tmp_path):
+    """scripts/gen_bench_model.py (docs/performance.md, "Generation"): a Llama checkpoint that
+    transformers loads, and 32 prompts of 16-32 in-vocabulary ids beside it (tiny sizes here)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("gen_bench_model", ROOT / "scripts" / "gen_bench_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.build(tmp_path / "m", layers=2, hidden=32, intermediate=64, heads=2, vocab=128)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == 2 and not model.config.tie_word_embeddings
+    prompts = json.loads((out / "prompts.json").read_text())
+    assert len(prompts) == 32 and all(16 <= len(p) <= 32 and max(p) < 128 for p in prompts)

@@ -6,7 +6,10 @@ chunk's cache, and the 2D attention mask `[b, past + q]` (0 = left padding) cove
 and the new positions. From the mask the chunk derives what transformers' `generate` does:
 position ids `cumsum(mask) - 1` (0 on padding), the causal (and sliding-window) 4D mask, and the
 rotary embeddings (computed once per call, shared by the chunk's blocks). The cache is a
-transformers `DynamicCache`; each decoder layer writes its own slot (its global layer index).
+transformers `DynamicCache` whose layers write each step's keys and
+values into a buffer reserved ahead (:func:`reserved_layer_class`) (twice the length, at least 32 more positions) instead of
+concatenating the whole cache anew at every step; each decoder layer writes its own slot (its
+global layer index).
 
 Example:
     >>> chunk = HFCachedChunk(layers)                    # doctest: +SKIP
@@ -19,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -26,7 +30,7 @@ from torch import nn
 
 from experiments.models.hf import HFBlock, HFHead, HFTokenEmbedding, attention_mask
 
-__all__ = ["HFCachedChunk", "position_ids", "generation_refusal"]
+__all__ = ["HFCachedChunk", "reserved_layer_class", "position_ids", "generation_refusal"]
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 """`config.layer_types` entries whose layers keep a key/value cache this chunk drives."""
@@ -65,6 +69,64 @@ def position_ids(mask: torch.Tensor, q_len: int) -> torch.Tensor:
     return pos.masked_fill(mask == 0, 0)[:, mask.shape[1] - q_len:]
 
 
+@functools.lru_cache(maxsize=None)
+def reserved_layer_class() -> type:
+    """The cache layer class of :class:`HFCachedChunk` (built on first use: transformers is
+    imported lazily): a transformers `DynamicLayer` that reserves its buffers ahead.
+
+    >>> layer = reserved_layer_class()()
+    >>> k = torch.ones(1, 2, 3, 4)
+    >>> keys, _ = layer.update(k, k)
+    >>> keys, _ = layer.update(k[:, :, :1], k[:, :, :1])
+    >>> tuple(keys.shape), layer.reserved, layer.get_seq_length()
+    ((1, 2, 4, 4), 35, 4)
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        """A `DynamicLayer` whose keys and values are views of the first `length` positions of
+        buffers reserved ahead: a decode step writes one position (a `DynamicLayer` copies the
+        whole cache into a new tensor with `torch.cat`): the same values, the same attention."""
+
+        reserved = 0
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self._k = self._v = None
+            old = self.get_seq_length()
+            new = old + key_states.shape[-2]
+            if self._k is None or new > self._k.shape[-2]:
+                self._reserve(new, key_states, value_states, old)
+            self._k[:, :, old:new] = key_states
+            self._v[:, :, old:new] = value_states
+            self.keys, self.values = self._k[:, :, :new], self._v[:, :, :new]
+            return self.keys, self.values
+
+        def _reserve(self, new: int, key_states: torch.Tensor, value_states: torch.Tensor, old: int) -> None:
+            size = max(2 * new, new + 32)
+            k = key_states.new_empty(*key_states.shape[:2], size, key_states.shape[-1])
+            v = value_states.new_empty(*value_states.shape[:2], size, value_states.shape[-1])
+            if old:
+                k[:, :, :old], v[:, :, :old] = self.keys, self.values
+            self._k, self._v, self.reserved = k, v, size
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.get_seq_length() > 0:
+                n = self.get_seq_length()
+                self._k, self._v = self._k[indices], self._v[indices]
+                self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            raise NotImplementedError("ReservedLayer: repeat the rows before the cache is filled")
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("ReservedLayer: cropping is not used by pipeshard's generation")
+
+    return ReservedLayer
+
+
 class HFCachedChunk:
     """Runs a list of HF pipeline layers (`HFTokenEmbedding`, `HFBlock`s, `HFHead`) with a cache."""
 
@@ -76,10 +138,12 @@ class HFCachedChunk:
             raise TypeError(f"HFCachedChunk runs HF pipeline layers only, got {bad}")
 
     def new_cache(self, batch_size: int) -> Any:
-        """An empty cache for one microbatch (grows as tokens arrive)."""
+        """An empty cache for one microbatch (grows as tokens arrive, into reserved buffers)."""
         from transformers import DynamicCache
 
-        return DynamicCache()
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = reserved_layer_class()
+        return cache
 
     def select_rows(self, cache: Any, index: torch.Tensor) -> Any:
         """The cache of the rows ``index`` only (finished prompts leave a lane)."""
@@ -105,3 +169,4 @@ class HFCachedChunk:
             else:  # the head: only the last position's logits are used (as transformers' generate)
                 x = layer.logits(x[:, -1:])
         return x
+
