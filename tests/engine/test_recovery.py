@@ -15,7 +15,8 @@ STEPS, EVERY = 8, 2
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("p, d, zero", [(2, 1, 0), (2, 2, 1)], ids=["2x1", "2x2-zero1"])
+@pytest.mark.parametrize("p, d, zero", [(2, 1, 0), pytest.param(2, 2, 1, marks=pytest.mark.long)],
+                         ids=["2x1", "2x2-zero1"])
 def test_rank_killed_at_step_5_restarts_and_equals_uninterrupted(tmp_path, monkeypatch, p, d, zero):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = (p, d, zero, STEPS, EVERY)

@@ -307,6 +307,7 @@ def test_train_an_moe_checkpoint_on_two_stages_equals_one_stage(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long   # mixtral zb-h1 runs by default; every schedule against transformers above
 @pytest.mark.timeout(1200)
 def test_train_moe_checkpoints_on_two_stages_every_must_show_case(tmp_path):
     _two_stages_equal_one(tmp_path, "mixtral", ("1f1b", "zbv"))
