@@ -260,13 +260,12 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     bounds, recompute = _search(method, prob, notes)
     _note_recompute(recompute, ckpt, notes)
     settings = dict(method=method, data_parallel=data_parallel, zero_stage=zero_stage, optimizer=optimizer,
-                    max_inflight=max_inflight, step_sync=str(step_sync))
+                    max_inflight=max_inflight, step_sync=str(step_sync), tensor_parallel=int(tensor_parallel))
     local = False
     if method == "optimal" and simulate:
         bounds, local = _refine(prob, bounds, recompute, settings, notes)
     plan = _plan(prob, bounds, recompute, notes, **settings)
     plan.split_search = "local search" if local else "exact" if method == "optimal" else method
-    plan.tensor_parallel = int(tensor_parallel)
     plan.reshard_after_forward = memory.reshard_after_forward if memory.zero3 else None
     if simulate:
         _predict(plan, prob)
@@ -1033,8 +1032,9 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
     per_rank = [float(x) for x in rank_totals(param_c, prob.schedule, prob.p, prob.v)]
     sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
     action, step = fixed.runtime_costs(send_mode(sched))
-    # the replicas' pipelines run on the same machine's cores at once (the local launcher)
-    cores = fixed.cores / settings["data_parallel"] if fixed.cores else None
+    # the replicas' pipelines, and each pipeline rank's tp ranks, run on the machine's cores at
+    # once (the local launcher): a simulated rank needs tensor_parallel of them
+    cores = fixed.cores / (settings["data_parallel"] * settings.get("tensor_parallel", 1)) if fixed.cores else None
     return {"action_s": action, "message_busy_s": fixed.message_busy_s,
             "step_fixed_s": step, "shared_cores": cores,
             "rank_optimizer_s": [fixed.optimizer_s(settings["optimizer"], x) for x in per_rank]}

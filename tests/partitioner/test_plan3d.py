@@ -134,3 +134,19 @@ def test_per_block_checkpointing_holds_less_than_chunk_checkpointing():
     assert block.step_s == pytest.approx(chunk.step_s, rel=1e-6)   # both run each forward twice
     with pytest.raises(ValueError, match="not in the profile"):
         checkpoint_each_layer(prof, [10])
+
+
+def test_cores_are_shared_by_every_replica_and_tp_rank_of_a_pipeline():
+    """A CPU machine's cores (``FixedCosts.cores``) over dp x tp: what one simulated pipeline rank
+    gets; fewer than its ranks and the step is time-shared (longer)."""
+    import dataclasses
+
+    from partitioner import FixedCosts
+
+    def plan(cores, tp, dp):
+        prof = dataclasses.replace(_profile(tp=tp), fixed=FixedCosts(cores=cores))
+        return partition(prof, 2, microbatches=4, tensor_parallel=tp, data_parallel=dp, zero_stage=0)
+
+    assert plan(8, 2, 2).shared_cores == 2.0 and plan(4, 2, 1).shared_cores == 2.0
+    assert plan(2, 2, 1).shared_cores == 1.0 and plan(None, 2, 1).shared_cores is None
+    assert plan(2, 2, 1).step_s > plan(4, 2, 1).step_s == plan(None, 2, 1).step_s
