@@ -51,7 +51,7 @@ class Plan(JsonMixin):
     action per message it sends or receives across ranks, ``boundary_comm_s`` includes the
     per-message latency, and ``step_fixed_s`` (per step) plus the slowest rank's optimizer update
     (``rank_optimizer_s``) are added to the simulated schedule. ``shared_cores``: the processors
-    one pipeline's ranks share (``FixedCosts.cores`` over the replicas on the machine); when
+    one pipeline's ranks share (``FixedCosts.cores`` over the replicas and tp ranks on the machine); when
     fewer than its ranks, :meth:`simulate` time-shares them (None: a processor per rank). ``search``: when
     ``partitioner.search`` chose this plan's layout, its record (the choice, the alternatives
     with their predicted step and memory, every layout considered; see ``SearchResult.record``).
