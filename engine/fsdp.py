@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from engine import choices
 from engine.optim import LossScaler, OptimizerConfig, TorchStageOptimizer, make_torch_optimizer
 
-__all__ = ["FsdpStageOptimizer", "RESHARD_CHOICES", "resolve_reshard", "weight_dtype_for"]
+__all__ = ["FsdpStageOptimizer", "WholeTensorState", "RESHARD_CHOICES", "resolve_reshard", "weight_dtype_for"]
 
 RESHARD_CHOICES = ("auto", "true", "false")
 
@@ -91,7 +91,52 @@ def _group(layer: nn.Module) -> Any:
     return fully_shard.state(layer)._fsdp_param_group
 
 
-class FsdpStageOptimizer(TorchStageOptimizer):
+class WholeTensorState:
+    """Checkpoint and parity methods of an optimizer whose parameters are DTensors (FSDP2's dp
+    shards, tensor parallelism's tp shards): whole tensors out, each re-sharded like its
+    parameter on the way in, so that a checkpoint loads into any layout. Gathering is a
+    collective over the group the tensors are sharded on. Put before the optimizer class it
+    extends (its ``state_dict`` / ``load_state_dict`` wrap that class's)."""
+
+    named: dict[str, Tensor]
+
+    def state_dict(self) -> dict:
+        """As the torch backend's, with whole (gathered) state tensors."""
+        sd = super().state_dict()  # type: ignore[misc]
+        sd["state"] = {n: {k: _full(v) for k, v in st.items()} for n, st in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Whole state tensors (any layout's checkpoint), each re-sharded like its parameter."""
+        state = {n: {k: _like(self.named[n], v) for k, v in st.items()}
+                 for n, st in sd.get("state", {}).items() if n in self.named}
+        super().load_state_dict({**sd, "state": state})  # type: ignore[misc]
+
+    def layer_state_dict(self, layer: nn.Module) -> dict[str, Tensor]:
+        """``layer.state_dict()`` with whole tensors."""
+        return {n: _full(t) for n, t in layer.state_dict().items()}
+
+    def load_layer_state_dict(self, layer: nn.Module, sd: dict[str, Tensor]) -> None:
+        """Load whole tensors into ``layer``, each sharded parameter keeping only its shard."""
+        own = layer.state_dict()
+        missing = sorted(set(own) - set(sd))
+        if missing:
+            raise KeyError(f"checkpoint layer lacks {missing}")
+        with torch.no_grad():
+            for n, t in own.items():
+                _local(t).copy_(_local(_like(t, sd[n])))
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """Whole gradients by name."""
+        return {n: _full(p.grad).detach().clone() for n, p in self.named.items()
+                if p.grad is not None}
+
+    def full_parameters(self) -> dict[str, Tensor]:
+        """Whole parameters by name (fp32 masters under FSDP2)."""
+        return {n: _full(p).detach().clone() for n, p in self.named.items()}
+
+
+class FsdpStageOptimizer(WholeTensorState, TorchStageOptimizer):
     """torch.optim on this rank's FSDP2-sharded layers (see the module docstring)."""
 
     backend = "fsdp"
@@ -280,43 +325,6 @@ class FsdpStageOptimizer(TorchStageOptimizer):
     def optimizer_state_bytes(self) -> int:
         return sum(_local(t).numel() * t.element_size() for st in self.opt.state.values()
                    for t in st.values() if isinstance(t, Tensor))
-
-    # ---- checkpoints: whole tensors, so that a checkpoint loads into any layout --------------
-    def state_dict(self) -> dict:
-        """As the torch backend's, with whole (gathered) state tensors: a collective over the
-        data-parallel group."""
-        sd = super().state_dict()
-        sd["state"] = {n: {k: _full(v) for k, v in st.items()} for n, st in sd["state"].items()}
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Whole state tensors (any layout's checkpoint), each re-sharded like its parameter."""
-        state = {n: {k: _like(self.named[n], v) for k, v in st.items()}
-                 for n, st in sd.get("state", {}).items() if n in self.named}
-        super().load_state_dict({**sd, "state": state})
-
-    def layer_state_dict(self, layer: nn.Module) -> dict[str, Tensor]:
-        """``layer.state_dict()`` with whole tensors (a collective over the data-parallel group)."""
-        return {n: _full(t) for n, t in layer.state_dict().items()}
-
-    def load_layer_state_dict(self, layer: nn.Module, sd: dict[str, Tensor]) -> None:
-        """Load whole tensors into ``layer``, each parameter keeping only its shard."""
-        own = layer.state_dict()
-        missing = sorted(set(own) - set(sd))
-        if missing:
-            raise KeyError(f"checkpoint layer lacks {missing}")
-        with torch.no_grad():
-            for n, t in own.items():
-                _local(t).copy_(_local(_like(t, sd[n])))
-
-    def full_grads(self) -> dict[str, Tensor]:
-        """Whole gradients by name (a collective over the data-parallel group)."""
-        return {n: _full(p.grad).detach().clone() for n, p in self.named.items()
-                if p.grad is not None}
-
-    def full_parameters(self) -> dict[str, Tensor]:
-        """Whole fp32 parameters by name (a collective over the data-parallel group)."""
-        return {n: _full(p).detach().clone() for n, p in self.named.items()}
 
 
 def _counted_here(param: Tensor, mesh: Any) -> bool:

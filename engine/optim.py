@@ -346,13 +346,7 @@ class TorchStageOptimizer:
                                "call validate() before computing the next step's gradients")
         if self.post_validates:
             return self._step_optimistic()
-        self.attempts += 1
-        self.sync_gradients()
-        grads = [self._grad(p) for p in self.params]
-        div = self.mesh.data_parallel * self.loss_scale
-        if div != 1.0:
-            for g in grads:
-                g.div_(div)
+        grads = self._averaged_grads()
         if (need_norm or self.config.grad_clip is not None or self.scaler.enabled
                 or self.nonfinite == "skip"):
             norm, bad_stages = self._global_norm()
@@ -375,6 +369,18 @@ class TorchStageOptimizer:
                 g.mul_(coef)
         self._update()
         return False, norm
+
+    def _averaged_grads(self) -> list[Tensor]:
+        """Count the attempt, sum the gradients over the replicas and divide by the replicas and
+        the loss scale: the step's gradients, in place in ``.grad``."""
+        self.attempts += 1
+        self.sync_gradients()
+        grads = [self._grad(p) for p in self.params]
+        div = self.mesh.data_parallel * self.loss_scale
+        if div != 1.0:
+            for g in grads:
+                g.div_(div)
+        return grads
 
     def _update(self) -> None:
         """The update with the gradients in ``.grad`` at the schedule's lr; counts the step."""
@@ -401,13 +407,7 @@ class TorchStageOptimizer:
         return mine
 
     def _step_optimistic(self) -> tuple[bool, float | None]:
-        self.attempts += 1
-        self.sync_gradients()
-        grads = [self._grad(p) for p in self.params]
-        div = self.mesh.data_parallel * self.loss_scale
-        if div != 1.0:
-            for g in grads:
-                g.div_(div)
+        grads = self._averaged_grads()
         buf = self._local_buf()
         bad_here = bool(buf[1 + self.mesh.pipeline_rank].item() != 0)
         # one more slot: how many ranks update now (if none does, a skip voids nothing)

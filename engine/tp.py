@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from engine.fsdp import WholeTensorState
 from engine.optim import OptimizerConfig, TorchStageOptimizer, make_torch_optimizer
 
 __all__ = ["parallelize_layer", "FusedColwiseParallel", "ReplicateWithGradSum",
@@ -254,7 +255,7 @@ def _sharded(t: Tensor) -> bool:
     return hasattr(t, "placements") and any(not p.is_replicate() for p in t.placements)
 
 
-class TpStageOptimizer(TorchStageOptimizer):
+class TpStageOptimizer(WholeTensorState, TorchStageOptimizer):
     """torch.optim on this rank's DTensor-sharded (and replicated) parameters under tensor
     parallelism (see the module docstring). Foreach kernels (DTensor has no rule for the fused
     ones); the data-parallel sum is on the local shards, not overlapped with the backward."""
@@ -332,49 +333,3 @@ class TpStageOptimizer(TorchStageOptimizer):
                    for t in st.values() if isinstance(t, Tensor))
 
     # ---- whole tensors: a checkpoint loads into any (pp, dp, tp) -----------------------------
-    def state_dict(self) -> dict:
-        """As the torch backend's, with whole (gathered over tp) state tensors."""
-        from engine.fsdp import _full
-
-        sd = super().state_dict()
-        sd["state"] = {n: {k: _full(v) for k, v in st.items()} for n, st in sd["state"].items()}
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Whole state tensors, each sharded like its parameter."""
-        from engine.fsdp import _like
-
-        state = {n: {k: _like(self.named[n], v) for k, v in st.items()}
-                 for n, st in sd.get("state", {}).items() if n in self.named}
-        super().load_state_dict({**sd, "state": state})
-
-    def layer_state_dict(self, layer: nn.Module) -> dict[str, Tensor]:
-        """``layer.state_dict()`` with whole tensors (a collective over the tp group)."""
-        from engine.fsdp import _full
-
-        return {n: _full(t) for n, t in layer.state_dict().items()}
-
-    def load_layer_state_dict(self, layer: nn.Module, sd: dict[str, Tensor]) -> None:
-        """Load whole tensors into ``layer``, each sharded parameter keeping only its shard."""
-        from engine.fsdp import _like
-
-        own = layer.state_dict()
-        missing = sorted(set(own) - set(sd))
-        if missing:
-            raise KeyError(f"checkpoint layer lacks {missing}")
-        with torch.no_grad():
-            for n, t in own.items():
-                _local(t).copy_(_local(_like(t, sd[n])))
-
-    def full_grads(self) -> dict[str, Tensor]:
-        """Whole gradients by name (a collective over the tp group)."""
-        from engine.fsdp import _full
-
-        return {n: _full(p.grad).detach().clone() for n, p in self.named.items()
-                if p.grad is not None}
-
-    def full_parameters(self) -> dict[str, Tensor]:
-        """Whole parameters by name (a collective over the tp group)."""
-        from engine.fsdp import _full
-
-        return {n: _full(p).detach().clone() for n, p in self.named.items()}
