@@ -124,7 +124,7 @@ class _Problem:
     pend: np.ndarray                          # per layer: gradients kept from I to W (0: no split)
     pending: list[int]                        # microbatches pending (I done, W not) per chunk
     states: list | None                       # per rank, its (held, pending) states (split backward)
-    input_grad: bool                          # the model input is a float tensor (else chunk 0 defers all)
+    input_grad: bool                          # the model input requires grad (else chunk 0 defers all to W)
     limits: list[float] | None                # the memory limit per rank
     names: list[str]
     param: np.ndarray                         # parameter bytes per layer
@@ -984,8 +984,8 @@ def _chunk_times(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[
                  ) -> tuple[list[float], list[float], list[float]]:
     """Per chunk: forward, backward (with recomputation) and its W part, as the engine runs
     the chunk. A recomputing chunk does not split (its I is the whole backward, W is empty); a
-    first chunk without a float input has no input gradient, so its whole, unsplit backward
-    is W."""
+    first chunk whose input does not require grad (the data) has no input gradient, so its
+    whole, unsplit backward is W."""
     f_c, b_c, w_c = [], [], []
     for c, (a, e) in enumerate(bounds):
         f, whole, split, weight, _ = prob.sums(a, e)
@@ -1062,9 +1062,9 @@ def _kept_output(prob: _Problem, e: int, recompute: bool) -> float:
 
 def _pending_bytes(prob: _Problem, a: int, e: int, recompute: bool) -> float:
     """Gradients a chunk keeps per pending microbatch from I to W. A recomputing chunk runs
-    I and W as one backward (none); a first chunk without a float input has no input gradient
-    to compute, so the engine defers its whole backward to W and keeps only its output's
-    gradient (the search counts the per-layer sum there, an upper bound)."""
+    I and W as one backward (none); a first chunk whose input does not require grad has no
+    input gradient to compute, so the engine defers its whole backward to W and keeps only its
+    output's gradient (the search counts the per-layer sum there, an upper bound)."""
     if recompute:
         return 0.0
     if a == 0 and not prob.input_grad:

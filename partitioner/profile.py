@@ -226,9 +226,11 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
         raise ValueError("repeats and sweeps must be >= 1 and warmup >= 0")
     sources = _with_loss(layer_sources(layers), loss_fn, example_target, loss_variants)
     tdtype = dtype if (dtype is None or isinstance(dtype, torch.dtype)) else getattr(torch, str(dtype))
-    # without a float input the first chunk's I has nothing to do: it keeps its output gradient
-    # whole until W (engine.stage), which the memory model reads from here
-    grad_in = any(t.is_floating_point() for t in _tensors(example_input))
+    # The engine differentiates a chunk's inputs only where they require grad (engine.stage): the
+    # first chunk's input is the data (token ids, or float features that do not require grad), so
+    # its I has nothing to do and it runs its whole, unsplit backward at W, keeping its output
+    # gradient until then. The time and memory models read this from here.
+    grad_in = any(t.is_floating_point() and t.requires_grad for t in _tensors(example_input))
     if mode == "analytic":
         spec = get_device_spec(device_spec or "cpu")
         backend = attention or spec.attention

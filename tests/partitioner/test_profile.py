@@ -300,3 +300,29 @@ def test_analytic_cache_costs_blocks_that_differ_only_by_their_index_once():
     fresh = profile(layers, x, mode="analytic", device_spec="h100", cache=False)
     assert cached.layers == fresh.layers
     assert cached.meta["unique_layers_costed"] == 2   # block 0 (non-grad input) and the rest
+
+
+def test_a_float_input_is_differentiated_only_where_it_requires_grad_as_the_engine_does():
+    """Issue 39: the engine's first chunk differentiates its input only where it requires grad
+    (data never does), so its I has nothing to do and its whole backward runs at W; the profile
+    says so for float features as for token ids, and the plan charges that chunk no split."""
+    from engine.stage import Chunk
+
+    layers = [lambda: nn.Linear(16, 32), lambda: nn.Linear(32, 16)]
+    x = torch.randn(4, 16)
+    assert profile(layers, x, repeats=1, warmup=0, min_time_s=0.0).meta["input_requires_grad"] is False
+    assert profile(layers, x.clone().requires_grad_(), repeats=1, warmup=0,
+                   min_time_s=0.0).meta["input_requires_grad"] is True
+    assert profile(layers, x, mode="analytic", device_spec="h100").meta["input_requires_grad"] is False
+
+    class Plain:
+        scale_loss = staticmethod(lambda loss: loss)
+        loss_grad = staticmethod(torch.ones_like)
+        backward = staticmethod(lambda outs, gs, inputs=None: torch.autograd.backward(outs, gs, inputs=inputs))
+
+    chunk = Chunk(0, 0, [f() for f in layers], measure_activations=False)
+    chunk.forward(0, x, split=True)
+    assert chunk.backward_input(0, [torch.ones(4, 16)], Plain()) == []   # nothing to differentiate at I
+    assert all(p.grad is None for p in chunk.module.parameters())
+    chunk.backward_weight(0, Plain())
+    assert all(p.grad is not None for p in chunk.module.parameters())
