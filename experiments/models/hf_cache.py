@@ -30,7 +30,7 @@ from torch import nn
 
 from experiments.models.hf import HFBlock, HFHead, HFTokenEmbedding, attention_mask
 
-__all__ = ["HFCachedChunk", "reserved_layer_class", "position_ids", "generation_refusal"]
+__all__ = ["HFCachedChunk", "reserved_layer_class", "position_ids", "generation_refusal", "decode_layout"]
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 """`config.layer_types` entries whose layers keep a key/value cache this chunk drives."""
@@ -127,8 +127,36 @@ def reserved_layer_class() -> type:
     return ReservedLayer
 
 
+def decode_layout(layers: Sequence[nn.Module]) -> list[str]:
+    """Store the LM head's fp32 weight of `layers` column-major on the CPU (the same values and
+    parameter, strides swapped), where a decode step's `[rows, d] x [d, vocab]` product is
+    faster: one thread, 16 rows, d=512, vocab 32000: 12.6-13.0 ms against 16.9-21 ms row-major
+    (MKL reads a column-major weight without repacking it; docs/performance.md), and bit-identical
+    outputs at 8-32 rows. Block weights gain nothing (and a 400-row prefill is slower), so they
+    stay. A head whose weight another module of `layers` shares (a tied embedding) is left as
+    it is. Returns the names of the weights changed ("<layer>.lm_head.weight").
+
+    >>> from torch import nn
+    >>> head = HFHead(nn.Identity(), nn.Linear(4, 6, bias=False))
+    >>> decode_layout([head]), head.lm_head.weight.stride()
+    (['0.lm_head.weight'], (1, 6))
+    """
+    changed = []
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, HFHead):
+            continue
+        w = layer.lm_head.weight
+        shared = any(p is w for j, other in enumerate(layers) if j != i for p in other.parameters())
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2 or shared or w.stride(0) == 1:
+            continue
+        w.data = w.data.t().contiguous().t()
+        changed.append(f"{i}.lm_head.weight")
+    return changed
+
+
 class HFCachedChunk:
-    """Runs a list of HF pipeline layers (`HFTokenEmbedding`, `HFBlock`s, `HFHead`) with a cache."""
+    """Runs a list of HF pipeline layers (`HFTokenEmbedding`, `HFBlock`s, `HFHead`) with a cache
+    (the LM head's weight in the decode layout: :func:`decode_layout`)."""
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         self.layers = list(layers)
@@ -136,6 +164,7 @@ class HFCachedChunk:
         bad = [type(m).__name__ for m in self.layers if not isinstance(m, kinds)]
         if bad:
             raise TypeError(f"HFCachedChunk runs HF pipeline layers only, got {bad}")
+        decode_layout(self.layers)
 
     def new_cache(self, batch_size: int) -> Any:
         """An empty cache for one microbatch (grows as tokens arrive, into reserved buffers)."""

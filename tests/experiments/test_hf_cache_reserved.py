@@ -34,3 +34,27 @@ def test_chunk_cache_uses_reserved_layers():
     assert isinstance(cache, Cache)
     cache.update(torch.ones(2, 1, 3, 4), torch.ones(2, 1, 3, 4), 1)
     assert type(cache.layers[1]) is reserved_layer_class() and cache.get_seq_length(1) == 3
+
+
+def test_decode_layout_keeps_the_head_logits():
+    from torch import nn
+
+    from experiments.models.hf import HFHead
+    from experiments.models.hf_cache import decode_layout
+
+    gen = torch.Generator().manual_seed(0)
+    head = HFHead(nn.Identity(), nn.Linear(64, 3000, bias=False))
+    weight = head.lm_head.weight
+    hidden = torch.randn(16, 1, 64, generator=gen)
+    with torch.no_grad():
+        want = head.logits(hidden)
+        assert decode_layout([head]) == ["0.lm_head.weight"]
+        assert head.lm_head.weight is weight and weight.stride() == (1, 3000)
+        assert torch.equal(head.logits(hidden), want)
+    assert decode_layout([head]) == []                       # already column-major
+    tied = HFHead(nn.Identity(), nn.Linear(64, 3000, bias=False))
+    emb = nn.Embedding(3000, 64)
+    tied.lm_head.weight = emb.weight
+    holder = nn.Module()
+    holder.emb = emb
+    assert decode_layout([holder, tied]) == [] and emb.weight.is_contiguous()
