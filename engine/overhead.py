@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["measure_fixed_costs", "fit_action_cost", "cache_path", "measure_collectives", "collective_links"]
+__all__ = ["measure_fixed_costs", "fit_action_cost", "cache_path", "measure_collectives"]
 
 _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate line
 
@@ -127,13 +127,10 @@ def measure_collectives(*, sizes: Sequence[int] = _COLLECTIVE_SIZES, repeats: in
       with more ranks than cores a collective waits for its peer to get a core: several times its
       idle cost. Kept as the time the simulator must charge each collective for the measured step
       (``engine.simulate`` with ``cores``: every rank computing, each progresses at
-      cores / ranks, so the charge is the extra wall time x 2 / 4): ``busy_points``, fitted as
-      ``busy_latency_s`` and ``busy_bytes_per_s``.
+      cores / ranks, so the charge is the extra wall time x 2 / 4): ``busy_points``.
 
-    The fits are ``partitioner.collectives.fit_links``; :func:`collective_links` gives them as
-    ``Links``."""
-    from partitioner.collectives import fit_links
-
+    Points are ``[kind, ranks, bytes, seconds]``; ``partitioner.collectives.measured_links`` fits
+    them (``fit_links``) as the planner's ``Links``."""
     path = cache_path("collectives")
     if use_cache and path.exists():
         return json.loads(path.read_text())
@@ -144,28 +141,12 @@ def measure_collectives(*, sizes: Sequence[int] = _COLLECTIVE_SIZES, repeats: in
                     backend="gloo", local=True)[0]
     busy = launch(_busy_collectives_worker, 4, sizes[1:], int(blocks), timeout_s=timeout_s,
                   backend="gloo", local=True)[0]
-    idle, shared = fit_links([tuple(p) for p in points]), fit_links([tuple(p) for p in busy])
-    out = {"points": points, "latency_s": idle.intra_latency_s, "bytes_per_s": idle.intra_bytes_per_s,
-           "busy_points": busy, "busy_latency_s": shared.intra_latency_s,
-           "busy_bytes_per_s": shared.intra_bytes_per_s, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out = {"points": points, "busy_points": busy, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     text = json.dumps(out, indent=1)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return json.loads(text)
-
-
-def collective_links(shared_cores: bool = False, measured: dict[str, Any] | None = None) -> Any:
-    """The ``partitioner.collectives.Links`` of this machine's local gloo ranks, from
-    :func:`measure_collectives` (measured, or read from its cache, when not given): the idle fit,
-    or with ``shared_cores`` (more local ranks than cores) the busy one. The same figures for the
-    tensor-parallel (``intra``) and data-parallel (``inter``) groups: every rank is local."""
-    from partitioner.collectives import Links
-
-    m = measure_collectives() if measured is None else measured
-    key = "busy_" if shared_cores else ""
-    rate, lat = float(m[f"{key}bytes_per_s"]), float(m[f"{key}latency_s"])
-    return Links(rate, rate, lat, lat)
 
 
 def _action_and_step(steps_s: dict[int, float], latency_s: float, schedule: str = "1f1b",

@@ -171,8 +171,8 @@ def device_links(cfg: Any) -> Any:
     """The collectives' links (`partitioner.collectives.Links`) the plan charges its tensor- and
     data-parallel collectives on: the analytic profile's device spec's (`partitioner.device_spec`);
     for layers measured here on the CPU with `partitioner.fixed_costs` on and more than one tp or
-    dp rank, gloo's collectives measured on this machine (`engine.overhead.collective_links`,
-    cached per machine like the fixed costs): the busy fit when the job's ranks outnumber the
+    dp rank, gloo's collectives measured on this machine (`engine.overhead.measure_collectives`,
+    cached per machine like the fixed costs, fitted by `partitioner.collectives.measured_links`): the busy fit when the job's ranks outnumber the
     cores (`available_cores`), else the idle one. None otherwise (a spec without links, a measured
     profile on another device or without fixed costs): the plan then charges no tensor-parallel
     or data-parallel collective, and says so."""
@@ -182,10 +182,11 @@ def device_links(cfg: Any) -> Any:
         parallel = int(p.tensor_parallel) > 1 or int(p.data_parallel) > 1
         if not (parallel and measures_fixed_costs(cfg)):
             return None
-        from engine.overhead import collective_links
+        from engine.overhead import measure_collectives
+        from partitioner.collectives import measured_links
 
         # more local ranks than cores: a collective waits for its peer to get a core (the busy fit)
-        return collective_links(shared_cores=world_size(cfg) > available_cores())
+        return measured_links(measure_collectives(), shared_cores=world_size(cfg) > available_cores())
     if part.device_spec is None:
         return None
     from partitioner import get_device_spec

@@ -28,11 +28,11 @@ Example::
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Links", "megatron_allreduces", "ring_factor", "fit_links", "COLLECTIVES"]
+__all__ = ["Links", "megatron_allreduces", "ring_factor", "fit_links", "measured_links", "COLLECTIVES"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -148,3 +148,15 @@ def fit_links(points: Sequence[tuple[str, int, float, float]]) -> Links:
         intercept = float(np.sum(w * (ys - slope * xs)) / np.sum(w))
     lat = float(intercept)
     return Links(1.0 / float(slope), 1.0 / float(slope), lat, lat, 1.0)
+
+
+def measured_links(measured: Mapping[str, Any], shared_cores: bool = False) -> Links:
+    """The :class:`Links` of a machine's local gloo ranks from ``engine.overhead.measure_collectives``'s
+    dict: :func:`fit_links` of its idle ``points``, or with ``shared_cores`` (the job's ranks
+    outnumber the cores) of its ``busy_points``.
+
+    >>> pts = [["all_reduce", 2, b, 1e-4 + b / 1e9] for b in (1e3, 1e6)]
+    >>> round(measured_links({"points": pts, "busy_points": pts}).intra_bytes_per_s / 1e9, 6)
+    1.0
+    """
+    return fit_links([tuple(p) for p in measured["busy_points" if shared_cores else "points"]])
