@@ -13,8 +13,10 @@ spawned job each.
 The full grid (:func:`full_grid`) covers every schedule, fp32 and bf16, measured and analytic
 profiles, a small head (vocabulary 2 x dim) and a large one (32 x dim), ZeRO 0/1/2 with two
 replicas, recomputation on, off and auto under a limit (the plan recomputes where the limit
-needs it, and the run must stay under the limit), SGD with momentum and AdamW, and the chunked
-loss head. The small grid (:data:`SMALL_GRID`) is a few layouts, the large head under zb-h1
+needs it, and the run must stay under the limit), SGD with momentum and AdamW, the chunked
+loss head, ZeRO-3 (FSDP2) and tensor parallelism (pp2 x tp2 on the GPT and a Hugging Face Llama,
+tp2 x dp2 under ZeRO-3 and ZeRO-0; each tp rank a row, with its parameter shards against the
+whole tensors). The small grid (:data:`SMALL_GRID`) is a few layouts, the large head under zb-h1
 among them, fast enough for a test.
 
 Example:
@@ -135,8 +137,9 @@ def full_grid() -> list[Layout]:
     """Every schedule in fp32 and bf16 with the small and the large head (measured profile);
     every schedule on the analytic profile (fp32 small head, bf16 large head); every schedule
     recomputing (large head); ZeRO 0/1/2 with two replicas in fp32 and bf16 (1f1b with the
-    small head, zb-h1 with the large one); ZeRO-3 (:data:`ZERO3_GRID`); the chunked loss on every schedule (bf16) and in fp32
-    on both profiles; auto recomputation under a limit; SGD with momentum and bf16 autocast."""
+    small head, zb-h1 with the large one); ZeRO-3 (:data:`ZERO3_GRID`); tensor parallelism
+    (:data:`TP_GRID`); the chunked loss on every schedule (bf16) and in fp32 on both profiles;
+    auto recomputation under a limit; SGD with momentum and bf16 autocast."""
     groups = [
         [layout(s, prec, vocab=v) for s in SCHEDULE_CHUNKS for v in (SMALL_VOCAB, LARGE_VOCAB)
          for prec in ("fp32", "bf16")],

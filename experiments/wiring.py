@@ -172,10 +172,10 @@ def device_links(cfg: Any) -> Any:
     data-parallel collectives on: the analytic profile's device spec's (`partitioner.device_spec`);
     for layers measured here on the CPU with `partitioner.fixed_costs` on and more than one tp or
     dp rank, gloo's collectives measured on this machine (`engine.overhead.measure_collectives`,
-    cached per machine like the fixed costs, fitted by `partitioner.collectives.measured_links`): the busy fit when the job's ranks outnumber the
-    cores (`available_cores`), else the idle one. None otherwise (a spec without links, a measured
-    profile on another device or without fixed costs): the plan then charges no tensor-parallel
-    or data-parallel collective, and says so."""
+    cached per machine like the fixed costs, fitted by `partitioner.collectives.measured_links`):
+    the busy fit when the job's ranks outnumber the cores (`available_cores`), else the idle one.
+    None otherwise (a spec without links, a measured profile on another device or without fixed
+    costs): the plan then charges no tensor-parallel or data-parallel collective, and says so."""
     cfg = as_config(cfg)
     part, p = cfg.partitioner, cfg.pipeline
     if _text(part.profile) == "measure":
