@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["measure_fixed_costs", "fit_action_cost", "cache_path"]
+__all__ = ["measure_fixed_costs", "fit_action_cost", "cache_path", "measure_collectives"]
 
 _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate line
 
@@ -60,15 +60,22 @@ _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate l
 # outputs checked for NaN/inf on diagnostic steps only, the partial verdict sent down only then;
 # 11: on gloo a step's header travels packed with its first data, one message where shapes hold).
 _RUNTIME_VERSION = 11
+# Bump when the collectives' measurement changes (1: gloo all-reduce, all-gather, reduce-scatter
+# on 2 ranks, one thread each; 2: and busy, 4 ranks on 2 cores between compute units).
+_COLLECTIVES_VERSION = 2
+_COLLECTIVE_SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)  # bytes: the whole tensor
 
 
-def cache_path() -> Path:
-    """Where measured costs are kept (``PIPESHARD_CACHE_DIR``, default ~/.cache/pipeshard)."""
+def cache_path(what: str = "fixed_costs") -> Path:
+    """Where measured costs are kept (``PIPESHARD_CACHE_DIR``, default ~/.cache/pipeshard):
+    ``what`` is ``"fixed_costs"`` (:func:`measure_fixed_costs`) or ``"collectives"``
+    (:func:`measure_collectives`), each with its own version."""
     import torch
 
+    version = {"fixed_costs": _RUNTIME_VERSION, "collectives": _COLLECTIVES_VERSION}[what]
     root = Path(os.environ.get("PIPESHARD_CACHE_DIR", Path.home() / ".cache" / "pipeshard"))
-    key = f"{platform.node()}-torch{torch.__version__}-{os.cpu_count()}cpu-v{_RUNTIME_VERSION}"
-    return root / f"fixed_costs-{key}.json"
+    key = f"{platform.node()}-torch{torch.__version__}-{os.cpu_count()}cpu-v{version}"
+    return root / f"{what}-{key}.json"
 
 
 def measure_fixed_costs(*, microbatches: Sequence[int] = (8, 16, 24, 32), steps: int = 12,
@@ -103,6 +110,43 @@ def measure_fixed_costs(*, microbatches: Sequence[int] = (8, 16, 24, 32), steps:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return json.loads(text)  # the same plain-JSON form as a cached read
+
+
+def measure_collectives(*, sizes: Sequence[int] = _COLLECTIVE_SIZES, repeats: int = 20, blocks: int = 4,
+                        use_cache: bool = True, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Measure (or read from the cache) gloo's collectives (``partitioner.collectives.COLLECTIVES``:
+    all-reduce, all-gather, reduce-scatter; ``sizes``: bytes of the whole tensor), one thread
+    per rank, in two settings:
+
+    - idle: two ranks, nothing else running; ``repeats`` timed calls per collective and size in
+      three alternating rounds, the median kept (``points``, fitted as ``latency_s`` and
+      ``bytes_per_s``);
+    - busy: four ranks on two cores (two pairs, each pair a group), every rank alternating a
+      compute unit (about 2 ms of matmul) with a collective on its pair, against the same units
+      alone, in ``blocks`` alternating blocks (the median extra seconds per collective). On a CPU
+      with more ranks than cores a collective waits for its peer to get a core: several times its
+      idle cost. Kept as the time the simulator must charge each collective for the measured step
+      (``engine.simulate`` with ``cores``: every rank computing, each progresses at
+      cores / ranks, so the charge is the extra wall time x 2 / 4): ``busy_points``.
+
+    Points are ``[kind, ranks, bytes, seconds]``; ``partitioner.collectives.measured_links`` fits
+    them (``fit_links``) as the planner's ``Links``."""
+    path = cache_path("collectives")
+    if use_cache and path.exists():
+        return json.loads(path.read_text())
+    from engine.launch import launch
+
+    sizes = tuple(int(b) for b in sizes)
+    points = launch(_collectives_worker, 2, sizes, int(repeats), timeout_s=timeout_s,
+                    backend="gloo", local=True)[0]
+    busy = launch(_busy_collectives_worker, 4, sizes[1:], int(blocks), timeout_s=timeout_s,
+                  backend="gloo", local=True)[0]
+    out = {"points": points, "busy_points": busy, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    text = json.dumps(out, indent=1)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return json.loads(text)
 
 
 def _action_and_step(steps_s: dict[int, float], latency_s: float, schedule: str = "1f1b",
@@ -306,6 +350,82 @@ def _pipeline_steps(m: int, steps: int, send_wait: str = "step") -> list[float]:
         if k >= 3:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def _collectives_worker(sizes: tuple[int, ...], repeats: int) -> list[list[Any]]:
+    """Per collective and size, the median seconds of one call on this group (every rank
+    starting together after a barrier): ``[[kind, ranks, bytes, seconds], ...]``."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    ops = _COLLECTIVE_OPS
+    times: dict[tuple[str, int], list[float]] = {(k, b): [] for k in ops for b in sizes}
+    for _ in range(3):
+        for b in sizes:
+            numel = max(n, b // 4 // n * n)
+            whole, part = torch.ones(numel), torch.ones(numel // n)
+            for kind, op in ops.items():
+                for k in range(repeats + 2):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    op(whole, part)
+                    if k >= 2:
+                        times[kind, b].append(time.perf_counter() - t0)
+    return [[kind, n, b, statistics.median(t)] for (kind, b), t in times.items()]
+
+
+_COLLECTIVE_OPS = {
+    "all_reduce": lambda whole, part, group=None: _dist().all_reduce(whole, group=group),
+    "all_gather": lambda whole, part, group=None: _dist().all_gather_into_tensor(whole, part, group=group),
+    "reduce_scatter": lambda whole, part, group=None: _dist().reduce_scatter_tensor(part, whole, group=group),
+}
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+    return dist
+
+
+def _busy_collectives_worker(sizes: tuple[int, ...], blocks: int, units: int = 15,
+                             unit_s: float = 2e-3) -> list[list[Any]]:
+    """Four ranks pinned to two cores, in pairs: per collective and size, the extra seconds per
+    collective of ``units`` compute units each followed by a collective on the pair, against the
+    units alone (median over ``blocks`` alternating blocks), times cores / ranks (what a
+    time-shared simulated rank is charged): ``[[kind, 2, bytes, seconds], ...]``."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = min(2, len(allowed)) if allowed else 1
+    if allowed:
+        os.sched_setaffinity(0, allowed[:cores])
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group = pairs[rank // 2]
+    a, w = torch.randn(128, 512), torch.randn(512, 512)
+    reps = _reps_for(lambda: a @ w, unit_s)
+    out = []
+    for b in sizes:
+        whole, part = torch.ones(max(2, b // 8 * 2)), torch.ones(max(1, b // 8))
+        for kind, op in _COLLECTIVE_OPS.items():
+            def block(coll: bool) -> float:
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(units):
+                    for _ in range(reps):
+                        a @ w
+                    if coll:
+                        op(whole, part, group)
+                return time.perf_counter() - t0
+
+            block(True)
+            extra = []
+            for k in range(blocks):
+                t = {c: block(c) for c in ((True, False) if k % 2 else (False, True))}
+                extra.append((t[True] - t[False]) / units)
+            out.append([kind, 2, b, max(0.0, statistics.median(extra)) * cores / world])
+    return out
 
 
 def _tiny_layer() -> Any:

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from engine.fsdp import WholeTensorState
 from engine.optim import OptimizerConfig, TorchStageOptimizer, make_torch_optimizer
 
-__all__ = ["parallelize_layer", "FusedColwiseParallel", "ReplicateWithGradSum",
+__all__ = ["parallelize_layer", "shard_shapes", "FusedColwiseParallel", "ReplicateWithGradSum",
            "vocab_parallel_cross_entropy", "styles_from_hf_plan", "TpStageOptimizer", "HF_STYLES"]
 
 IGNORE_INDEX = -100
@@ -108,6 +108,35 @@ def parallelize_layer(layer: nn.Module, tp_mesh: Any) -> nn.Module:
     plan = plan_of(tp_mesh.size())
     if plan:
         parallelize_module(layer, tp_mesh, plan)
+    return layer
+
+
+def shard_shapes(layer: nn.Module, tp: int) -> nn.Module:
+    """``layer`` with the shapes of one tensor-parallel rank's shards and no DTensor (what the
+    planner profiles for ``pipeline.tensor_parallel=tp``): for each entry of its own plan
+    (``layer.tp_plan(tp)``, which also switches it to its local sizes) a column-parallel
+    Linear's outputs and a row-parallel Linear's inputs or Embedding's rows divided by ``tp``,
+    freshly initialised; sequence-parallel norms kept whole.
+
+    >>> from experiments.models.gpt import GPTBlock
+    >>> blk = shard_shapes(GPTBlock(64, heads=4), 2)
+    >>> blk.heads, tuple(blk.qkv.weight.shape), tuple(blk.fc_out.weight.shape)
+    (2, (96, 64), (64, 128))
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    for fqn, style in layer.tp_plan(int(tp)).items():
+        mod = layer.get_submodule(fqn)
+        if isinstance(style, ColwiseParallel) and isinstance(mod, nn.Linear):
+            new: nn.Module = nn.Linear(mod.in_features, mod.out_features // tp, bias=mod.bias is not None)
+        elif isinstance(style, RowwiseParallel) and isinstance(mod, nn.Linear):
+            new = nn.Linear(mod.in_features // tp, mod.out_features, bias=mod.bias is not None)
+        elif isinstance(style, RowwiseParallel) and isinstance(mod, nn.Embedding):
+            new = nn.Embedding(mod.num_embeddings // tp, mod.embedding_dim)
+        else:
+            continue
+        parent, _, name = fqn.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, name, new.to(mod.weight.dtype))
     return layer
 
 

@@ -13,8 +13,10 @@ spawned job each.
 The full grid (:func:`full_grid`) covers every schedule, fp32 and bf16, measured and analytic
 profiles, a small head (vocabulary 2 x dim) and a large one (32 x dim), ZeRO 0/1/2 with two
 replicas, recomputation on, off and auto under a limit (the plan recomputes where the limit
-needs it, and the run must stay under the limit), SGD with momentum and AdamW, and the chunked
-loss head. The small grid (:data:`SMALL_GRID`) is a few layouts, the large head under zb-h1
+needs it, and the run must stay under the limit), SGD with momentum and AdamW, the chunked
+loss head, ZeRO-3 (FSDP2) and tensor parallelism (pp2 x tp2 on the GPT and a Hugging Face Llama,
+tp2 x dp2 under ZeRO-3 and ZeRO-0; each tp rank a row, with its parameter shards against the
+whole tensors). The small grid (:data:`SMALL_GRID`) is a few layouts, the large head under zb-h1
 among them, fast enough for a test.
 
 Example:
@@ -33,7 +35,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["Layout", "GRID", "SMALL_GRID", "ZERO3_GRID", "BASE", "SCHEDULE_CHUNKS", "full_grid", "layout",
+__all__ = ["Layout", "GRID", "SMALL_GRID", "ZERO3_GRID", "TP_GRID", "LLAMA", "BASE", "SCHEDULE_CHUNKS", "full_grid", "layout",
            "measure_layouts", "format_rows", "summary", "select", "main", "smallest_limit"]
 
 # The model every layout of the grid trains (small enough for the CPU, large enough that the
@@ -64,14 +66,18 @@ class Layout:
 def layout(schedule: str = "1f1b", precision: str = "fp32", *, optimizer: str = "adamw",
            profile: str = "measure", vocab: int = SMALL_VOCAB, zero: int | None = None,
            recompute: str = "off", loss: str = "full", limit_fraction: float | None = None,
-           reshard: str | None = None) -> Layout:
+           reshard: str | None = None, tp: int = 1, stages: int = 2, model: str = "gpt") -> Layout:
     """The layout of one point of the grid, named by its values (``zero``: a ZeRO stage with
     two replicas; None: one replica). ``recompute``: off | on | auto (auto needs
     ``limit_fraction``). ``reshard``: ZeRO-3's ``optimizer.reshard_after_forward`` (true |
-    false; None: the config's auto).
+    false; None: the config's auto). ``tp``: ranks per tensor-parallel group; ``stages``:
+    pipeline stages; ``model``: "gpt" (the base's) or "llama" (a random Hugging Face Llama of
+    the same width and depth, 2 KV heads, untied).
 
     >>> layout("zbv", "bf16", vocab=4096, zero=1).name
     'zbv bf16 adamw measure v4096 zero1 dp2'
+    >>> layout(tp=2, model="llama").name
+    '1f1b fp32 adamw measure v256 llama pp2 tp2'
     """
     if recompute == "auto" and limit_fraction is None:
         raise ValueError("recompute='auto' needs limit_fraction (a limit the plan must recompute under)")
@@ -92,7 +98,17 @@ def layout(schedule: str = "1f1b", precision: str = "fp32", *, optimizer: str = 
     if loss != "full":
         over.append(f"model.loss={loss}")
         name += f" {loss}"
+    if model == "llama":
+        over = ["model=hf_llama", *LLAMA, *over]
+    if tp > 1 or stages != 2 or model != "gpt":
+        over += [f"pipeline.stages={stages}", f"pipeline.tensor_parallel={tp}"]
+        name += f"{' llama' if model == 'llama' else ''} pp{stages} tp{tp}"
     return Layout(name, tuple(over), limit_fraction)
+
+
+# the Hugging Face Llama of the tensor-parallel layouts: the base's width and depth, 2 KV heads,
+# untied (tensor parallelism shards the embedding and the head apart)
+LLAMA: tuple[str, ...] = ("model.kv_heads=2", "model.intermediate=344", "model.tie_embeddings=false")
 
 
 # ZeRO-3 (FSDP2) over two replicas: both reshard policies, one and two chunks per rank, whole and
@@ -105,12 +121,25 @@ ZERO3_GRID: list[Layout] = [
 ]
 
 
+# Tensor parallelism (fp32, AdamW, untied heads) within 4 ranks: pp2 x tp2 on the GPT and the
+# Hugging Face Llama, and one pipeline stage of tp2 x dp2: ZeRO-3 on the Llama, both reshard
+# policies (2-D parameters: sharded over tp, then over dp; the GPT's fused q/k/v is not built for
+# it), and ZeRO-0 on the GPT (tensor parallelism runs on the torch backend or FSDP2 only)
+TP_GRID: list[Layout] = [
+    layout("1f1b", "fp32", tp=2), layout("1f1b", "fp32", tp=2, model="llama"),
+    layout("1f1b", "fp32", tp=2, stages=1, zero=3, reshard="false", model="llama"),
+    layout("1f1b", "fp32", tp=2, stages=1, zero=3, reshard="true", model="llama"),
+    layout("1f1b", "fp32", tp=2, stages=1, zero=0),
+]
+
+
 def full_grid() -> list[Layout]:
     """Every schedule in fp32 and bf16 with the small and the large head (measured profile);
     every schedule on the analytic profile (fp32 small head, bf16 large head); every schedule
     recomputing (large head); ZeRO 0/1/2 with two replicas in fp32 and bf16 (1f1b with the
-    small head, zb-h1 with the large one); ZeRO-3 (:data:`ZERO3_GRID`); the chunked loss on every schedule (bf16) and in fp32
-    on both profiles; auto recomputation under a limit; SGD with momentum and bf16 autocast."""
+    small head, zb-h1 with the large one); ZeRO-3 (:data:`ZERO3_GRID`); tensor parallelism
+    (:data:`TP_GRID`); the chunked loss on every schedule (bf16) and in fp32 on both profiles;
+    auto recomputation under a limit; SGD with momentum and bf16 autocast."""
     groups = [
         [layout(s, prec, vocab=v) for s in SCHEDULE_CHUNKS for v in (SMALL_VOCAB, LARGE_VOCAB)
          for prec in ("fp32", "bf16")],
@@ -122,6 +151,7 @@ def full_grid() -> list[Layout]:
         [layout(s, "bf16", vocab=LARGE_VOCAB, loss="chunked") for s in SCHEDULE_CHUNKS]
         + [layout("1f1b", "fp32", profile=pm, vocab=LARGE_VOCAB, loss="chunked") for pm in ("measure", "analytic")],
         ZERO3_GRID,
+        TP_GRID,
         [layout(s, "fp32", vocab=v, recompute="auto", limit_fraction=0.97)
          for s, v in (("1f1b", SMALL_VOCAB), ("zb-h1", SMALL_VOCAB), ("1f1b", LARGE_VOCAB))]
         + [layout("1f1b", "fp32", optimizer="sgd"), layout("1f1b", "bf16-autocast", zero=1)],
@@ -169,11 +199,11 @@ def _prepare(lay: Layout, base: Sequence[str]) -> dict[str, Any]:
     """The resolved config and plan of a layout (profiled here, as `experiments.train` does)."""
     from experiments.config import as_config, compose_config
     from experiments.models import build_model
-    from experiments.wiring import make_plan, partition_kwargs, profile_model, world_size
+    from experiments.wiring import make_plan, partition_kwargs, profile_model, tp_model_spec, world_size
 
     cfg = compose_config(*base, *lay.overrides)
     spec = build_model(cfg.model)
-    prof = profile_model(cfg, spec)
+    prof = profile_model(cfg, tp_model_spec(cfg))   # one tp rank's shapes (the model itself without tp)
     limit = None
     if lay.limit_fraction is not None:
         limit = int(smallest_limit(prof, partition_kwargs(cfg), "off") * lay.limit_fraction)
@@ -215,26 +245,39 @@ def _worker(jobs: list[dict], steps: int) -> list[dict]:
             kinds.append(mem["breakdown"])
             losses.append(res.loss)
         top = max(range(steps), key=peaks.__getitem__)
+        params = list(pipe.layer_module.parameters())
         out.append({"peak": peaks[top], "breakdown": kinds[top], "peaks": peaks, "losses": losses,
-                    "rank": pipe.mesh.pipeline_rank, "replica": pipe.mesh.replica,
-                    "numel": sum(p.numel() for p in pipe.layer_module.parameters())})
+                    "rank": pipe.mesh.pipeline_rank, "replica": pipe.mesh.replica, "tp_rank": pipe.mesh.tp_rank,
+                    "numel": sum(_local(p).numel() for p in params),   # this rank's shards
+                    "shard_bytes": sum(_local(p).numel() * p.element_size() for p in params),
+                    "whole_bytes": sum(p.numel() * p.element_size() for p in params)})   # un-sharded
     return out
 
 
+def _local(t: Any) -> Any:
+    """A DTensor's local shard (tensor parallel, FSDP2), else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _rows(job: dict[str, Any], per_rank: list[list[dict]]) -> list[dict[str, Any]]:
-    """One row per pipeline rank of replica 0: the plan's peak beside the measured one."""
+    """One row per pipeline rank and tp rank of replica 0: the plan's peak beside the measured
+    one; MemTracker's parameter bytes at the peak (``params``: under ZeRO-3 with the gathered
+    layers), and the bytes of the rank's own parameter shards (``shard_bytes``, what it keeps
+    between steps) beside its layers' whole tensors (``whole_bytes``)."""
     plan, rows = job["plan"], []
     for res in (r[0] for r in per_rank):
         if res["replica"] != 0:
             continue
         j = res["rank"]
         pred = float(plan.rank_memory_bytes[j])
-        rows.append({"layout": job["name"], "rank": j, "predicted": pred, "measured": res["peak"],
+        rows.append({"layout": job["name"], "rank": j, "tp_rank": res["tp_rank"], "predicted": pred,
+                     "measured": res["peak"], "params": res["breakdown"]["parameters"],
+                     "shard_bytes": res["shard_bytes"], "whole_bytes": res["whole_bytes"],
                      "ratio": res["peak"] / pred, "error": pred / res["peak"] - 1,
                      "breakdown": res["breakdown"], "predicted_breakdown": plan.rank_memory_breakdown[j],
                      "recompute": list(plan.stage_recompute), "losses": res["losses"],
                      "numel": res["numel"], "limit": job["limit"]})
-    return sorted(rows, key=lambda r: r["rank"])
+    return sorted(rows, key=lambda r: (r["rank"], r["tp_rank"]))
 
 
 def measure_layouts(layouts: Sequence[Layout], base: Sequence[str] = BASE, steps: int = 3,
@@ -257,18 +300,30 @@ def measure_layouts(layouts: Sequence[Layout], base: Sequence[str] = BASE, steps
 
 
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a markdown table (MiB; the error is predicted / measured - 1).
+    """The rows as a markdown table (MiB; the error is predicted / measured - 1; MemTracker's
+    parameter bytes at the peak, and the rank's parameter shards over its layers' whole
+    tensors, where the rows have them).
 
     >>> print(format_rows([{"layout": "1f1b", "rank": 0, "predicted": 2**20, "measured": 2**20,
     ...                     "error": 0.0, "limit": None}]).splitlines()[2])
-    | 1f1b | 0 | 1.00 | 1.00 | +0.0% |  |
+    | 1f1b | 0 | 0 | 1.00 | 1.00 | +0.0% |  |  |  |
     """
-    head = ("| layout | rank | predicted MiB | measured MiB | error | limit MiB |\n"
-            "|---|---|---|---|---|---|\n")
-    return head + "".join(f"| {r['layout']} | {r['rank']} | {r['predicted'] / 2**20:.2f} | "
+    head = ("| layout | rank | tp rank | predicted MiB | measured MiB | error | limit MiB | parameters MiB "
+            "at the peak | shards / whole MiB |\n|---|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(f"| {r['layout']} | {r['rank']} | {r.get('tp_rank', 0)} | {r['predicted'] / 2**20:.2f} | "
                           f"{r['measured'] / 2**20:.2f} | {r['error']:+.1%} | "
-                          f"{'' if r['limit'] is None else format(r['limit'] / 2**20, '.2f')} |\n"
-                          for r in rows)
+                          f"{'' if r['limit'] is None else format(r['limit'] / 2**20, '.2f')} | "
+                          f"{_params(r)} |\n" for r in rows)
+
+
+def _params(row: dict[str, Any]) -> str:
+    """``"0.85 | 0.85 / 1.67 (0.51)"``: MemTracker's parameter MiB at the peak | the rank's
+    shards over its layers' whole tensors (MiB, and the fraction)."""
+    if not row.get("whole_bytes"):
+        return " | "
+    mib = 2**20
+    return (f"{row['params'] / mib:.2f} | {row['shard_bytes'] / mib:.2f} / {row['whole_bytes'] / mib:.2f} "
+            f"({row['shard_bytes'] / row['whole_bytes']:.2f})")
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> str:
@@ -278,7 +333,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
     within = [sum(abs(r["error"]) <= tol for r in rows) for tol in (0.05, 0.10)]
     over = [f"{r['layout']} rank {r['rank']}" for r in rows if r["limit"] and r["measured"] > r["limit"]]
     return (f"{len(rows)} ranks: {within[0]} within 5%, {within[1]} within 10%; largest error "
-            f"{worst['error']:+.1%} ({worst['layout']} rank {worst['rank']}); "
+            f"{worst['error']:+.1%} ({worst['layout']} rank {worst['rank']}.{worst.get('tp_rank', 0)}); "
             f"measured peak over the limit: {', '.join(over) or 'none'}")
 
 

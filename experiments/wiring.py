@@ -40,7 +40,7 @@ __all__ = [
     "microbatch_size", "world_size", "run_name", "resolve_device", "torch_dtype", "schedule_chunks",
     "profile_kwargs", "partition_kwargs", "reshard_choice", "device_links", "tp_model_spec", "with_fixed_costs", "pipeline_kwargs", "engine_optimizer_kwargs",
     "checkpoint_root", "resume_checkpoint", "check_checkpoint_model", "profile_model", "make_plan",
-    "plan_matches", "search_kwargs", "profiles_by_size", "search_layout", "resolve_layout", "available_cores",
+    "plan_matches", "search_kwargs", "measures_fixed_costs", "profiles_by_size", "search_layout", "resolve_layout", "available_cores",
     "parallel_search",
 ]
 
@@ -168,11 +168,26 @@ def reshard_choice(cfg: Any) -> bool | None:
 
 
 def device_links(cfg: Any) -> Any:
-    """The collectives' links (`partitioner.collectives.Links`) of the analytic profile's device
-    spec (`partitioner.device_spec`); None for a measured profile or a spec without them (the
-    plan then charges no tensor-parallel or ZeRO-3 collective, and says so)."""
-    part = as_config(cfg).partitioner
-    if _text(part.profile) != "analytic" or part.device_spec is None:
+    """The collectives' links (`partitioner.collectives.Links`) the plan charges its tensor- and
+    data-parallel collectives on: the analytic profile's device spec's (`partitioner.device_spec`);
+    for layers measured here on the CPU with `partitioner.fixed_costs` on and more than one tp or
+    dp rank, gloo's collectives measured on this machine (`engine.overhead.measure_collectives`,
+    cached per machine like the fixed costs, fitted by `partitioner.collectives.measured_links`):
+    the busy fit when the job's ranks outnumber the cores (`available_cores`), else the idle one.
+    None otherwise (a spec without links, a measured profile on another device or without fixed
+    costs): the plan then charges no tensor-parallel or data-parallel collective, and says so."""
+    cfg = as_config(cfg)
+    part, p = cfg.partitioner, cfg.pipeline
+    if _text(part.profile) == "measure":
+        parallel = int(p.tensor_parallel) > 1 or int(p.data_parallel) > 1
+        if not (parallel and measures_fixed_costs(cfg)):
+            return None
+        from engine.overhead import measure_collectives
+        from partitioner.collectives import measured_links
+
+        # more local ranks than cores: a collective waits for its peer to get a core (the busy fit)
+        return measured_links(measure_collectives(), shared_cores=world_size(cfg) > available_cores())
+    if part.device_spec is None:
         return None
     from partitioner import get_device_spec
 
@@ -346,7 +361,8 @@ def tp_model_spec(cfg: Any, tensor_parallel: int | None = None) -> Any:
     the vocabulary (embedding and LM head) divided by tp, the head dimension and the hidden size
     kept: the column-parallel projections' outputs and the attention are sharded, while the block's
     input and output, the norms and the residual stream are whole on every rank. A Hugging Face
-    Llama-style family only (its config takes `head_dim`); the model itself for tp = 1."""
+    Llama-style family (its config takes `head_dim`) or the GPT model (`_gpt_tp_spec`: its own tp
+    plan's shard shapes); the model itself for tp = 1."""
     import dataclasses
 
     from experiments.models import build_model
@@ -356,10 +372,15 @@ def tp_model_spec(cfg: Any, tensor_parallel: int | None = None) -> Any:
     model = cfg.model
     if t == 1:
         return build_model(model)
-    if not hasattr(model, "arch") or getattr(model, "pretrained", None) or _text(model.arch) in ("gpt2", "gpt_neox"):
-        raise ConfigError(f"planning pipeline.tensor_parallel={t} needs a random Hugging Face model of a Llama-style "
+    gpt = _text(model.name) == "gpt" and not getattr(model, "sequence_parallel", False)
+    if not gpt and (not hasattr(model, "arch") or getattr(model, "pretrained", None)
+                    or _text(model.arch) in ("gpt2", "gpt_neox")):
+        raise ConfigError(f"planning pipeline.tensor_parallel={t} needs the GPT model without sequence parallelism "
+                          f"or a random Hugging Face model of a Llama-style "
                           f"family (model=hf_llama, or model=hf with model.arch=llama, mistral, qwen2, qwen3, phi3); "
                           f"got model.name={_text(model.name)}: set pipeline.tensor_parallel=1")
+    if _text(model.name) == "gpt":
+        return _gpt_tp_spec(model, t)
     heads, dim = int(model.heads), int(model.dim)
     kv = int(model.kv_heads or heads)
     inter = int(model.intermediate or 4 * dim)
@@ -373,6 +394,31 @@ def tp_model_spec(cfg: Any, tensor_parallel: int | None = None) -> Any:
     from experiments.models.hf_build import build_hf
 
     return build_hf(shard, head_dim=dim // heads)
+
+
+def _gpt_tp_spec(model: Any, t: int) -> Any:
+    """One tp rank's GPT (`tp_model_spec`): built with the vocabulary / t (the vocabulary-parallel
+    embedding and head, and token ids in range), each block with its plan's shard shapes
+    (`engine.tp.shard_shapes`: heads, q/k/v and the MLP's width / t)."""
+    import dataclasses
+    import functools
+
+    from experiments.models import build_model
+
+    bad = [f"{k}={v}" for k, v in (("model.heads", int(model.heads)), ("model.vocab", int(model.vocab)),
+                                   ("model.dim x model.mlp_ratio", int(model.dim) * int(model.mlp_ratio))) if v % t]
+    if bad:
+        raise ConfigError(f"pipeline.tensor_parallel={t} does not divide {', '.join(bad)}: choose a tensor-parallel "
+                          "degree that divides each")
+    spec = build_model(dataclasses.replace(model, vocab=int(model.vocab) // t))
+    blocks = [functools.partial(_tp_rank_layer, f, t) for f in spec.layers[1:-1]]
+    return dataclasses.replace(spec, layers=[spec.layers[0], *blocks, spec.layers[-1]])
+
+
+def _tp_rank_layer(factory: Any, t: int) -> Any:
+    from engine.tp import shard_shapes
+
+    return shard_shapes(factory(), t)
 
 
 def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
@@ -431,13 +477,20 @@ def with_fixed_costs(cfg: Any, prof: Any) -> Any:
 
     from partitioner import FixedCosts
 
-    part = as_config(cfg).partitioner
-    measured_here = _text(part.profile) == "measure" and resolve_device(cfg) == "cpu"
-    if not (measured_here and bool(part.fixed_costs)):
+    if not measures_fixed_costs(cfg):
         return prof
     from engine.overhead import measure_fixed_costs
 
     return dataclasses.replace(prof, fixed=FixedCosts.from_dict({**measure_fixed_costs(), "cores": available_cores()}))
+
+
+def measures_fixed_costs(cfg: Any) -> bool:
+    """Whether the plan charges this machine's measured runtime costs (`with_fixed_costs`) and
+    gloo collectives (`device_links`): layers measured here on the CPU, `partitioner.fixed_costs`
+    on (both are measured with gloo on the CPU; other devices get none)."""
+    cfg = as_config(cfg)
+    part = cfg.partitioner
+    return _text(part.profile) == "measure" and bool(part.fixed_costs) and resolve_device(cfg) == "cpu"
 
 
 def available_cores() -> int:
@@ -479,7 +532,8 @@ def make_plan(cfg: Any, spec: Any, prof: Any = None, *, method: str | None = Non
 
 def _tp_rank_spec(cfg: Any, spec: Any) -> tuple[Any, str | None]:
     """(one tp rank's model spec, None), or (`spec`, why not) when the model has no tp-rank shapes
-    to profile (`tp_model_spec`: random Llama-style Hugging Face models only)."""
+    to profile (`tp_model_spec`: the GPT without sequence parallelism and random Llama-style
+    Hugging Face models only)."""
     try:
         return tp_model_spec(cfg), None
     except ConfigError as e:

@@ -28,8 +28,13 @@ Example::
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Sequence
 
-__all__ = ["Links", "megatron_allreduces"]
+import numpy as np
+
+__all__ = ["Links", "megatron_allreduces", "ring_factor", "fit_links", "measured_links", "COLLECTIVES"]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -59,23 +64,25 @@ class Links:
             return self.inter_bytes_per_s * self.efficiency, self.inter_latency_s
         raise ValueError(f"link={link!r}; use 'intra' (tensor parallel) or 'inter' (data parallel)")
 
-    def all_reduce(self, nbytes: float, ranks: int, link: str) -> float:
-        """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` ranks on ``link``."""
+    def time(self, kind: str, nbytes: float, ranks: int, link: str) -> float:
+        """Seconds of a ring collective ``kind`` (one of :data:`COLLECTIVES`) of ``nbytes`` over
+        ``ranks`` ranks on ``link``: ``latency + ring_factor(kind, ranks) * nbytes / rate``."""
         if ranks <= 1:
             return 0.0
         rate, lat = self._rate(link)
-        return lat + 2.0 * (ranks - 1) / ranks * float(nbytes) / rate
+        return lat + ring_factor(kind, ranks) * float(nbytes) / rate
+
+    def all_reduce(self, nbytes: float, ranks: int, link: str) -> float:
+        """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` ranks on ``link``."""
+        return self.time("all_reduce", nbytes, ranks, link)
 
     def all_gather(self, nbytes: float, ranks: int, link: str) -> float:
         """Seconds of a ring all-gather whose gathered tensor has ``nbytes`` bytes."""
-        if ranks <= 1:
-            return 0.0
-        rate, lat = self._rate(link)
-        return lat + (ranks - 1) / ranks * float(nbytes) / rate
+        return self.time("all_gather", nbytes, ranks, link)
 
     def reduce_scatter(self, nbytes: float, ranks: int, link: str) -> float:
         """Seconds of a ring reduce-scatter of an ``nbytes``-byte tensor (each rank keeps 1/ranks)."""
-        return self.all_gather(nbytes, ranks, link)
+        return self.time("reduce_scatter", nbytes, ranks, link)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -98,3 +105,58 @@ def megatron_allreduces(num_layers: int) -> list[tuple[int, int]]:
     if num_layers == 1:
         return [(1, 1)]
     return [(1, 0)] + [(2, 2)] * (num_layers - 2) + [(0, 1)]
+
+
+def ring_factor(kind: str, ranks: int) -> float:
+    """The bytes a ring collective moves per rank, as a multiple of the whole tensor's:
+    ``2 (n - 1) / n`` for an all-reduce, ``(n - 1) / n`` for an all-gather (of the gathered
+    tensor) and a reduce-scatter (of the unreduced one).
+
+    >>> ring_factor("all_reduce", 4), ring_factor("all_gather", 2)
+    (1.5, 0.5)
+    """
+    if kind not in COLLECTIVES:
+        raise ValueError(f"collective {kind!r}; use one of {COLLECTIVES}")
+    n = int(ranks)
+    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n if n > 1 else 0.0
+
+
+def fit_links(points: Sequence[tuple[str, int, float, float]]) -> Links:
+    """The :class:`Links` of one machine's local ranks (the same figures ``intra`` and ``inter``,
+    efficiency 1) from measured collectives ``(kind, ranks, nbytes, seconds)``: the line
+    ``seconds = latency + ring_factor(kind, ranks) * nbytes / rate`` through all of them, least
+    squares on relative residuals (the sizes span orders of magnitude; a negative intercept is
+    taken as no latency, the rate refitted through the origin; times that do not grow with the
+    bytes give a latency only, at 1e15 bytes/s). Raises ValueError when fewer than two sizes
+    are given.
+
+    >>> pts = [(k, 2, b, 1e-4 + ring_factor(k, 2) * b / 1e9) for k in COLLECTIVES for b in (1e3, 1e6)]
+    >>> links = fit_links(pts)
+    >>> round(links.intra_latency_s * 1e6, 3), round(links.intra_bytes_per_s / 1e9, 6)
+    (100.0, 1.0)
+    """
+    xs = np.array([ring_factor(k, n) * float(b) for k, n, b, _ in points], dtype=np.float64)
+    ys = np.array([float(t) for *_, t in points], dtype=np.float64)
+    if len(set(xs.tolist())) < 2:
+        raise ValueError(f"fit_links needs collectives of at least two sizes over >= 2 ranks; got {len(xs)} points")
+    w = 1.0 / np.maximum(ys, 1e-12)   # relative residuals: the sizes span orders of magnitude
+    slope, intercept = np.polyfit(xs, ys, 1, w=w)
+    if intercept < 0:
+        intercept, slope = 0.0, float(np.sum(w * w * xs * ys) / np.sum(w * w * xs * xs))
+    if slope <= 1e-15:   # flat (latency-bound, noisy): the line through the weighted mean at a huge rate
+        slope = 1e-15
+        intercept = float(np.sum(w * (ys - slope * xs)) / np.sum(w))
+    lat = float(intercept)
+    return Links(1.0 / float(slope), 1.0 / float(slope), lat, lat, 1.0)
+
+
+def measured_links(measured: Mapping[str, Any], shared_cores: bool = False) -> Links:
+    """The :class:`Links` of a machine's local gloo ranks from ``engine.overhead.measure_collectives``'s
+    dict: :func:`fit_links` of its idle ``points``, or with ``shared_cores`` (the job's ranks
+    outnumber the cores) of its ``busy_points``.
+
+    >>> pts = [["all_reduce", 2, b, 1e-4 + b / 1e9] for b in (1e3, 1e6)]
+    >>> round(measured_links({"points": pts, "busy_points": pts}).intra_bytes_per_s / 1e9, 6)
+    1.0
+    """
+    return fit_links([tuple(p) for p in measured["busy_points" if shared_cores else "points"]])

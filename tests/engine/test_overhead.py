@@ -50,3 +50,19 @@ def test_measure_fixed_costs_runs_and_caches(tmp_path, monkeypatch):
     assert all(v > 0 for v in costs["optimizer_s_per_byte"].values())
     assert list(tmp_path.iterdir())                      # cached ...
     assert measure_fixed_costs(microbatches=(4, 8), steps=3, exchanges=4) == costs  # ... read back
+
+
+@pytest.mark.slow
+def test_measure_collectives_runs_and_caches(tmp_path, monkeypatch):
+    """gloo's all-reduce, all-gather and reduce-scatter timed idle (2 ranks) at every size and
+    busy (4 ranks on 2 cores) at every size but the smallest; cached, read back."""
+    from engine.overhead import measure_collectives
+
+    monkeypatch.setenv("PIPESHARD_CACHE_DIR", str(tmp_path))
+    got = measure_collectives(sizes=(4096, 65536, 262144), repeats=3, blocks=2)
+    kinds = {"all_reduce", "all_gather", "reduce_scatter"}
+    assert {(k, b) for k, n, b, _ in got["points"]} == {(k, b) for k in kinds for b in (4096, 65536, 262144)}
+    assert {(k, b) for k, n, b, _ in got["busy_points"]} == {(k, b) for k in kinds for b in (65536, 262144)}
+    assert all(n == 2 and t > 0 for _, n, _, t in got["points"])
+    assert all(math.isfinite(t) and t >= 0 for *_, t in got["busy_points"])
+    assert measure_collectives(sizes=(4096,), repeats=1) == got   # read back from the cache

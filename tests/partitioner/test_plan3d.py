@@ -150,3 +150,22 @@ def test_cores_are_shared_by_every_replica_and_tp_rank_of_a_pipeline():
     assert plan(8, 2, 2).shared_cores == 2.0 and plan(4, 2, 1).shared_cores == 2.0
     assert plan(2, 2, 1).shared_cores == 1.0 and plan(None, 2, 1).shared_cores is None
     assert plan(2, 2, 1).step_s > plan(4, 2, 1).step_s == plan(None, 2, 1).step_s
+
+
+def test_fit_links_recovers_the_latency_and_rate_of_measured_collectives():
+    """`fit_links` on plain numbers: collectives timed as ``latency + ring bytes / rate`` (every
+    kind, 2 and 4 ranks) give back the latency and the rate; flat times a latency only; fewer than
+    two sizes are refused."""
+    from partitioner.collectives import COLLECTIVES, fit_links, ring_factor
+
+    lat, rate = 3e-4, 8e8
+    pts = [(k, n, b, lat + ring_factor(k, n) * b / rate) for k in COLLECTIVES for n in (2, 4)
+           for b in (4096, 65536, 524288, 2 << 20)]
+    links = fit_links(pts)
+    assert links.intra_latency_s == pytest.approx(lat, rel=1e-6) and links.inter_latency_s == pytest.approx(lat, rel=1e-6)
+    assert links.intra_bytes_per_s == pytest.approx(rate, rel=1e-6) and links.inter_bytes_per_s == pytest.approx(rate, rel=1e-6)
+    assert links.all_reduce(524288, 2, "intra") == pytest.approx(lat + 524288 / rate)
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_links([("all_reduce", 2, 4096, 1e-3)] * 3)
+    flat = fit_links([("all_reduce", 2, 4096, 2e-3), ("all_reduce", 2, 1 << 20, 2e-3)])
+    assert flat.intra_latency_s == pytest.approx(2e-3) and flat.intra_bytes_per_s >= 1e14   # latency only
