@@ -87,11 +87,11 @@ def test_the_small_grid_is_within_the_bound_on_every_rank():
 
 def test_layer_recompute_is_planned_within_the_bound_and_holds_less_than_chunk_recompute():
     """`pipeline.recompute_granularity=layer` (each layer its own checkpoint) against the whole
-    chunk checkpointed, on the same split (analytic profile, 3 layers per chunk): every rank
-    within the bound, and every rank's measured peak lower."""
+    chunk checkpointed, on the same split (analytic profile; 8 blocks, so 7 and 3 layers per
+    chunk): every rank within the bound, and every rank's measured peak lower."""
     pair = [layout("1f1b", "fp32", profile="analytic", vocab=4096, recompute="on", granularity=g)
             for g in ("chunk", "layer")]
-    rows = measure_layouts(pair, steps=2)
+    rows = measure_layouts(pair, (*BASE, "model.layers=8"), steps=2)
     by = {(r["layout"], r["rank"]): r for r in rows}
     assert len(rows) == 4 and rows[0]["stage_ranges"] == rows[-1]["stage_ranges"]
     for r in rows:
