@@ -22,7 +22,8 @@ from typing import Any
 __all__ = ["OPTIMIZERS", "PRECISIONS", "GRAD_ACCUM_DTYPES", "ZERO_STAGES", "BACKENDS",
            "NONFINITE", "FSDP_ZERO_STAGE", "precision_problem", "check_precision", "check_optimizer_name",
            "check_zero_stage", "check_nonfinite", "resolve_backend", "weight_bytes",
-           "compute_name", "loss_scaled", "check_grad_accum_dtype", "STEP_SYNCS", "check_step_sync"]
+           "compute_name", "loss_scaled", "check_grad_accum_dtype", "STEP_SYNCS", "check_step_sync",
+           "RECOMPUTE_GRANULARITIES", "check_recompute_granularity"]
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adamw")
 # "bf16" / "fp16": the modules hold 16-bit weights; DeepSpeed's optimizer keeps the fp32 masters
@@ -38,6 +39,9 @@ NONFINITE: tuple[str, ...] = ("raise", "skip")
 # "global" resolves them before every rank steps; "post_validate" steps at once and validates
 # one step later, rolling back (engine.optim, docs/schedules.md "Rank-local optimizer step").
 STEP_SYNCS: tuple[str, ...] = ("global", "post_validate")
+# What one checkpoint of a recomputing chunk covers (engine.stage): the whole chunk, or each layer
+# (torchtitan's "full" activation checkpointing); the planner models both (partitioner.recompute).
+RECOMPUTE_GRANULARITIES: tuple[str, ...] = ("chunk", "layer")
 
 
 def precision_problem(value: Any) -> str | None:
@@ -177,3 +181,17 @@ def resolve_backend(backend: str, zero_stage: int, precision: str = "fp32") -> s
                          f"deepspeed, or precision={precision}-autocast (fp32 weights) with the "
                          "torch backend")
     return backend
+
+
+def check_recompute_granularity(value: Any) -> str:
+    """``value`` as one of :data:`RECOMPUTE_GRANULARITIES`; ValueError naming them otherwise.
+
+    >>> check_recompute_granularity("layer")
+    'layer'
+    """
+    text = str(getattr(value, "value", value)).strip().lower()
+    if text not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"recompute_granularity={value!r}; use 'chunk' (one checkpoint per recomputing chunk: "
+                         f"a held microbatch keeps the chunk's input) or 'layer' (one per layer: it keeps every "
+                         f"layer's input, and a backward recomputes one layer at a time)")
+    return text

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from engine.allocator import tune_cpu_allocator
 from engine.transport import set_transport_threads
 from engine.backend import make_optimizer
-from engine.choices import check_nonfinite, check_precision, loss_scaled
+from engine.choices import check_nonfinite, check_precision, check_recompute_granularity, loss_scaled
 from engine.comm import P2P
 from engine.executor import Executor, mean_loss
 from engine.mesh import Mesh
@@ -279,6 +279,9 @@ class Pipeline:
     (``Schedule.rank_of``: looped, or a V for zbv, whose first and last chunks share rank 0).
     ``activation_checkpointing``: one bool for every chunk, or one per chunk (global chunk
     order, e.g. ``Plan.stage_recompute``: recompute only where memory needs it).
+    ``recompute_granularity``: what one checkpoint of a recomputing chunk covers, ``"chunk"``
+    (the whole chunk) or ``"layer"`` (each layer: a held microbatch keeps every layer's input,
+    a backward recomputes one layer at a time; ``engine.stage``), e.g. ``Plan.recompute_granularity``.
     """
 
     def __init__(self, layers: Any, stage_ranges: Sequence[Sequence[int]], *,
@@ -290,7 +293,7 @@ class Pipeline:
                  nonfinite: str = "raise", comm_timeout_s: float = 60.0,
                  recv_lookahead: int | None = None, diagnose_every: int = 100, memory_every: int = 0,
                  max_inflight: int | None = None, transport_threads: str | None = None,
-                 send_wait: str | None = None, tensor_parallel: int = 1):
+                 send_wait: str | None = None, tensor_parallel: int = 1, recompute_granularity: str = "chunk"):
         from engine.schedules import lower
 
         sched = self.check_arguments(
@@ -298,7 +301,8 @@ class Pipeline:
             virtual_stages=virtual_stages, data_parallel=data_parallel, optimizer=optimizer,
             precision=precision, nonfinite=nonfinite, comm_timeout_s=comm_timeout_s,
             world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized()
-            else None, ties=ties, max_inflight=max_inflight, tensor_parallel=tensor_parallel)
+            else None, ties=ties, max_inflight=max_inflight, tensor_parallel=tensor_parallel,
+            recompute_granularity=recompute_granularity)
         v, p = sched.virtual_stages, sched.num_stages
         self.ranges = check_stage_ranges(stage_ranges, len(layers), p * v)
         n_chunks = p * v
@@ -319,8 +323,7 @@ class Pipeline:
         set_worker_info(stage=me, replica=self.mesh.replica)
 
         autocast = self._autocast_factory()
-        recompute = _per_chunk(activation_checkpointing, n_chunks)
-        self.recompute = recompute
+        self.recompute = recompute = _per_chunk(activation_checkpointing, n_chunks)
         self.chunks: dict[int, Chunk] = {}
         for s in self.my_stages:
             start, stop = self.ranges[s]
@@ -330,7 +333,7 @@ class Pipeline:
                 s, start, built,
                 loss_fn=loss_fn if s == n_chunks - 1 else None,
                 activation_checkpointing=recompute[s], autocast=autocast,
-                measure_activations=False)
+                measure_activations=False, recompute_granularity=recompute_granularity)
         self._tie_groups: list[tuple[Any, str]] = []
         norm_skip = self._setup_ties(ties)
         for c in self.chunks.values():
@@ -375,7 +378,8 @@ class Pipeline:
                         comm_timeout_s: float = 60.0, world_size: int | None = None,
                         global_batch: int | None = None,
                         ties: Sequence[tuple[str, str]] = (),
-                        max_inflight: int | None = None, tensor_parallel: int = 1) -> Any:
+                        max_inflight: int | None = None, tensor_parallel: int = 1,
+                        recompute_granularity: str = "chunk") -> Any:
         """Check a pipeline's arguments without starting anything; returns the validated
         ``Schedule``. ``Pipeline`` runs the same checks inside each worker; call this in the
         launching process to refuse bad input before any worker starts::
@@ -388,10 +392,11 @@ class Pipeline:
         ``global_batch``: the batch size passed to ``train_step`` (must split into
         ``data_parallel`` x ``microbatches``). ``max_inflight``: zb-h2's memory knob (see
         ``engine.schedules.build_schedule``). ``tensor_parallel``: ranks per stage and replica
-        (``engine.tp``; world = stages x data_parallel x tensor_parallel). Raises ``ValueError``
-        saying how to fix it.
+        (``engine.tp``; world = stages x data_parallel x tensor_parallel).
+        ``recompute_granularity``: "chunk" or "layer". Raises ``ValueError`` saying how to fix it.
         """
         check_precision(precision)
+        check_recompute_granularity(recompute_granularity)
         check_nonfinite(nonfinite)
         if not (isinstance(comm_timeout_s, (int, float)) and comm_timeout_s > 0):
             raise ValueError(f"comm_timeout_s must be a positive number of seconds, got "

@@ -22,10 +22,15 @@ split falls back to a per-layer graph cut: each layer's input a detached leaf, `
 layers with ``torch.autograd.grad``, ``W`` backpropagates the per-layer graphs into the
 parameters (repeating the intra-layer input-gradient chain, so slower).
 
-Activation checkpointing (per chunk) makes the whole chunk one ``torch.utils.checkpoint``
-unit: a held microbatch keeps only the chunk's input, and its backward recomputes the chunk
-(one microbatch's activations at a time). A checkpointed chunk does not split: ``I`` runs the
-full backward, ``W`` is empty (deferring W would keep the recomputed activations alive).
+Activation checkpointing is chosen per chunk, at one of ``engine.choices.RECOMPUTE_GRANULARITIES``:
+``"chunk"`` makes the whole chunk one ``torch.utils.checkpoint`` unit (a held microbatch keeps
+only the chunk's input; its backward recomputes the chunk, so one microbatch's activations of
+every layer exist at once); ``"layer"`` wraps each layer in its own non-reentrant checkpoint, the
+last chunk's last layer together with the loss (torchtitan's and Megatron's "full" recompute: a
+held microbatch keeps every layer's input; its backward recomputes one layer at a time, so only
+one layer's activations exist at once). Either way a checkpointed chunk does not split: ``I``
+runs the full backward, ``W`` is empty (deferring W would keep the recomputed activations alive,
+or recompute every layer a second time).
 
 Example::
 
@@ -44,6 +49,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
+from engine.choices import check_recompute_granularity
 from engine.comm import flatten, unflatten
 
 __all__ = ["Chunk", "build_layers", "LayerSpec"]
@@ -113,11 +119,12 @@ class Chunk:
                  loss_fn: Callable[[Any, Any], Tensor] | None = None,
                  activation_checkpointing: bool = False,
                  autocast: Callable[[], Any] | None = None,
-                 measure_activations: bool = True):
+                 measure_activations: bool = True, recompute_granularity: str = "chunk"):
         self.index, self.start, self.stop = index, start, start + len(layers)
         self.module = nn.Sequential(*layers)
         self.loss_fn = loss_fn                    # set on the last chunk only
         self.checkpointing = activation_checkpointing
+        self.granularity = check_recompute_granularity(recompute_granularity)
         self.autocast = autocast or contextlib.nullcontext
         self.measure = measure_activations
         self.state: dict[int, _MbState] = {}
@@ -165,6 +172,24 @@ class Chunk:
             x = layer(x)
         return self.loss_fn(x, target) if self.loss_fn is not None else x
 
+    def _run_tail(self, x: Any, target: Any) -> Any:
+        """The last layer and the loss (the last chunk under per-layer recompute): one unit."""
+        return self.loss_fn(self.module[-1](x), target)
+
+    def _run_layers_checkpointed(self, x: Any, target: Any, seen: dict[int, int] | None) -> Any:
+        """Each layer its own non-reentrant checkpoint (the last one with the loss on the last
+        chunk); ``seen`` (when measuring) counts each checkpoint's input, what it keeps."""
+        n = len(self.module)
+        for j, layer in enumerate(self.module):
+            if seen is not None:
+                self._count(flatten(x)[1], seen)
+            if j == n - 1 and self.loss_fn is not None:
+                return checkpoint(self._run_tail, x, target, use_reentrant=False)
+            x = checkpoint(layer, x, use_reentrant=False)
+        if self.loss_fn is not None:   # a chunk without layers: only the loss
+            return checkpoint(self.loss_fn, x, target, use_reentrant=False)
+        return x
+
     def forward(self, mb: int, x: Any, target: Any = None, *, split: bool = False,
                 keep: bool = True, node_split: bool | None = None,
                 measure: bool | None = None) -> Any:
@@ -175,9 +200,10 @@ class Chunk:
         with a Python hook per saved tensor: a diagnostic, not for every step.
 
         With activation checkpointing the whole chunk (its layers and, on the last chunk, the
-        loss) is one checkpoint: per microbatch it keeps only its input, and backward
-        recomputes the chunk. Its I/W split is then one full backward at I (the recomputed
-        activations are freed at once, not held until W); W has nothing left to do."""
+        loss) is one checkpoint, or (``recompute_granularity="layer"``) each layer is: per
+        microbatch it keeps only its input (each layer's input), and backward recomputes the
+        chunk (one layer at a time). Its I/W split is then one full backward at I (the
+        recomputed activations are freed at once, not held until W); W has nothing left to do."""
         if keep and self.checkpointing and torch.is_grad_enabled():
             return self._forward_checkpointed(mb, x, target, split,
                                               self.measure if measure is None else measure)
@@ -234,10 +260,13 @@ class Chunk:
     def _forward_checkpointed(self, mb: int, x: Any, target: Any, split: bool,
                               measure: bool) -> Any:
         seen: dict[int, int] = {}
-        if measure:
-            self._count(flatten(x)[1], seen)   # what the checkpoint keeps: the chunk's input
         with self.autocast():
-            cur = checkpoint(self._run_all, x, target, use_reentrant=False)
+            if self.granularity == "layer":
+                cur = self._run_layers_checkpointed(x, target, seen if measure else None)
+            else:
+                if measure:
+                    self._count(flatten(x)[1], seen)   # what the checkpoint keeps: the chunk's input
+                cur = checkpoint(self._run_all, x, target, use_reentrant=False)
         outs = [cur] if self.loss_fn is not None else _rg(flatten(cur)[1])
         self._keep(mb, _MbState(_rg(flatten(x)[1]), outs, split, [], whole=True,
                                 saved_bytes=sum(seen.values()),

@@ -30,7 +30,8 @@ from typing import Any, List, Optional, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from engine.choices import BACKENDS, GRAD_ACCUM_DTYPES, NONFINITE, OPTIMIZERS, PRECISIONS, STEP_SYNCS
+from engine.choices import (BACKENDS, GRAD_ACCUM_DTYPES, NONFINITE, OPTIMIZERS, PRECISIONS, RECOMPUTE_GRANULARITIES,
+                            STEP_SYNCS, check_recompute_granularity)
 from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULES
 from experiments.fields import choice_text
@@ -60,6 +61,7 @@ __all__ = [
     "HFArch",
     "Device",
     "NonFinite",
+    "RecomputeGranularity",
     "ModelConfig",
     "GPTConfig",
     "MLPConfig",
@@ -144,6 +146,7 @@ MLPProfile = _choice("MLPProfile", ("uniform", "ramp", "hourglass"))
 HFArch = _choice("HFArch", ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox"))
 Device = _choice("Device", ("auto", "cpu", "cuda"))
 NonFinite = _choice("NonFinite", NONFINITE)
+RecomputeGranularity = _choice("RecomputeGranularity", RECOMPUTE_GRANULARITIES)
 TextUnit = _choice("TextUnit", ("line", "paragraph", "document"))
 
 
@@ -227,6 +230,7 @@ class PipelineConfig:
     data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel * tensor_parallel
     tensor_parallel: int = 1  # tensor-parallel ranks per stage and replica (t; the mesh's innermost axis; engine.tp, GPT and HF models)
     activation_checkpointing: Union[bool, str] = False  # false | true (every chunk recomputes) | auto (the partitioner decides per chunk)
+    recompute_granularity: RecomputeGranularity = RecomputeGranularity["chunk"]  # what one checkpoint of a recomputing chunk covers: chunk (a held microbatch keeps the chunk's input; backward recomputes the whole chunk at once) | layer (each layer its own checkpoint, torchtitan's "full" AC: keeps every layer's input, recomputes one layer at a time); planned by the partitioner
     comm_timeout_s: float = 60.0  # a point-to-point transfer waiting longer than this fails the job
     nonfinite: NonFinite = NonFinite["raise"]  # a non-finite loss/gradient: raise (stop) | skip (drop the step)
 
@@ -1019,6 +1023,10 @@ def checkpointing_mode(value: Any) -> bool | str:
 
 def _check_checkpointing(cfg: Config) -> None:
     checkpointing_mode(cfg.pipeline.activation_checkpointing)
+    try:
+        check_recompute_granularity(cfg.pipeline.recompute_granularity)
+    except ValueError as exc:
+        raise ConfigError(f"pipeline.{exc}") from None
     if int(cfg.train.memory_every or 0) < 0:
         raise ConfigError("train.memory_every must be >= 0 (0 turns the memory measurement off)")
 

@@ -35,8 +35,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["Layout", "GRID", "SMALL_GRID", "ZERO3_GRID", "TP_GRID", "LLAMA", "BASE", "SCHEDULE_CHUNKS", "full_grid", "layout",
-           "measure_layouts", "format_rows", "summary", "select", "main", "smallest_limit"]
+__all__ = ["Layout", "GRID", "SMALL_GRID", "ZERO3_GRID", "TP_GRID", "LAYER_RECOMPUTE_GRID", "LLAMA", "BASE",
+           "SCHEDULE_CHUNKS", "full_grid", "layout", "measure_layouts", "format_rows", "summary", "select", "main",
+           "smallest_limit"]
 
 # The model every layout of the grid trains (small enough for the CPU, large enough that the
 # per-parameter terms and activations, not the runtime's constants, make the peak). The head's
@@ -66,11 +67,13 @@ class Layout:
 def layout(schedule: str = "1f1b", precision: str = "fp32", *, optimizer: str = "adamw",
            profile: str = "measure", vocab: int = SMALL_VOCAB, zero: int | None = None,
            recompute: str = "off", loss: str = "full", limit_fraction: float | None = None,
-           reshard: str | None = None, tp: int = 1, stages: int = 2, model: str = "gpt") -> Layout:
+           reshard: str | None = None, granularity: str = "chunk", tp: int = 1, stages: int = 2,
+           model: str = "gpt") -> Layout:
     """The layout of one point of the grid, named by its values (``zero``: a ZeRO stage with
     two replicas; None: one replica). ``recompute``: off | on | auto (auto needs
     ``limit_fraction``). ``reshard``: ZeRO-3's ``optimizer.reshard_after_forward`` (true |
-    false; None: the config's auto). ``tp``: ranks per tensor-parallel group; ``stages``:
+    false; None: the config's auto). ``granularity``: `pipeline.recompute_granularity` (named
+    " layer" when not the default chunk). ``tp``: ranks per tensor-parallel group; ``stages``:
     pipeline stages; ``model``: "gpt" (the base's) or "llama" (a random Hugging Face Llama of
     the same width and depth, 2 KV heads, untied).
 
@@ -95,6 +98,9 @@ def layout(schedule: str = "1f1b", precision: str = "fp32", *, optimizer: str = 
     if recompute != "off":
         over.append(f"pipeline.activation_checkpointing={'true' if recompute == 'on' else 'auto'}")
         name += " recompute" + (" auto" if recompute == "auto" else "")
+    if granularity != "chunk":
+        over.append(f"pipeline.recompute_granularity={granularity}")
+        name += f" {granularity}"
     if loss != "full":
         over.append(f"model.loss={loss}")
         name += f" {loss}"
@@ -133,12 +139,26 @@ TP_GRID: list[Layout] = [
 ]
 
 
+# each layer its own checkpoint (`pipeline.recompute_granularity=layer`): one and two chunks per
+# rank, whole and split backward, under a limit (auto) and with ZeRO-3; beside their chunk
+# granularity rows (the full grid's recomputing layouts), e.g. --match recompute v4096 model.layers=8
+LAYER_RECOMPUTE_GRID: list[Layout] = (
+    [layout(s, "fp32", vocab=LARGE_VOCAB, recompute="on", granularity="layer")
+     for s in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b")]
+    + [layout("1f1b", "fp32", recompute="auto", limit_fraction=0.97, granularity="layer"),
+       layout("1f1b", "fp32", zero=3, reshard="false", recompute="on", granularity="layer")]
+    # the same split for both granularities (the analytic profile does not vary between runs)
+    + [layout(s, "fp32", profile="analytic", vocab=LARGE_VOCAB, recompute="on", granularity=g)
+       for s in ("1f1b", "zb-h1") for g in ("chunk", "layer")])
+
+
 def full_grid() -> list[Layout]:
     """Every schedule in fp32 and bf16 with the small and the large head (measured profile);
     every schedule on the analytic profile (fp32 small head, bf16 large head); every schedule
     recomputing (large head); ZeRO 0/1/2 with two replicas in fp32 and bf16 (1f1b with the
     small head, zb-h1 with the large one); ZeRO-3 (:data:`ZERO3_GRID`); tensor parallelism
-    (:data:`TP_GRID`); the chunked loss on every schedule (bf16) and in fp32 on both profiles;
+    (:data:`TP_GRID`); per-layer recompute (:data:`LAYER_RECOMPUTE_GRID`); the chunked loss on
+    every schedule (bf16) and in fp32 on both profiles;
     auto recomputation under a limit; SGD with momentum and bf16 autocast."""
     groups = [
         [layout(s, prec, vocab=v) for s in SCHEDULE_CHUNKS for v in (SMALL_VOCAB, LARGE_VOCAB)
@@ -152,6 +172,7 @@ def full_grid() -> list[Layout]:
         + [layout("1f1b", "fp32", profile=pm, vocab=LARGE_VOCAB, loss="chunked") for pm in ("measure", "analytic")],
         ZERO3_GRID,
         TP_GRID,
+        LAYER_RECOMPUTE_GRID,
         [layout(s, "fp32", vocab=v, recompute="auto", limit_fraction=0.97)
          for s, v in (("1f1b", SMALL_VOCAB), ("zb-h1", SMALL_VOCAB), ("1f1b", LARGE_VOCAB))]
         + [layout("1f1b", "fp32", optimizer="sgd"), layout("1f1b", "bf16-autocast", zero=1)],
@@ -276,6 +297,7 @@ def _rows(job: dict[str, Any], per_rank: list[list[dict]]) -> list[dict[str, Any
                      "ratio": res["peak"] / pred, "error": pred / res["peak"] - 1,
                      "breakdown": res["breakdown"], "predicted_breakdown": plan.rank_memory_breakdown[j],
                      "recompute": list(plan.stage_recompute), "losses": res["losses"],
+                     "stage_ranges": [list(r) for r in plan.stage_ranges],
                      "numel": res["numel"], "limit": job["limit"]})
     return sorted(rows, key=lambda r: (r["rank"], r["tp_rank"]))
 

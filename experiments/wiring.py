@@ -149,6 +149,7 @@ def _planner_kwargs(cfg: Config) -> dict[str, Any]:
         "method": _text(part.method),
         "link_bytes_per_s": float(link) if link is not None else None,
         "activation_checkpointing": checkpointing_mode(p.activation_checkpointing),
+        "recompute_granularity": _text(p.recompute_granularity),
         "precision": _text(cfg.precision),
         "momentum": float(opt.momentum or 0.0),
         "grad_accum_dtype": _text(opt.grad_accum_dtype),
@@ -281,6 +282,7 @@ def pipeline_kwargs(cfg: Any, stage_ranges: Sequence[Sequence[int]], *, ties: Se
         "tensor_parallel": int(p.tensor_parallel),
         "precision": _text(cfg.precision),
         "activation_checkpointing": ckpt,
+        "recompute_granularity": _text(p.recompute_granularity),
         "memory_every": int(cfg.train.memory_every or 0),
         "seed": int(cfg.train.seed),
         "device": device,
@@ -626,7 +628,8 @@ def resolve_layout(config: Any, plan: Any) -> Config:
 def plan_matches(plan: Any, cfg: Any, num_layers: int) -> bool:
     """Whether a saved plan fits the configured layout (stages, chunks, schedule, m, replicas,
     method), precision and checkpointing (`pipeline.activation_checkpointing`: false / true,
-    no chunk / every chunk recomputes; auto, any); under `auto` layouts, a searched plan whose
+    no chunk / every chunk recomputes; auto, any; a recomputing plan's
+    `pipeline.recompute_granularity`); under `auto` layouts, a searched plan whose
     layout the search could choose."""
     cfg = as_config(cfg)
     mode = checkpointing_mode(cfg.pipeline.activation_checkpointing)
@@ -635,7 +638,9 @@ def plan_matches(plan: Any, cfg: Any, num_layers: int) -> bool:
             and plan.method == _text(cfg.partitioner.method)
             and plan.precision == _text(cfg.precision)
             and len(plan.stage_recompute or []) == plan.num_chunks
-            and recompute_follows(mode, plan.stage_recompute))
+            and recompute_follows(mode, plan.stage_recompute)
+            and (not any(plan.stage_recompute)
+                 or plan.recompute_granularity == _text(cfg.pipeline.recompute_granularity)))
     if searches(cfg):
         kw = search_kwargs(cfg)
         return (same and plan.search is not None and kw["batch_per_replica"] % plan.microbatches == 0

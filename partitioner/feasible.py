@@ -11,7 +11,12 @@ covering ``[s, e)`` in variant ``v`` (plain, or recomputing its activations) cos
 
 (``pend``: the gradients a microbatch keeps between its I and its W under a split-backward
 schedule, ``delta_j`` the microbatches stage j has pending at its peak; a recomputing stage
-runs I and W as one full backward, so its ``delta`` is 0.)
+runs I and W as one full backward, so its ``delta`` is 0.) A recomputing stage holds per
+in-flight microbatch its input (``beta_j = inflight_j + 1``, with the receive buffer) and one
+microbatch's ``act`` while it recomputes (``alpha_j = 1``); with ``recompute_act`` (per-layer
+recompute: the bytes each checkpointed layer keeps, its input) it holds ``inflight_j`` times
+``recompute_act(s, e)`` instead (the first layer's input among them, ``beta_j = 1``), the one
+layer recomputing at a time being a transient that does not add over layers.
 
 "Is there a split with every stage within time ``B`` and its memory cap?" is answered in
 three exact steps:
@@ -78,7 +83,8 @@ class Problem:
     microbatch plus one microbatch's activations while recomputing)."""
 
     def __init__(self, time, k, static=None, act=None, out=None, inflight=None, cut_time=None,
-                 recompute_time=None, checkpointing: str = "off", shared=None, pend=None, pending=None):
+                 recompute_time=None, checkpointing: str = "off", shared=None, pend=None, pending=None,
+                 recompute_act=None):
         t = np.asarray(time, dtype=np.float64)
         if t.ndim != 1 or t.size == 0:
             raise ValueError("time must be a non-empty 1-D sequence")
@@ -106,6 +112,9 @@ class Problem:
         self.PS = np.concatenate([[0.0], np.cumsum(self.static)])
         self.PA = np.concatenate([[0.0], np.cumsum(self.act)])
         self.PG = np.concatenate([[0.0], np.cumsum(_arr(pend, n, "pend"))])
+        self.layer_recompute = recompute_act is not None
+        self.PR = (np.concatenate([[0.0], np.cumsum(_arr(recompute_act, n, "recompute_act"))])
+                   if self.layer_recompute else self.PA)
         self.pending = np.zeros(k) if pending is None else np.asarray(pending, dtype=np.float64)
         if self.pending.shape != (k,):
             raise ValueError(f"pending must have length {k}")
@@ -126,8 +135,16 @@ class Problem:
             rt = _arr(recompute_time, n, "recompute_time")
             PT = np.concatenate([[0.0], np.cumsum(self.time + rt)])
             # the stage input is kept anyway (the checkpoint): shared adds nothing
-            self.variants.append(("recompute", PT, PT + ct, np.ones(k), self.inflight + 1, np.zeros(k)))
+            if self.layer_recompute:   # every layer's input per held microbatch (PR)
+                self.variants.append(("recompute", PT, PT + ct, self.inflight, np.ones(k), np.zeros(k)))
+            else:
+                self.variants.append(("recompute", PT, PT + ct, np.ones(k), self.inflight + 1, np.zeros(k)))
         self._tables: tuple | None = None
+
+    def prefix(self, name: str) -> np.ndarray:
+        """The prefix sums the held microbatches of variant ``name`` multiply: ``act``'s, or
+        under per-layer recompute the recomputing stages' ``recompute_act``'s."""
+        return self.PR if name == "recompute" else self.PA
 
     # -- costs of a given split -------------------------------------------------------
     def costs(self, bounds: Sequence[tuple[int, int]], variant: Sequence[int] | None = None
@@ -141,7 +158,8 @@ class Problem:
             name, PT, EC, al, be, ga = self.variants[vi[j]]
             t[j] = EC[e[j]] - PT[s[j]]
             a, d = self.coefs(name, al, j)
-            m[j] = (self.PS[e[j]] - self.PS[s[j]] + a * (self.PA[e[j]] - self.PA[s[j]])
+            PA = self.prefix(name)
+            m[j] = (self.PS[e[j]] - self.PS[s[j]] + a * (PA[e[j]] - PA[s[j]])
                     + d * (self.PG[e[j]] - self.PG[s[j]]) + be[j] * self.inbuf[s[j]] + ga[j] * self.shared[s[j]] + self.outbuf[e[j]])
         return t, m
 
@@ -153,7 +171,8 @@ class Problem:
     def held(self, name: str, al: np.ndarray, j: int, idx):  # noqa: ANN001, ANN201 - int or array
         """The prefix of stage j's per-microbatch bytes in variant ``name`` at ``idx``."""
         a, d = self.coefs(name, al, j)
-        return a * self.PA[idx] + d * self.PG[idx] if d else a * self.PA[idx]
+        PA = self.prefix(name)
+        return a * PA[idx] + d * self.PG[idx] if d else a * PA[idx]
 
     def stage_ok(self, j: int, s: np.ndarray, e: int, B: float, caps: np.ndarray | None, v: int) -> np.ndarray:
         """Mask over candidate starts ``s`` for stage j ending at e in variant v."""
@@ -239,7 +258,7 @@ class Problem:
                 pess = np.maximum.accumulate(EC)
                 bmax = be * float(self.inbuf.max()) + ga * float(self.shared.max())
                 dl = self.pending if name == "plain" else np.zeros(self.k)
-                per.append((PT.tolist(), opt.tolist(), pess.tolist(), al, bmax, dl))
+                per.append((PT.tolist(), opt.tolist(), pess.tolist(), al, bmax, dl, self.prefix(name).tolist()))
             self._tables = (self.variants, per, self.PS.tolist(), self.PA.tolist(),
                             float(self.outbuf.max()), self.PG.tolist())
         return self._tables
@@ -247,7 +266,7 @@ class Problem:
     def _forward(self, B: float, caps: np.ndarray | None, pessimistic: bool) -> list[int] | None:
         """Optimistic: upper bounds Z_j on every feasible split's cuts (None: infeasible).
         Pessimistic: the cuts of a split that is truly feasible (None: none found)."""
-        _, per, PS, PA, obmax, PG = self._greedy_tables()
+        _, per, PS, _, obmax, PG = self._greedy_tables()
         n, k = self.n, self.k
         if per is None:
             return None if pessimistic else [0] + [n - (k - 1 - j) for j in range(k)]
@@ -255,7 +274,7 @@ class Problem:
         for j in range(k):
             s = cuts[-1]
             reach = s
-            for PTl, opt, pess, al, bmax, dl in per:
+            for PTl, opt, pess, al, bmax, dl, PA in per:
                 a, d = float(al[j]), float(dl[j])
                 e = bisect_right(pess if pessimistic else opt, PTl[s] + B + time_tol(B)) - 1 \
                     if np.isfinite(B) else n
@@ -276,7 +295,7 @@ class Problem:
         """Lower bounds L_j on every feasible split's cuts (optimistic, from the right): the
         j-th cut is at least the least start that the optimistic stage j allows for an end at
         L_{j+1} (that least start only grows with the end), and one above the previous cut."""
-        _, per, PS, PA, _, PG = self._greedy_tables()
+        _, per, PS, _, _, PG = self._greedy_tables()
         n, k = self.n, self.k
         if per is None:
             return list(range(k)) + [n]
@@ -284,7 +303,7 @@ class Problem:
         for j in range(k - 1, -1, -1):
             e = cuts[-1]
             start = n
-            for PTl, opt, _, al, _, dl in per:
+            for PTl, opt, _, al, _, dl, PA in per:
                 a, d = float(al[j]), float(dl[j])
                 s = bisect_left(PTl, opt[e] - B - time_tol(B)) if np.isfinite(B) else 0
                 if caps is not None:

@@ -34,7 +34,8 @@ class Plan(JsonMixin):
     ``stage_activation_bytes`` (saved-for-backward bytes at the peak), ``stage_inflight``,
     ``stage_pending`` (split-backward schedules: the microbatches whose weight gradients are
     still deferred at the rank's peak; their kept gradients count in ``temporary``),
-    ``stage_recompute``. Per rank: ``rank_memory_bytes`` (predicted peak), ``rank_fits`` and
+    ``stage_recompute`` (and ``recompute_granularity``: "chunk", one checkpoint per recomputing
+    chunk, or "layer", one per layer; marked R and RL in the summary). Per rank: ``rank_memory_bytes`` (predicted peak), ``rank_fits`` and
     ``rank_memory_breakdown`` (per rank, bytes of ``parameters``, ``gradients``,
     ``optimizer_state``, ``activations``, ``communication``, ``temporary`` at that peak; they sum
     to ``rank_memory_bytes``; see ``partitioner.memory``). A chunk's ``stage_memory_bytes`` is its
@@ -87,6 +88,7 @@ class Plan(JsonMixin):
     stage_inflight: list[int] = field(default_factory=list)
     stage_pending: list[int] = field(default_factory=list)
     stage_recompute: list[bool] = field(default_factory=list)
+    recompute_granularity: str = "chunk"   # a recomputing chunk's checkpoints: the chunk, or each layer
     stage_forward_s: list[float] = field(default_factory=list)
     stage_backward_s: list[float] = field(default_factory=list)
     stage_weight_s: list[float] = field(default_factory=list)
@@ -293,6 +295,10 @@ class Plan(JsonMixin):
         return cls(**{k: v for k, v in d.items() if k in known})
 
     # -- table ------------------------------------------------------------------------
+    @property
+    def _recompute_mark(self) -> str:
+        return " RL" if self.recompute_granularity == "layer" else " R"
+
     def summary(self, width: int = 110) -> str:
         """A readable table of the plan (rich when available, else plain text): one row per
         chunk, then each rank's predicted peak by kind."""
@@ -304,7 +310,7 @@ class Plan(JsonMixin):
             r = ranks[c]
             lim = self.memory_limit_bytes[r] if self.memory_limit_bytes else None
             rows.append([
-                str(c), str(r), f"{a}-{b - 1}" + (" R" if self.stage_recompute and self.stage_recompute[c] else ""),
+                str(c), str(r), f"{a}-{b - 1}" + (self._recompute_mark if self.stage_recompute and self.stage_recompute[c] else ""),
                 str(b - a), f"{self.stage_time_s[c] * 1e3:.3f}", f"{self.stage_memory_bytes[c] / 2**30:.3f}",
                 f"{self.stage_activation_bytes[c] / 2**30:.3f}" if self.stage_activation_bytes else "-",
                 str(self.stage_inflight[c]) if self.stage_inflight else "-",

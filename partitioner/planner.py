@@ -37,6 +37,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from engine.choices import check_recompute_granularity
 from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message_ends, peak_inflight, send_mode
 
@@ -143,6 +144,9 @@ class _Problem:
     explain: bool = True                      # an infeasible search says why (and what would fit)
     ag: np.ndarray | None = None              # per layer: ZeRO-3's all-gather of its weights, seconds
     rs: np.ndarray | None = None              # per layer: ZeRO-3's reduce-scatter of its gradients, seconds
+    granularity: str = "chunk"                # a recomputing chunk's checkpoints: the chunk, or each layer
+    act_layer: np.ndarray | None = None       # per layer, checkpointed on its own: what it keeps (its input)
+    ws_layer: np.ndarray | None = None        # ... and its backward's transient (recompute + workspace)
 
     @property
     def n(self) -> int:
@@ -189,7 +193,15 @@ class _Problem:
     @property
     def common(self) -> dict[str, Any]:
         return dict(static=self.static, act=self.act, out=self.out, inflight=self.inflight, shared=self.shared,
-                    pend=self.pend, pending=self.pending)
+                    pend=self.pend, pending=self.pending, recompute_act=self.act_layer)
+
+    def arrays(self, recompute: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Per layer, the saved activations and backward workspace of a chunk as the engine runs
+        it: a chunk recomputing layer by layer has its layers' checkpointed costs
+        (:func:`partitioner.recompute.checkpoint_each_layer`), any other chunk the profile's."""
+        if recompute and self.act_layer is not None:
+            return self.act_layer, self.ws_layer   # type: ignore[return-value]
+        return self.act, self.workspace
 
 
 def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", microbatches: int,
@@ -201,7 +213,7 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
               overlap_grad_reduce: bool = True, grad_bucket_mb: float = GRAD_BUCKET_MB,
               step_sync: str = "global", grad_clip: bool = True,
               reshard_after_forward: bool | None = None, tensor_parallel: int = 1,
-              links: Links | None = None) -> Plan:
+              links: Links | None = None, recompute_granularity: str = "chunk") -> Plan:
     """Split ``profile`` into ``num_stages`` pipeline stages (see the module docstring).
 
     ``memory_limit_bytes``: one number for every rank, or one per rank. ``method``: "optimal"
@@ -224,13 +236,13 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     rank's (``profile.meta["tensor_parallel"]``, the sharded shapes profiled: see
     docs/performance.md), its all-reduces per layer ``profile.meta["tp_allreduces"]`` (default
     :func:`partitioner.collectives.megatron_allreduces`). ``links``: the collectives' links
-    (``DeviceSpec.links``; None: collectives cost nothing, noted in the plan). Raises
-    :class:`PartitionError` when no split fits, naming the smallest limit (or the stage count)
-    that would.
+    (``DeviceSpec.links``; None: collectives cost nothing, noted in the plan). ``recompute_granularity``:
+    "chunk" or "layer" (:func:`partitioner.recompute.checkpoint_each_layer`). Raises
+    :class:`PartitionError` when no split fits, naming the smallest limit (or stage count) that would.
     """
     p, m, v = int(num_stages), int(microbatches), int(virtual_stages)
-    ckpt = _check_arguments(profile, p, m, v, schedule, method, link_bytes_per_s, activation_checkpointing,
-                            max_inflight)
+    ckpt, granularity = _check_arguments(profile, p, m, v, schedule, method, link_bytes_per_s,
+                                         activation_checkpointing, max_inflight, recompute_granularity)
     _check_parallel(profile, int(tensor_parallel), int(zero_stage), reshard_after_forward)
     if link_bytes_per_s is None and profile.fixed is not None:
         link_bytes_per_s = profile.fixed.link_bytes_per_s
@@ -243,7 +255,8 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
                              max_inflight=max_inflight, precision=precision, momentum=momentum,
                              grad_accum_dtype=grad_accum_dtype, backend=backend, reshard_after_forward=False,
                              overlap_grad_reduce=overlap_grad_reduce, grad_bucket_mb=grad_bucket_mb,
-                             step_sync=step_sync, grad_clip=grad_clip, tensor_parallel=tensor_parallel, links=links)
+                             step_sync=step_sync, grad_clip=grad_clip, tensor_parallel=tensor_parallel,
+                             links=links, recompute_granularity=granularity)
             plan.notes.append("reshard_after_forward=false chosen: the layers stay gathered for the step "
                               "(one all-gather per layer per step)")
             return plan
@@ -256,11 +269,12 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
                             reshard_after_forward=bool(reshard_after_forward) and int(zero_stage) == 3)
     prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, link_bytes_per_s, memory,
                     _rank_caps(memory_limit_bytes, p), simulate, notes,
-                    _Parallel(int(tensor_parallel), links))
+                    _Parallel(int(tensor_parallel), links), granularity)
     bounds, recompute = _search(method, prob, notes)
     _note_recompute(recompute, ckpt, notes)
     settings = dict(method=method, data_parallel=data_parallel, zero_stage=zero_stage, optimizer=optimizer,
-                    max_inflight=max_inflight, step_sync=str(step_sync), tensor_parallel=int(tensor_parallel))
+                    max_inflight=max_inflight, step_sync=str(step_sync), tensor_parallel=int(tensor_parallel),
+                    recompute_granularity=granularity)
     local = False
     if method == "optimal" and simulate:
         bounds, local = _refine(prob, bounds, recompute, settings, notes)
@@ -277,9 +291,10 @@ _RESHARD_NOTE = ("reshard_after_forward=true: a chunk's layers are freed after e
 
 
 def _check_arguments(profile: Profile, p: int, m: int, v: int, schedule: str, method: str,
-                     link: float | None, activation_checkpointing: Any, max_inflight: int | None) -> str:
+                     link: float | None, activation_checkpointing: Any, max_inflight: int | None,
+                     recompute_granularity: Any = "chunk") -> tuple[str, str]:
     """Refuse bad arguments (the schedule's own rules come from ``engine.schedules``); returns
-    the checkpointing mode ``"off"``, ``"on"`` or ``"auto"``."""
+    the checkpointing mode ``"off"``, ``"on"`` or ``"auto"`` and the recompute granularity."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
     if schedule not in SCHEDULES:
@@ -289,14 +304,14 @@ def _check_arguments(profile: Profile, p: int, m: int, v: int, schedule: str, me
     build_schedule(schedule, p, m, v, max_inflight=max_inflight)  # e.g. interleaving needs v >= 2
     if link is not None and link <= 0:
         raise ValueError("link_bytes_per_s must be > 0 (or None for free transfers)")
-    ckpt = checkpointing_mode(activation_checkpointing)
+    ckpt, granularity = checkpointing_mode(activation_checkpointing), check_recompute_granularity(recompute_granularity)
     n, k = len(profile), p * v
     if k > n:
         raise PartitionError(
             f"{p} stages x {v} chunks need at least {k} layers but the profile has {n}; "
             f"use at most {n // v} stages" + (" (or fewer virtual stages)" if v > 1 else "")
             + f": the model has {n} layers")
-    return ckpt
+    return ckpt, granularity
 
 
 def _check_parallel(profile: Profile, tp: int, zero_stage: int, reshard: bool | None) -> None:
@@ -385,8 +400,9 @@ def _rank_caps(memory_limit_bytes: "float | Sequence[float] | None", p: int) -> 
 
 def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflight: int | None, ckpt: str,
              link: float | None, memory: MemorySettings, limits: list[float] | None, simulate: bool,
-             notes: list[str], par: _Parallel = _Parallel()) -> _Problem:
-    """The profile as arrays, with the schedule's in-flight microbatches per chunk."""
+             notes: list[str], par: _Parallel = _Parallel(), granularity: str = "chunk") -> _Problem:
+    """The profile as arrays, with the schedule's in-flight microbatches per chunk (and, under
+    per-layer recompute, each layer's checkpointed costs)."""
     L = profile.layers
     numel = np.array([c.param_bytes for c in L], dtype=np.float64) / profile.itemsize
     largest = np.array([c.param_bytes if c.largest_param_bytes is None else c.largest_param_bytes
@@ -402,6 +418,9 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
         # its gathered copy; the exact peak, _rank_moments, corrects the split when it is more)
         per_param -= memory.gathered_bytes_per_param() * (1.0 - 1.0 / v)
     # the loss's backward transient (the last layer's workspace) only on the rank holding it
+    # (under per-layer recompute a recomputing layer's transient is larger: the exact peaks of
+    # _search take what the search's view leaves out off the limit and search again)
+    layered = _layer_checkpointed(profile, granularity, workspace)
     rest = float(workspace[:-1].max()) if len(L) > 1 else 0.0
     last_rank = chunk_ranks(schedule, p, v)[-1]
     reserve = [memory.largest_param_bytes(float(largest.max())) + (float(workspace.max()) if r == last_rank else rest)
@@ -441,12 +460,30 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
         param=np.array([c.param_bytes for c in L], dtype=np.float64), fixed=profile.fixed, memory=memory,
         numel=numel, largest=largest, workspace=workspace, reserve=reserve,
         loss_variants={name: (lambda prof=prof: _problem(prof, p, m, v, schedule, max_inflight, ckpt, link, memory,
-                                                          limits, simulate, [], par))
+                                                          limits, simulate, [], par, granularity))
                        for name, prof in _loss_variant_profiles(profile).items()},
         out_saved=np.array([c.output_saved_bytes or 0 for c in L], dtype=np.float64),
         transfers=_transfers(profile, schedule, p, m, v, max_inflight), has_loss=bool(profile.meta.get("loss")),
         loss_cut=memory.loss_cut_bytes(L[-1]) if SCHEDULE_INFO[schedule].splits_backward and profile.meta.get("loss")
-        else (0.0, 0.0))
+        else (0.0, 0.0), granularity=granularity,
+        act_layer=None if layered is None else layered[0], ws_layer=None if layered is None else layered[1])
+
+
+def _layer_checkpointed(profile: Profile, granularity: str, workspace: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Under per-layer recompute, each layer's saved bytes and backward transient when
+    checkpointed on its own, by the one rule of :func:`partitioner.recompute.checkpoint_each_layer`
+    (every layer: the engine wraps each layer of a recomputing chunk, the last one with the loss);
+    None for chunk recompute. (With ``ckpt`` off only the advice of an infeasible search reads
+    them: "activation_checkpointing='auto' would also fit".)"""
+    if granularity != "layer":
+        return None
+    from .recompute import checkpoint_each_layer
+
+    layers = [replace(c, workspace_bytes=float(w)) for c, w in zip(profile.layers, workspace)]
+    got = checkpoint_each_layer(replace(profile, layers=layers), range(len(profile))).layers
+    return (np.array([c.activation_bytes for c in got], dtype=np.float64),
+            np.array([c.workspace_bytes for c in got], dtype=np.float64))
 
 
 def _loss_variant_profiles(profile: Profile) -> dict[str, Profile]:
@@ -572,7 +609,8 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
                          default=0.0)
             # a recomputing chunk's one microbatch of activations exists only while it recomputes:
             # in a backward, and on one chunk of the rank at a time
-            redo = [float(prob.act[slice(*bounds[c])].sum()) if recompute[c] else 0.0 for c in mine]
+            redo = [float(prob.act[slice(*bounds[c])].sum()) if recompute[c] and prob.act_layer is None else 0.0
+                    for c in mine]
             held_acts = sum(_held_activation_bytes(prob, *bounds[c], held[c], recompute[c])
                             - pend[c] * _pending_freed(prob, bounds[c][1], recompute[c]) for c in mine) - sum(redo)
             in_backward = kind != "F"
@@ -665,14 +703,15 @@ def _transients(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[b
     kept for W). Its W makes the weight gradients: under the node split only the weight kernels
     run (the parameter transients); under the per-layer cut each layer's graph is walked again
     and freed as it goes (the workspaces too, less the later layers' activations; the loss's
-    segment is not walked). A recomputing chunk runs its whole backward at I; a first chunk
-    without an input gradient under the node split runs it at W."""
+    segment is not walked). A recomputing chunk runs its whole backward at I (layer by layer:
+    each layer's workspace its recomputed activations too); a first chunk without an input
+    gradient under the node split runs it at W."""
     layers = [i for c in mine for i in range(*bounds[c])]
     loss_at = layers.index(prob.n - 1) if prob.has_loss and prob.n - 1 in layers else None
     largest = [float(prob.largest[i]) for i in layers]
-    workspace = [float(prob.workspace[i]) for i in layers]
+    workspace = [float(prob.arrays(recompute[c])[1][i]) for c in mine for i in range(*bounds[c])]
     freed = _freed(prob, bounds, recompute, mine)
-    after = _freed(prob, bounds, [True] * len(bounds), mine)   # a backward that frees as it goes
+    after = _freed(prob, bounds, recompute, mine, as_it_goes=True)   # a backward that frees as it goes
     node = prob.memory.node_split
     rows: dict[str, list[tuple[float, float, float]]] = {"I": [], "W": []}
     k = 0
@@ -697,15 +736,17 @@ def _transients(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[b
     return out
 
 
-def _freed(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], mine: list[int]) -> list[float]:
+def _freed(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], mine: list[int],
+           as_it_goes: bool = False) -> list[float]:
     """Per layer of the rank's chunks ``mine``, the activations its chunk's backward has freed
     when it reaches the layer: those of the layers after it (none under a split backward,
-    which keeps them until W)."""
-    split = SCHEDULE_INFO[prob.schedule].splits_backward
+    which keeps them until W, unless ``as_it_goes``)."""
+    split = SCHEDULE_INFO[prob.schedule].splits_backward and not as_it_goes
     out: list[float] = []
     for c in mine:
         a, e = bounds[c]
-        after = np.concatenate([np.cumsum(prob.act[a:e][::-1])[::-1][1:], [0.0]])
+        act = prob.arrays(recompute[c])[0]
+        after = np.concatenate([np.cumsum(act[a:e][::-1])[::-1][1:], [0.0]])
         out += [0.0] * (e - a) if split and not recompute[c] else [float(x) for x in after]
     return out
 
@@ -1043,7 +1084,10 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
 def _held_activation_bytes(prob: _Problem, a: int, e: int, inflight: int, recompute: bool) -> float:
     """Bytes a chunk holds at its peak for ``inflight`` held microbatches: what it saved for
     backward and the output the engine keeps (a recomputing chunk keeps its input and output,
-    plus one microbatch's activations while it recomputes)."""
+    plus one microbatch's activations while it recomputes; recomputing layer by layer, every
+    layer's input and its output, the one layer recomputing being its backward's transient)."""
+    if recompute and prob.act_layer is not None:   # each layer's input; one layer recomputes at a time (transient)
+        return inflight * (float(prob.act_layer[a:e].sum()) + _kept_output(prob, e, True))
     if recompute:
         return inflight * ((prob.out[a - 1] if a > 0 else 0.0) + _kept_output(prob, e, True)) + prob.act[a:e].sum()
     # under the per-layer cut, the last layer's output (the loss's input) is kept as its segment's root
@@ -1178,7 +1222,7 @@ def _more_stages(prob: _Problem) -> str:
     for p2 in range(p + 1, min(n // v, 4 * p) + 1):
         if not fits_any(p2 * v, n, static=c["static"], act=c["act"], out=c["out"], inflight=[0] * (p2 * v),
                         shared=c["shared"], caps=cap / v, recompute_time=prob.f, checkpointing=prob.ckpt,
-                        pend=c["pend"], pending=None):
+                        pend=c["pend"], pending=None, recompute_act=c["recompute_act"]):
             continue   # not even the state fits (nothing in flight): skip building the schedule
         inf2, pend2 = inflight_per_chunk(prob.schedule, p2, prob.m, v), None
         if SCHEDULE_INFO[prob.schedule].splits_backward:   # the gradients kept from I to W too
@@ -1186,7 +1230,7 @@ def _more_stages(prob: _Problem) -> str:
                                                    float(prob.pend.mean())))
         if fits_any(p2 * v, n, static=c["static"], act=c["act"], out=c["out"], inflight=inf2,
                     shared=c["shared"], caps=cap / v, recompute_time=prob.f, checkpointing=prob.ckpt,
-                    pend=c["pend"], pending=pend2):
+                    pend=c["pend"], pending=pend2, recompute_act=c["recompute_act"]):
             return f", or use {p2} stages"
     return ""
 

@@ -1,14 +1,17 @@
-"""Per-layer activation checkpointing as a profile, for predictions of other runtimes.
+"""Per-layer activation checkpointing as a profile: the one rule for a layer checkpointed on its own.
 
-pipeshard's engine checkpoints a whole chunk (``engine.stage``: a held microbatch keeps the
-chunk's input, its backward recomputes the chunk, so one microbatch's activations of every layer
-of the chunk exist at once). torchtitan's and Megatron's "full" activation checkpointing wraps
-each transformer block instead: a held microbatch keeps every block's input, and a backward
-recomputes one block at a time. :func:`checkpoint_each_layer` turns a profile into the second
-(each checkpointed layer saves only its input; its activations and backward workspace become its
-backward's transient; its backward runs its forward again), so that :func:`partitioner.partition`
-with ``activation_checkpointing=False`` predicts that runtime's memory and time. The engine does
-not run this: use it to compare with published figures, not to plan a pipeshard run.
+pipeshard's engine checkpoints a whole chunk by default (``engine.stage``: a held microbatch
+keeps the chunk's input, its backward recomputes the chunk, so one microbatch's activations of
+every layer of the chunk exist at once). torchtitan's and Megatron's "full" activation
+checkpointing wraps each transformer block instead: a held microbatch keeps every block's input,
+and a backward recomputes one block at a time; the engine runs that with
+``recompute_granularity="layer"`` (every layer of a recomputing chunk). :func:`checkpoint_each_layer`
+turns a profile into the second (each checkpointed layer saves only its input; its activations
+and backward workspace become its backward's transient; its backward runs its forward again).
+:func:`partitioner.partition` with ``recompute_granularity="layer"`` prices its recomputing chunks
+by this rule (every layer, ``input_shards=1``); called directly, with ``activation_checkpointing=False``,
+it predicts another runtime's memory and time (blocks only, sequence-parallel inputs) to compare
+with published figures.
 
 Example::
 

@@ -417,7 +417,7 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
            top: int = 5, prune: bool = True,
            v_split_budget: float = V_SPLIT_BUDGET, scaling: str = "bounded",
            tensor_parallel: int = 1, reshard_after_forward: bool | None = None,
-           links: Any = None) -> SearchResult:
+           links: Any = None, recompute_granularity: str = "chunk") -> SearchResult:
     """Choose the layout with the smallest predicted step that fits (see the module docstring).
 
     ``profile``: a callable ``microbatch size -> Profile`` (profiled at each size searched), a
@@ -429,6 +429,7 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
     the memory limit needs it; ``precision`` / ``momentum`` / ``grad_accum_dtype`` / ``backend`` /
     ``overlap_grad_reduce`` / ``grad_bucket_mb`` / ``step_sync`` / ``grad_clip``: what the run keeps
     per parameter, and how its steps follow each other;
+    ``recompute_granularity``: a recomputing chunk's checkpoints, the chunk or each layer;
     ``tensor_parallel`` / ``reshard_after_forward`` / ``links``: the 3-D layout's, see
     :func:`partitioner.partition`; :func:`search_parallel` chooses them too). ``top``: the
     alternatives kept exact (and shown); ``prune=False`` solves every layout. Raises :class:`PartitionError` when nothing fits.
@@ -454,6 +455,7 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
                   overlap_grad_reduce=overlap_grad_reduce, grad_bucket_mb=grad_bucket_mb,
                   step_sync=step_sync, grad_clip=grad_clip,
                   tensor_parallel=tensor_parallel, reshard_after_forward=reshard_after_forward, links=links,
+                  recompute_granularity=recompute_granularity,
                   activation_checkpointing=_checkpointing(activation_checkpointing, memory_limit_bytes))
     notes = _run(cands, profile_for, p, B, n, kwargs, top if prune else None, v_split_budget)
     ranked = sorted(cands, key=_rank_key)

@@ -51,7 +51,7 @@ def _caps_array(caps, k: int) -> np.ndarray | None:
 
 def optimal_split(time, k: int, *, static=None, act=None, out=None, inflight=None, caps=None,
                   cut_time=None, recompute_time=None, checkpointing: str = "off",
-                  return_variants: bool = False, shared=None, pend=None, pending=None):
+                  return_variants: bool = False, shared=None, pend=None, pending=None, recompute_act=None):
     """Exact min-bottleneck contiguous split of ``len(time)`` layers into ``k`` stages.
 
     Returns ``(bounds, bottleneck)`` (plus the per-stage variant list, 1 = recompute, with
@@ -60,10 +60,11 @@ def optimal_split(time, k: int, *, static=None, act=None, out=None, inflight=Non
     when that is what lets the split fit, decided exactly inside the search). ``pend`` (per
     layer) and ``pending`` (per stage): the gradients a microbatch keeps between its I and its
     W under a split-backward schedule, and the microbatches a stage has pending at its peak
-    (:mod:`partitioner.feasible`).
+    (:mod:`partitioner.feasible`). ``recompute_act``: per layer, what a layer checkpointed on its
+    own keeps per held microbatch (per-layer recompute; None: a recomputing stage is one checkpoint).
     """
     P = Problem(time, k, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared,
-                pend, pending)
+                pend, pending, recompute_act)
     c = _caps_array(caps, k)
     if not P.feasible(np.inf, c):
         raise Infeasible("no split fits the memory limits")
@@ -106,14 +107,14 @@ def _min_bottleneck(P: Problem, caps: np.ndarray | None) -> float:
 
 def min_memory_scale(k: int, n: int, *, static=None, act=None, out=None, inflight=None, caps=None,
                      recompute_time=None, checkpointing: str = "off", rel_tol: float = 1e-9, shared=None,
-                     pend=None, pending=None) -> tuple[float, list[tuple[int, int]]]:
+                     pend=None, pending=None, recompute_act=None) -> tuple[float, list[tuple[int, int]]]:
     """Smallest factor ``a`` such that some split fits ``a * caps`` (``caps=None``: a cap of 1
     byte per stage, so ``a`` is the smallest uniform limit in bytes), with that split.
     Time is unconstrained. Bisection on ``a`` with the exact probe; the returned figure is the
     largest ``mem_j / caps_j`` of the split found, so it is achieved (feasible) and within
     ``rel_tol`` (or a quarter byte) of the minimum."""
     P = Problem(np.zeros(n), k, static, act, out, inflight, None,
-                np.zeros(n) if checkpointing != "off" else None, checkpointing, shared, pend, pending)
+                np.zeros(n) if checkpointing != "off" else None, checkpointing, shared, pend, pending, recompute_act)
     base = np.ones(k) if caps is None else _caps_array(caps, k)
     if np.any(base <= 0):
         raise ValueError("memory caps must be > 0")
@@ -135,21 +136,23 @@ def min_memory_scale(k: int, n: int, *, static=None, act=None, out=None, infligh
 
 
 def split_costs(bounds, *, time, static=None, act=None, out=None, inflight=None, cut_time=None,
-                recompute_time=None, recompute=None, shared=None, pend=None, pending=None):
+                recompute_time=None, recompute=None, shared=None, pend=None, pending=None, recompute_act=None):
     """(stage times, stage memory) arrays of a given split; ``recompute``: per-stage bools."""
     rec = [bool(r) for r in recompute] if recompute is not None else [False] * len(bounds)
     mode = "auto" if any(rec) else "off"
     P = Problem(time, len(bounds), static, act, out, inflight, cut_time,
-                recompute_time if any(rec) else None, mode, shared, pend, pending)
+                recompute_time if any(rec) else None, mode, shared, pend, pending, recompute_act)
     return P.costs(bounds, [1 if r else 0 for r in rec])
 
 
 def fits_any(k: int, n: int, *, static=None, act=None, out=None, inflight=None, caps=None,
-             recompute_time=None, checkpointing: str = "off", shared=None, pend=None, pending=None) -> bool:
+             recompute_time=None, checkpointing: str = "off", shared=None, pend=None, pending=None,
+             recompute_act=None) -> bool:
     """Whether any split into ``k`` stages fits ``caps`` (time unconstrained)."""
     try:
         P = Problem(np.zeros(n), k, static, act, out, inflight, None,
-                    np.zeros(n) if checkpointing != "off" else None, checkpointing, shared, pend, pending)
+                    np.zeros(n) if checkpointing != "off" else None, checkpointing, shared, pend, pending,
+                    recompute_act)
     except Infeasible:
         return False
     return P.feasible(np.inf, _caps_array(caps, k))

@@ -44,7 +44,7 @@ def _coefs(P: Problem, name: str, al, be, ga, j: int, count: tuple[int, int] | N
         return a, float(be[j]), float(ga[j]), d
     held, pending = count
     if name == "recompute":
-        return 1.0, held + 1.0, 0.0, 0.0
+        return (float(held), 1.0, 0.0, 0.0) if P.layer_recompute else (1.0, held + 1.0, 0.0, 0.0)
     return float(held), 1.0, float(held), float(pending)
 
 
@@ -64,7 +64,8 @@ def _chunk_tables(P: Problem, j: int, local_end: bool = False, counts: list | No
         ms = []
         for count in counts or [None]:
             a, b, g, d = _coefs(P, name, al, be, ga, j, count)
-            m = (P.PS[e] - P.PS[s] + a * (P.PA[e] - P.PA[s]) + d * (P.PG[e] - P.PG[s]) + b * P.inbuf[s]
+            PA = P.prefix(name)
+            m = (P.PS[e] - P.PS[s] + a * (PA[e] - PA[s]) + d * (P.PG[e] - P.PG[s]) + b * P.inbuf[s]
                  + g * P.shared[s] + P.outbuf[e])
             ms.append(np.where(bad, np.inf, m))
         out.append((np.where(bad, np.inf, t), ms))
@@ -188,11 +189,11 @@ def _solve(P: Problem, p: int, caps: np.ndarray | None, weight: tuple[float, flo
 
 
 def _problem(time, p, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared,
-             pend=None, pending=None):
+             pend=None, pending=None, recompute_act=None):
     if p < 1:
         raise ValueError(f"number of ranks must be >= 1, got {p}")
     return Problem(time, 2 * p, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared,
-                   pend, pending)
+                   pend, pending, recompute_act)
 
 
 def _rank_caps(caps, p: int) -> np.ndarray | None:
@@ -209,7 +210,7 @@ def _rank_caps(caps, p: int) -> np.ndarray | None:
 def optimal_v_split(time, p: int, *, static=None, act=None, out=None, inflight=None, caps=None,
                     cut_time=None, recompute_time=None, checkpointing: str = "off",
                     return_variants: bool = False, shared=None, pend=None, pending=None,
-                    states: States | None = None):
+                    states: States | None = None, recompute_act=None):
     """Exact V split of ``len(time)`` layers into ``2p`` chunks on ``p`` ranks (rank r: chunks
     r and 2p-1-r) minimising the largest rank time under per-rank memory ``caps`` (one number
     or one per rank). ``inflight``: per chunk (2p). Returns ``(bounds, bottleneck)`` (plus, with
@@ -218,9 +219,10 @@ def optimal_v_split(time, p: int, *, static=None, act=None, out=None, inflight=N
     microbatch keeps from I to W, and per chunk the microbatches pending (split backward).
     ``states`` (per rank, its ``((held_left, held_right), (pending_left, pending_right))``
     candidates, ``partitioner.memory.schedule_states``): a rank's memory is then the largest
-    over its states, exact where no state dominates for every split."""
+    over its states, exact where no state dominates for every split. ``recompute_act``: per-layer
+    recompute's held bytes per layer (``feasible.Problem``)."""
     P = _problem(time, p, static, act, out, inflight, cut_time, recompute_time, checkpointing, shared,
-                 pend, pending)
+                 pend, pending, recompute_act)
     _, bounds, var = _solve(P, p, _rank_caps(caps, p), (1.0, 0.0), states=states)
     t, _ = v_split_costs(P, bounds, var)
     if return_variants:
@@ -253,17 +255,20 @@ def _chunk_memory(P: Problem, j: int, bound: tuple[int, int], v: int, count: tup
     name, _, _, al, be, ga = P.variants[v]
     a, b, g, d = _coefs(P, name, al, be, ga, j, count)
     s, e = bound
-    return float(P.PS[e] - P.PS[s] + a * (P.PA[e] - P.PA[s]) + d * (P.PG[e] - P.PG[s]) + b * P.inbuf[s]
+    PA = P.prefix(name)
+    return float(P.PS[e] - P.PS[s] + a * (PA[e] - PA[s]) + d * (P.PG[e] - P.PG[s]) + b * P.inbuf[s]
                  + g * P.shared[s] + P.outbuf[e])
 
 
 def min_v_memory_scale(n: int, p: int, *, static=None, act=None, out=None, inflight=None, caps=None,
                        recompute_time=None, checkpointing: str = "off", shared=None, pend=None,
-                       pending=None, states: States | None = None) -> tuple[float, list[tuple[int, int]]]:
+                       pending=None, states: States | None = None, recompute_act=None
+                       ) -> tuple[float, list[tuple[int, int]]]:
     """Smallest factor ``a`` such that some V split fits ``a * caps`` per rank (``caps=None``:
     1 byte per rank, so ``a`` is the smallest uniform limit in bytes), with that split."""
     P = _problem(np.zeros(n), p, static, act, out, inflight, None,
-                 np.zeros(n) if checkpointing != "off" else None, checkpointing, shared, pend, pending)
+                 np.zeros(n) if checkpointing != "off" else None, checkpointing, shared, pend, pending,
+                 recompute_act)
     base = np.ones(p) if caps is None else _rank_caps(caps, p)
     if np.any(base <= 0):
         raise ValueError("memory caps must be > 0")

@@ -8,14 +8,16 @@ then (9dec370) splits the batch into as many microbatches as pipeline stages (8)
 pipeline parallelism, keeps FSDP's layers unsharded for the step (``reshard_after_forward=False``).
 
 For each schedule, three rows: the plan as pipeshard's engine runs it (``experiments.partition``
-with these overrides: the whole chunk checkpointed, no sequence parallelism) and the same plan
-with each block checkpointed on its own as torchtitan does (``partitioner.recompute``), without and
-with the block inputs it keeps sharded by sequence parallelism (torchtitan's TP plan; the engine
-does not run either, the rows are predictions to put beside the published figures). bf16 compute on
+with these overrides, no sequence parallelism) with the whole chunk checkpointed
+(``pipeline.recompute_granularity=chunk``) and with each layer checkpointed on its own as
+torchtitan does (``pipeline.recompute_granularity=layer``), and the per-layer plan with the block
+inputs it keeps sharded by sequence parallelism (torchtitan's TP plan, ``partitioner.recompute``'s
+``input_shards``; the engine does not run that, the row is a prediction to put beside the
+published figures). bf16 compute on
 the analytic ``h100`` spec (SXM datasheet; the benchmark's GPUs were 96 GB HBM2e parts at 500 W,
 2.4 TB/s); no Float8, no torch.compile, no AsyncTP. ``--auto`` also runs the 3-D search
 (``pipeline.schedule=auto pipeline.microbatches=auto``, tp in 1/2/4/8, ZeRO 1/3, under
-``--limit``) and prints its choice.
+``--limit``, each layer checkpointed) and prints its choice.
 
 Usage::
 
@@ -44,6 +46,7 @@ SCHEDULES = {"1F1B": ["pipeline.schedule=1f1b"],
              "Interleaved 1F1B": ["pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2"]}
 PUBLISHED = {"1F1B": (100, 82.5), "Interleaved 1F1B": (128, 72.7)}
 AUTO = ["pipeline.schedule=auto", "pipeline.microbatches=auto", "pipeline.activation_checkpointing=auto",
+        "pipeline.recompute_granularity=layer",
         "partitioner.search.tensor_parallel=[1,2,4,8]", "partitioner.search.zero_stages=[1,3]",
         "optimizer.reshard_after_forward=auto"]
 
@@ -60,7 +63,8 @@ def _tokens_per_gpu(cfg, step_s: float) -> float:
 
 
 def plan_rows(model: list[str], layout: list[str]) -> list[dict]:
-    """Per schedule, the plan as the engine runs it and with per-block checkpointing."""
+    """Per schedule, the plans as the engine runs them (chunk and per-layer recompute) and the
+    per-layer one with sequence-parallel block inputs."""
     import partitioner
     from experiments.config import compose_config
     from experiments.partition import validate_plan_config
@@ -74,9 +78,11 @@ def plan_rows(model: list[str], layout: list[str]) -> list[dict]:
         kw = partition_kwargs(cfg)
         block = dict(kw, activation_checkpointing=False)
         tp = int(cfg.pipeline.tensor_parallel)
-        runs = {"pipeshard (chunk recompute, no SP)": partitioner.partition(prof, **kw),
-                "per-block recompute, no SP": partitioner.partition(checkpoint_each_layer(prof), **block),
-                "per-block recompute + SP inputs (torchtitan's)": partitioner.partition(
+        runs = {"as the engine runs it: chunk recompute, no SP": partitioner.partition(
+                    prof, **dict(kw, recompute_granularity="chunk")),
+                "as the engine runs it: per-layer recompute, no SP": partitioner.partition(
+                    prof, **dict(kw, recompute_granularity="layer")),
+                "per-block recompute + SP inputs (torchtitan's; not run by the engine)": partitioner.partition(
                     checkpoint_each_layer(prof, input_shards=tp), **block)}
         for how, plan in runs.items():
             rows.append({"schedule": name, "recompute": how, "step_s": plan.step_s,

@@ -91,6 +91,17 @@ def test_unknown_schedule_lists_valid_ones(base_cfg):
         partition(_uniform_profile(LAYERS), 2, schedule="x", microbatches=4)
 
 
+def test_unknown_recompute_granularity_names_the_choices(base_cfg):
+    assert ("Invalid value 'block', expected one of [chunk, layer]"
+            in _compose_error("pipeline.recompute_granularity=block"))
+    with pytest.raises(ConfigError, match=r"pipeline.recompute_granularity='block'; use 'chunk' .* or 'layer'"):
+        validate_config(_cfg(base_cfg, pipeline__recompute_granularity="block"))
+    with pytest.raises(ValueError, match="recompute_granularity='block'; use 'chunk'"):
+        _check(recompute_granularity="block")
+    with pytest.raises(ValueError, match="recompute_granularity='block'; use 'chunk'"):
+        partition(_uniform_profile(LAYERS), 2, microbatches=4, recompute_granularity="block")
+
+
 def test_batch_not_divisible_by_replicas_times_microbatches(base_cfg):
     with pytest.raises(ConfigError, match=r"train.batch_size=18 .* multiple of 8 "
                                           r"\(e.g. train.batch_size=16\)"):

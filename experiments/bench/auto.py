@@ -86,6 +86,7 @@ def _layout(cand: Any) -> dict[str, Any]:
         out["max_inflight"] = cand.max_inflight
     if any(cand.recompute):
         out["activation_checkpointing"] = (True if all(cand.recompute) else [bool(x) for x in cand.recompute])
+        out["recompute_granularity"] = getattr(cand.plan, "recompute_granularity", "chunk")
     return out
 
 

@@ -84,6 +84,7 @@ def _worker(cases):
                                                   overlap_grad_reduce=case.get("overlap", True),
                                                   grad_bucket_mb=case.get("bucket_mb", 25.0)),
                         activation_checkpointing=case.get("ckpt", False), comm_timeout_s=30,
+                        recompute_granularity=case.get("granularity", "chunk"),
                         ties=TIES if case.get("tie") else (), max_inflight=case.get("cap"),
                         recv_lookahead=case.get("lookahead"), device=case.get("device"),
                         transport_threads=case.get("transport"), send_wait=case.get("send_wait"))
@@ -221,6 +222,47 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     peak = lambda r, k: results[r][k]["stats"][0]["peak_activation_bytes"]  # noqa: E731
     assert (peak(0, 9), peak(1, 9)) == (peak(0, 4), peak(1, 1)) and peak(1, 4) < peak(1, 1)
     assert peak(0, 10) <= peak(0, 6) and peak(1, 10) == peak(1, 6)  # zbv: rank 1 does not recompute
+
+
+def test_parity_per_layer_recompute():
+    """Each layer its own checkpoint (``recompute_granularity="layer"``) on 1f1b, zb-h1 (a split
+    backward: one full backward at I) and zbv (rank 0 holds the loss chunk: its last layer and
+    the loss one checkpoint), every chunk and per chunk (a plan's stage_recompute); the tuple
+    boundary (Fork -> Join) inside a chunk crosses a layer checkpoint."""
+    cases = [dict(schedule=s, p=2, v=v, m=4, ckpt=True, granularity="layer")
+             for s, v in (("1f1b", 1), ("zb-h1", 1), ("zbv", 2))]
+    cases += [dict(schedule="zbv", p=2, v=2, m=4, ckpt=[False, True, True, False], granularity="layer"),
+              dict(schedule="1f1b", p=2, m=4, ckpt=True, granularity="layer", ranges=[(0, 5), (5, 9)])]
+    _run_and_check(2, cases)
+
+
+def test_per_layer_recompute_keeps_each_layer_input():
+    """A layer-checkpointed chunk keeps each layer's input per microbatch (counted once per
+    storage), a chunk-checkpointed one its input only; the granularity is refused by name."""
+    from engine.stage import Chunk
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)]
+    x = torch.randn(4, 8, requires_grad=True)
+    kept = {}
+    for gran in ("chunk", "layer"):
+        chunk = Chunk(0, 0, layers, activation_checkpointing=True, recompute_granularity=gran)
+        chunk.forward(0, x)
+        kept[gran] = chunk.live_bytes
+        chunk.backward(0, [torch.ones(4, 8)], _Plain())
+    assert kept == {"chunk": 4 * 8 * 4, "layer": 3 * 4 * 8 * 4}
+    with pytest.raises(ValueError, match="'chunk'.*'layer'"):
+        Chunk(0, 0, layers, activation_checkpointing=True, recompute_granularity="block")
+
+
+class _Plain:
+    """The optimizer hooks a Chunk's backward calls, without scaling."""
+
+    def backward(self, outs, grads, inputs=None):
+        torch.autograd.backward(outs, grads, inputs=inputs)
+
+    def loss_grad(self, loss):
+        return torch.ones_like(loss)
 
 
 def test_parity_four_stages_every_schedule():

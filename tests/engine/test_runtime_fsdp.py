@@ -31,6 +31,9 @@ CASES += [dict(schedule="zb-h1", opt=SGD, reshard="false"), dict(schedule="1f1b"
 # the other schedules, and activation checkpointing (the backward's recompute gathers again)
 CASES += [dict(schedule=s, opt=SGD, reshard="true") for s in ("gpipe", "interleaved-1f1b", "zb-h2")]
 CASES += [dict(schedule=s, opt=SGD, reshard="true", recompute=True) for s in ("1f1b", "zb-h1")]
+# each layer its own checkpoint: each layer's recompute runs inside its backward, gathered there
+CASES += [dict(schedule=s, opt=SGD, reshard=r, recompute=True, granularity="layer")
+          for s, r in (("zb-h1", "true"), ("zbv", "false"))]
 # FSDP2's MixedPrecisionPolicy: 16-bit compute and all-gathers, fp32 sharded masters and reduction.
 MIXED = [dict(schedule="zb-h1", opt=ADAMW, reshard="true", precision=p, steps=20)
          for p in ("fp32", "bf16", "fp16")]
@@ -58,6 +61,7 @@ def _worker(cases):
                         data_parallel=REPLICAS, seed=SEED, comm_timeout_s=60,
                         precision=case.get("precision", "fp32"),
                         activation_checkpointing=case.get("recompute", False),
+                        recompute_granularity=case.get("granularity", "chunk"),
                         optimizer=OptimizerConfig(**case["opt"], zero_stage=3,
                                                   reshard_after_forward=case["reshard"]))
         losses, grads, gathers, memory, skipped = [], [], [], None, 0
@@ -114,7 +118,8 @@ def _reference(opt: dict):
 
 @pytest.mark.parametrize("k", range(len(CASES)),
                          ids=[f"{c['schedule']}-{c['opt']['name']}-reshard_{c['reshard']}"
-                              f"{'-recompute' if c.get('recompute') else ''}" for c in CASES])
+                              f"{'-recompute' if c.get('recompute') else ''}{'-' + c['granularity'] if c.get('granularity') else ''}"
+                              for c in CASES])
 def test_fsdp_matches_single_process(results, k):
     ref_losses, ref_grads, ref_params, ref_eval = _reference(CASES[k]["opt"])
     seen = set()
@@ -135,7 +140,8 @@ def test_fsdp_matches_single_process(results, k):
 
 @pytest.mark.parametrize("k", range(len(CASES)),
                          ids=[f"{c['schedule']}-reshard_{c['reshard']}"
-                              f"{'-recompute' if c.get('recompute') else ''}" for c in CASES])
+                              f"{'-recompute' if c.get('recompute') else ''}{'-' + c['granularity'] if c.get('granularity') else ''}"
+                              for c in CASES])
 def test_all_gathers_per_step(results, k):
     """W never all-gathers (its I left the layers gathered). Kept gathered: one all-gather per
     layer per step, at its first forward. Resharded: more than one per layer per step on the

@@ -30,7 +30,8 @@ SGD = dict(name="sgd", lr=0.5, momentum=0.9)
 ADAMW = dict(name="adamw", lr=0.01, weight_decay=0.01, eps=1e-3)
 CLIPPED = dict(ADAMW, grad_clip=0.05)
 CASES = [dict(schedule=s, opt=o) for s in ("1f1b", "zb-h1") for o in (SGD, ADAMW)]
-CASES += [dict(schedule="1f1b", opt=CLIPPED), dict(schedule="zb-h1", opt=SGD, recompute=True)]
+CASES += [dict(schedule="1f1b", opt=CLIPPED), dict(schedule="zb-h1", opt=SGD, recompute=True),
+          dict(schedule="1f1b", opt=SGD, recompute=True, granularity="layer")]
 # Hugging Face models sharded by their own base_model_tp_plan: Llama (grouped-query attention,
 # 4 heads over 2 KV heads), Qwen3 (q/k norms replicated, their gradients summed over tp). Qwen3
 # with SGD only: its rounding differences (the tp split sums the heads in another order; 5e-7
@@ -86,6 +87,7 @@ def _worker(cases, replicas):
                         schedule=case["schedule"], microbatches=M, data_parallel=replicas,
                         tensor_parallel=TP, seed=SEED, comm_timeout_s=60,
                         activation_checkpointing=case.get("recompute", False),
+                        recompute_granularity=case.get("granularity", "chunk"),
                         optimizer=OptimizerConfig(**case["opt"], zero_stage=case.get("zero", 0),
                                                   reshard_after_forward=case.get("reshard", "auto")))
         losses, norms, grads = [], [], []
@@ -153,7 +155,7 @@ def results():
 @pytest.mark.parametrize("k", range(len(CASES)), ids=[
     f"{c.get('model', 'gpt')}-{c['schedule']}-{c['opt']['name']}"
     f"{'-clip' if c['opt'].get('grad_clip') else ''}{'-recompute' if c.get('recompute') else ''}"
-    for c in CASES])
+    f"{'-' + c['granularity'] if c.get('granularity') else ''}" for c in CASES])
 def test_pp2_tp2_matches_single_process(results, k):
     ref = _reference(CASES[k]["opt"], CASES[k].get("model", "gpt"))
     seen: set = set()

@@ -35,6 +35,19 @@ def test_union_and_any_fields_keep_their_values(compose_cfg):
     assert plain.pipeline.activation_checkpointing is True and plain.pipeline.microbatches == 8
 
 
+def test_recompute_granularity_is_a_choice_the_planner_and_the_engine_get(compose_cfg):
+    """`pipeline.recompute_granularity`: chunk by default (today's behaviour), layer on request,
+    handed to `partitioner.partition` and to `engine.Pipeline` alike."""
+    from experiments.wiring import partition_kwargs, pipeline_kwargs
+
+    default = as_config(compose_cfg())
+    assert default.pipeline.recompute_granularity == "chunk"
+    assert pipeline_kwargs(default, [(0, 3), (3, 6)])["recompute_granularity"] == "chunk"
+    cfg = as_config(compose_cfg("pipeline.recompute_granularity=layer", "pipeline.activation_checkpointing=true"))
+    assert partition_kwargs(cfg)["recompute_granularity"] == "layer"
+    assert pipeline_kwargs(cfg, [(0, 3), (3, 6)])["recompute_granularity"] == "layer"
+
+
 def test_validate_config_runs_on_the_typed_object_and_returns_it(compose_cfg):
     cfg = as_config(compose_cfg())
     assert validate_config(cfg) is cfg

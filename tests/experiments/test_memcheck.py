@@ -107,3 +107,18 @@ def test_tensor_parallel_parameters_are_sharded_and_the_plan_is_within_the_bound
             assert 0.25 <= share <= 0.28, (r["rank"], share)
             pred = r["predicted_breakdown"]
             assert r["params"] == pytest.approx(pred["parameters"] + pred["gathered_parameters"], rel=0.02)
+
+
+def test_layer_recompute_is_planned_within_the_bound_and_holds_less_than_chunk_recompute():
+    """`pipeline.recompute_granularity=layer` (each layer its own checkpoint) against the whole
+    chunk checkpointed, on the same split (analytic profile; 8 blocks, so 7 and 3 layers per
+    chunk): every rank within the bound, and every rank's measured peak lower."""
+    pair = [layout("1f1b", "fp32", profile="analytic", vocab=4096, recompute="on", granularity=g)
+            for g in ("chunk", "layer")]
+    rows = measure_layouts(pair, (*BASE, "model.layers=8"), steps=2)
+    by = {(r["layout"], r["rank"]): r for r in rows}
+    assert len(rows) == 4 and rows[0]["stage_ranges"] == rows[-1]["stage_ranges"]
+    for r in rows:
+        assert abs(r["error"]) <= TOLERANCE, (r["layout"], r["rank"], r["error"])
+    for rank in (0, 1):
+        assert by[(pair[1].name, rank)]["measured"] < by[(pair[0].name, rank)]["measured"]
