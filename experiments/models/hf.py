@@ -630,10 +630,23 @@ def additive_mask(mask: torch.Tensor | None, q_len: int, window: int | None, dty
     return out.masked_fill_(~mask, torch.finfo(dtype).min)
 
 
+def _check_composite(config: Any) -> None:
+    """Refuse a composite (multimodal) checkpoint whose causal-LM class takes one of its
+    sub-configs (qwen3_5, llama4, mllama, ...): its tensors are the whole model's."""
+    want = getattr(model_class(config), "config_class", None)
+    subs = [n for n in (getattr(config, "sub_configs", None) or {}) if isinstance(getattr(config, n, None), want or ())]
+    if want is not None and not isinstance(config, want) and subs:
+        raise ValueError(f"model type {config.model_type!r} is a composite (multimodal) checkpoint: its causal LM "
+                         f"{model_class(config).__name__} takes the config's {subs[0]}, and pipeshard loads causal-LM "
+                         "checkpoints only; save the language model alone with transformers "
+                         "(AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)) and load NEW_DIR")
+
+
 @functools.lru_cache(maxsize=8)
 def meta_reference(config_json: str) -> tuple[nn.Module, HFLayout]:
     """The whole model on the meta device (no memory) and its layout, cached per process."""
     config = config_from_json(config_json)
+    _check_composite(config)
     with torch.device("meta"):
         model = model_class(config)(config)
     return model, discover_layout(model)

@@ -300,3 +300,29 @@ def test_families_found_with_family_sizes_are_refused_with_the_reason(mtype, mes
         model = model_class(cfg)(cfg)
     with pytest.raises(ValueError, match=message):
         discover_layout(model)
+
+
+def test_a_composite_checkpoint_is_refused_with_the_fix_that_works(tmp_path):
+    """A multimodal checkpoint (qwen3_5: vision tower + language model, `model.language_model.*`)
+    is refused before launch, naming the fix: transformers' AutoModelForCausalLM saves its
+    language model alone, which pipeshard loads, with the multimodal model's text loss."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    from experiments.models.hf_load import pretrained_facts
+
+    text = dict(hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                intermediate_size=64, vocab_size=VOCAB, linear_num_key_heads=2, linear_num_value_heads=2,
+                linear_key_head_dim=8, linear_value_head_dim=8)
+    cfg = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=dict(
+        depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=48))
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "vlm")
+    with pytest.raises(ValueError, match="'qwen3_5' is a composite .*text_config.*AutoModelForCausalLM.from_pretrained"):
+        pretrained_facts(str(tmp_path / "vlm"))
+    AutoModelForCausalLM.from_pretrained(tmp_path / "vlm", dtype=torch.float32).save_pretrained(tmp_path / "lm")
+    spec = _spec(str(tmp_path / "lm"))
+    x, y = (torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5)) for _ in range(2))
+    vlm = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "vlm", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(spec.loss_fn(compose(spec.layers).eval()(x), y),
+                                   vlm(x, labels=y, shift_labels=y).loss, **TOL)
