@@ -4,7 +4,8 @@ and compared with transformers (issue 41).
 
 For each type, in this order:
 1. a small config from generic sizes (hidden 64, 2 layers, 4 heads, vocab 128, 4 experts of
-   which 2 per token, plus the few family sizes in `OVERRIDES`); pipeshard's layout check on
+   which 2 per token, plus the family sizes in `OVERRIDES`; a composite config: its sub-config
+   that the causal-LM class takes, `causal_lm_sub_config`); pipeshard's layout check on
    the meta device (refused: its message); the model built from the config, at most
    `MAX_PARAMS` parameters; failing: **not tried** (why);
 2. pipeshard's launcher check (`pretrained_facts`: the layout, the family refusals, every
@@ -21,6 +22,7 @@ Run from the repository root (a few minutes on 2 cores; nothing is downloaded):
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python scripts/hf_families.py --write   # docs/hf_families.md
     PYTHONPATH=$PWD python scripts/hf_families.py llama opt gemma2            # a few types, printed
+    PYTHONPATH=$PWD python scripts/hf_families.py --update bamba jamba        # re-run a few, keep the other rows
 """
 from __future__ import annotations
 
@@ -53,16 +55,94 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8), "helium": dict(head_dim=16),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     # hybrids: with 2 layers every layer is a linear-attention one, which transformers' own mask fails on
-    **{m: dict(num_hidden_layers=4) for m in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "jamba",
-                                                "kimi_linear", "recurrent_gemma", "bailing_hybrid")},
+    **{m: dict(num_hidden_layers=4) for m in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
+                                                "recurrent_gemma")},
+    # grouped routing: the generic 4 experts in one group
+    "axk1": dict(n_group=1, topk_group=1),
+    # head_dim=None in the config: derived nowhere (the rotary table needs it)
+    **{m: dict(head_dim=16) for m in ("hunyuan_v1_dense", "hunyuan_v1_moe", "ministral")},
+    # hybrids: one linear-attention (mamba / conv / KDA) layer and one attention layer
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=8),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_d_head=32,
+                             mamba_d_state=16, mamba_chunk_size=8),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  use_mamba_kernels=False, mamba_dt_rank=8),
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16,
+                        linear_head_dim=16, linear_num_heads=4, num_experts=4, num_experts_per_token=2),
+    "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                           kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16,
+                           n_group=1, topk_group=1, num_mtp_layers=0),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "mamba2": dict(num_heads=4, head_dim=32, n_groups=1, state_size=16, chunk_size=8),
+    "zamba": dict(layers_block_type=["linear_attention", "hybrid"], attention_head_dim=16, n_mamba_heads=2,
+                  use_mamba_kernels=False, mamba_dt_rank=8),
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], n_mamba_heads=4, mamba_d_state=16,
+                   use_mamba_kernels=False, chunk_size=8),
+    # DSA (indexed attention) off (NOTES); its sliding layers' attention sizes are per layer (swa_*)
+    "dots3_note_text": dict(use_dsa=False, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"],
+                            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                            head_dim=16, sliding_window=4, swa_num_attention_heads=4, swa_num_key_value_heads=4,
+                            swa_q_lora_rank=16, swa_kv_lora_rank=16, swa_head_dim=16, swa_qk_nope_head_dim=8,
+                            swa_v_head_dim=16),
+    "zaya": dict(layer_types=["hybrid", "hybrid"], num_experts_per_tok=1, num_key_value_heads=2, head_dim=16),
+    # MoE families whose first layers are dense by default: the second of 2 layers routed
+    "flint": dict(mlp_only_layers=[0], head_dim=16, sliding_window=4),
+    "kolibri1_1": dict(mlp_only_layers=[0], head_dim=16, sliding_window=4),
+    # sliding layers double the kv heads (and need heads >= 2 x kv heads)
+    "mimo_v2_flash": dict(num_key_value_heads=2, head_dim=16, v_head_dim=16, sliding_window=4),
+    # a rotary table per layer type
+    "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                                rope_parameters={t: {"rope_type": "default", "rope_theta": 10000.0}
+                                                 for t in ("sliding_attention", "full_attention")}),
+    "gemma3n_text": dict(num_kv_shared_layers=0, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                         vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, laurel_rank=8,
+                         intermediate_size=[128, 128], activation_sparsity_pattern=[0.0, 0.0]),
+    # encoder-decoder families' decoders (their head counts are separate sizes)
+    "plbart": dict(decoder_attention_heads=4, encoder_attention_heads=4, d_model=64, decoder_layers=2, encoder_layers=2),
+    "whisper": dict(decoder_attention_heads=4, encoder_attention_heads=4, d_model=64, decoder_layers=2, encoder_layers=2),
+    "reformer": dict(is_decoder=True, axial_pos_embds=False),
+    "prophetnet": dict(num_hidden_layers=None, num_decoder_layers=2, num_encoder_layers=2),
+    "xlnet": dict(max_position_embeddings=None, n_head=4, d_head=16, d_inner=128),   # its config refuses the setting (no length limit)
+    "zamba": dict(num_hidden_layers=4, layers_block_type=["linear_attention", "hybrid"] * 2, attention_head_dim=16,
+                  n_mamba_heads=2, use_mamba_kernels=False, mamba_dt_rank=8),
+    "kolibri1_1": dict(layer_types=["indexed_attention", "sliding_attention"], index_layers=[0], kv_source_layers=[0, 1],
+                       mlp_only_layers=[0], head_dim=16, sliding_window=4, index_num_heads=1, index_topk=4,
+                       index_pool_size=8, index_compression=2, index_num_local_tokens=2, index_num_sink_tokens=1),
+    # transformers 5.25's DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig no longer declares
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64, attn_config={"kv_n_heads": 4, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
+    "gemma4_assistant": dict(backbone_hidden_size=64, num_centroids=8, centroid_intermediate_top_k=2,
+                             text_config=dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                              intermediate_size=128, vocab_size=VOCAB, hidden_size_per_layer_input=0,
+                                              vocab_size_per_layer_input=0, enable_moe_block=False,
+                                              use_double_wide_mlp=False, num_kv_shared_layers=2,
+                                              layer_types=["sliding_attention", "full_attention"], sliding_window=4)),
 }
+_DSA = ("built with use_dsa=false (full-attention and sliding layers); with DSA, the released checkpoints' "
+        "default, its 'indexed_attention' layers are refused before launch (a sparse-attention indexer run on the "
+        "explicit mask its forward builds; pipeshard's layers failed)")
+NOTES = {"dots3_note_text": _DSA, "dots3_note": _DSA}
+"""What a row's sizes leave out, said after its result."""
+SUB_CONFIGS = ("text_config", "decoder")
+"""Sub-configs a causal-LM class is built on when the family's config is composite: transformers'
+`AutoModelForCausalLM.from_config` builds e.g. `Qwen3_5ForCausalLM` on a qwen3_5 config's
+`text_config` (and musicgen's `MusicgenForCausalLM` takes its `decoder` config)."""
 HEADER = """# Hugging Face causal-LM families through pipeshard (issue 41)
 
 Every model type in transformers {version}'s `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` ({count}), built
 small with random weights (hidden 64, 2 layers, 4 heads, vocab 128, at most 64 positions; the
-same generic sizes for every family, plus a few family sizes in `OVERRIDES`), written with
-`save_pretrained`, and loaded by pipeshard layer by layer from that directory. Generated by
-`scripts/hf_families.py --write` (its docstring gives the steps).
+same generic sizes for every family, plus the family sizes in `OVERRIDES`: head sizes, MLA ranks,
+expert groups, one linear-attention and one attention layer for hybrids...), written with
+`save_pretrained`, and loaded by pipeshard layer by layer from that directory. A composite
+config (a multimodal family whose causal-LM class takes its `text_config`) is built as
+`AutoModelForCausalLM.from_config` builds it: the causal-LM class on the small sub-config. A
+composite checkpoint itself (vision tower and language model) is refused before launch, naming
+the fix: `AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)` writes the language
+model alone, which pipeshard loads (test_hf_families.py checks it on qwen3_5).
+Generated by `scripts/hf_families.py --write` (its docstring gives the steps; `--update TYPES`
+re-runs some types and keeps the other rows).
 
 - **matches**: the training loss (cross-entropy, plus the router auxiliary loss for MoE families
   whose transformers loss has it: `output_router_logits=True`) through pipeshard's layers in one
@@ -74,8 +154,10 @@ same generic sizes for every family, plus a few family sizes in `OVERRIDES`), wr
 - **refused**: the launcher stops before any process starts (exit status 2) with the message
   shown (`experiments.models.hf_load.pretrained_facts`: the layout, `hf.INCOMPATIBLE`, the
   family checks, every layer's tensors and buffers).
-- **not tried**: the generic small config could not be built, or transformers' own forward or
-  loss failed with it (a family that needs family-specific sizes), so nothing was compared.
+- **not tried**: transformers itself could not build or run the family small on CPU (the detail
+  says why: a missing library, a sub-config type no causal-LM class loads), so nothing was
+  compared. Where a row's sizes leave out what released checkpoints use, its detail says so
+  (`NOTES`: dots3_note without DSA).
 
 Per-family adapters (tests against transformers in tests/experiments/test_hf_families.py,
 test_hf_moe.py, test_hf_models.py): gemma2 / gemma3_text (final logit soft-capping, sliding and
@@ -104,6 +186,9 @@ def _quiet() -> None:
 
 
 def _why(exc: BaseException) -> str:
+    cause = getattr(exc, "__cause__", None)
+    if type(exc).__name__ == "StrictDataclassClassValidationError" and cause is not None:
+        return f"{type(exc).__name__}: {_why(cause)}"   # the validator's own message
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
 
@@ -112,10 +197,46 @@ def small_config(mtype: str) -> Any:
     """The generic small config of a model type (attributes the class has, set after init)."""
     from transformers import AutoConfig
 
-    kw = {**GENERIC, **OVERRIDES.get(mtype, {})}
-    cfg = AutoConfig.for_model(mtype)
-    accepted = {k: v for k, v in kw.items() if hasattr(cfg, k) or k in getattr(cfg, "attribute_map", {})}
-    cfg = AutoConfig.for_model(mtype, **accepted)
+    try:
+        cfg = AutoConfig.for_model(mtype)
+    except Exception:  # noqa: BLE001 - a default config its own validation refuses (gemma4_assistant)
+        cfg = AutoConfig.for_model(mtype, **{k: v for k, v in OVERRIDES.get(mtype, {}).items() if v is not None})
+    sub = causal_lm_sub_config(cfg)
+    if sub is not None:   # the sub-config the causal-LM class is built on, small
+        return _shrink(sub, GENERIC, {**OVERRIDES.get(sub.model_type, {}), **OVERRIDES.get(mtype, {})})
+    return _shrink(cfg, GENERIC, OVERRIDES.get(mtype, {}))
+
+
+def causal_lm_sub_config(cfg: Any) -> Any:
+    """The sub-config (`SUB_CONFIGS`) whose class the causal-LM class of a composite config
+    takes, else None."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(cfg), None)
+    want = getattr(cls, "config_class", None)
+    if want is None or isinstance(cfg, want):
+        return None
+    return next((getattr(cfg, n) for n in SUB_CONFIGS if isinstance(getattr(cfg, n, None), want)), None)
+
+
+def _has(cfg: Any, name: str) -> bool:
+    """Whether a config class takes `name` (a field, an alias, or an attribute; a per-layer
+    attribute, whose global read raises, counts)."""
+    if name in getattr(type(cfg), "__dataclass_fields__", {}) or name in getattr(cfg, "attribute_map", {}):
+        return True
+    try:
+        return hasattr(cfg, name)
+    except Exception:  # noqa: BLE001 - dots3_note: "a per-layer attribute"
+        return True
+
+
+def _shrink(cfg: Any, generic: dict[str, Any], family: dict[str, Any]) -> Any:
+    """`cfg`'s type with the generic sizes it takes and the family's own (`OVERRIDES`, passed as
+    given: init arguments included; None: left at the class default)."""
+    accepted = {k: v for k, v in generic.items() if _has(cfg, k)}
+    accepted.update((k, v) for k, v in family.items() if v is not None)
+    accepted = {k: v for k, v in accepted.items() if k not in family or family[k] is not None}
+    cfg = type(cfg)(**accepted)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value >= VOCAB:
@@ -144,15 +265,39 @@ def hf_loss(model: Any, x: torch.Tensor, y: torch.Tensor, router: bool) -> torch
 
 def survey_one(mtype: str, root: Path) -> dict[str, Any]:
     """Steps 1-4 for one model type: a row, and the directory when step 5 is to run."""
-    from experiments.models import build_model, compose
-    from experiments.models.hf import model_class
-    from experiments.models.hf_load import check_loadable, pretrained_facts
-    from experiments.models.hf_moe import router_spec
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
         cfg = small_config(mtype)
     except Exception as exc:  # noqa: BLE001 - reported
         return {"result": "not tried", "detail": f"no small config from generic sizes ({_why(exc)})"}
+    if cfg.model_type == mtype:
+        row = _survey_config(mtype, cfg, root)
+    elif AutoModelForCausalLM._model_mapping.get(type(cfg), None) is not None:
+        # a composite config: the causal-LM class takes a sub-config, and is saved as that type
+        row = _survey_config(mtype, cfg, root)
+        row["detail"] = (f"{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mtype]} takes the config's sub-config (model_type "
+                         f"{cfg.model_type!r}), as AutoModelForCausalLM builds it; {row['detail']}")
+    else:   # a sub-config type nothing loads: the class on the composite config, as pipeshard's launcher builds it
+        row = _survey_config(mtype, _shrink(AutoConfig.for_model(mtype), GENERIC, OVERRIDES.get(mtype, {})), root)
+        if row["result"] == "not tried":
+            row["detail"] = (f"{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mtype]} takes the config's sub-config (model_type "
+                             f"{cfg.model_type!r}), which has no causal-LM class in transformers' mapping: neither "
+                             "AutoModelForCausalLM.from_pretrained nor pipeshard can load a checkpoint of it; and "
+                             f"on the composite config itself: {row['detail']}")
+    if mtype in NOTES:
+        row["detail"] = f"{row['detail']}; {NOTES[mtype]}"
+    return row
+
+
+def _survey_config(mtype: str, cfg: Any, root: Path) -> dict[str, Any]:
+    """Steps 1-4 with the small config `cfg` of model type `mtype`."""
+    from experiments.models import build_model, compose
+    from experiments.models.hf import model_class
+    from experiments.models.hf_load import check_loadable, pretrained_facts
+    from experiments.models.hf_moe import router_spec
+
     try:
         with torch.device("meta"):
             meta = model_class(cfg)(cfg)

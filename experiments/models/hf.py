@@ -99,6 +99,15 @@ INCOMPATIBLE = {
     "glm_moe_dsa": "runs a sparse-attention indexer (DSA) on the explicit mask its forward builds (pipeshard's layers failed)",
     "recurrent_gemma": "scales and soft-caps outside its layers (pipeshard's loss differed from transformers')",
     "axk2": "runs a sparse-attention indexer (DSA) on the explicit mask its forward builds (pipeshard's layers failed)",
+    # Found with family-specific sizes in scripts/hf_families.py OVERRIDES (transformers 5.25).
+    "zamba": "gives its hybrid layers the embedding output (original_hidden_states) and one attention block "
+             "shared by all of them (tied weights) in its forward",
+    "zamba2": "gives its hybrid layers the embedding output (original_hidden_states) in its forward "
+              "(pipeshard's layers failed)",
+    "kolibri1_1": "passes key/value states from one decoder layer to later ones (shared_kv_states) in its forward "
+                  "(pipeshard's layers failed)",
+    "zaya": "shifts and scales its embeddings and passes router states from layer to layer in its forward "
+            "(pipeshard's loss differed from transformers')",
 }
 
 # What these families' forward does outside their modules, and the adapter reproduces: a factor
@@ -284,7 +293,9 @@ class HFBlock(nn.Module):
             return self.run(hidden, mask=mask, position_ids=positions)
         logits: list[torch.Tensor] = []
         index = self.router.index
-        hooks = [m.register_forward_hook(lambda _m, _i, out: logits.append(out[index])) for m in self._routers]
+        # as transformers' output recorder: a router returning one tensor returns the logits (dbrx)
+        hooks = [m.register_forward_hook(lambda _m, _i, out: logits.append(out[index] if isinstance(out, tuple) else out))
+                 for m in self._routers]
         try:
             out = self.run(hidden, mask=mask, position_ids=positions)
         finally:
@@ -455,6 +466,9 @@ def _check_config(config: Any, mtype: str) -> None:
                         "config.use_bidirectional_attention=true: a bidirectional (non-causal) mask"),
     }
     on, why = reasons.get(mtype, (False, ""))
+    if "indexed_attention" in (getattr(config, "layer_types", None) or ()):   # dots3_note with DSA, any family
+        on, why = True, ("'indexed_attention' layers: a sparse-attention indexer (DSA) run on the explicit mask "
+                         "its forward builds")
     if on:
         raise ValueError(f"model type {mtype!r} with {why}, which a pipeline of its modules cannot "
                          "reproduce; it is not supported")
@@ -495,6 +509,10 @@ def discover_layout(model: nn.Module) -> HFLayout:
     _check_config(model.config, mtype)
     base = model.base_model
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if base is model and head is not None:   # llama4's Llama4ForCausalLM: prefix 'language_model', module 'model'
+        raise ValueError(f"{type(model).__name__} has an LM head, but its base_model_prefix "
+                         f"{model.base_model_prefix!r} names none of its modules {[n for n, _ in model.named_children()]}"
+                         ", so pipeshard cannot find its decoder layers; it is not supported")
     if base is model or head is None:
         raise ValueError(f"{type(model).__name__} is not a causal LM with a base model and an LM head; "
                          "load it with AutoModelForCausalLM")
@@ -612,10 +630,23 @@ def additive_mask(mask: torch.Tensor | None, q_len: int, window: int | None, dty
     return out.masked_fill_(~mask, torch.finfo(dtype).min)
 
 
+def _check_composite(config: Any) -> None:
+    """Refuse a composite (multimodal) checkpoint whose causal-LM class takes one of its
+    sub-configs (qwen3_5, llama4, mllama, ...): its tensors are the whole model's."""
+    want = getattr(model_class(config), "config_class", None)
+    subs = [n for n in (getattr(config, "sub_configs", None) or {}) if isinstance(getattr(config, n, None), want or ())]
+    if want is not None and not isinstance(config, want) and subs:
+        raise ValueError(f"model type {config.model_type!r} is a composite (multimodal) checkpoint: its causal LM "
+                         f"{model_class(config).__name__} takes the config's {subs[0]}, and pipeshard loads causal-LM "
+                         "checkpoints only; save the language model alone with transformers "
+                         "(AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)) and load NEW_DIR")
+
+
 @functools.lru_cache(maxsize=8)
 def meta_reference(config_json: str) -> tuple[nn.Module, HFLayout]:
     """The whole model on the meta device (no memory) and its layout, cached per process."""
     config = config_from_json(config_json)
+    _check_composite(config)
     with torch.device("meta"):
         model = model_class(config)(config)
     return model, discover_layout(model)

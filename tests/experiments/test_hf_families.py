@@ -12,6 +12,9 @@ Each tiny random model is written with `save_pretrained` and loaded by pipeshard
   parameters, and greedy generation returns exactly `model.generate(do_sample=False)`'s tokens;
 - what is still not reproduced (falcon's ALiBi, gemma3's bidirectional mask, the chunked loss
   with soft-capping) is refused before launch: exit status 2 and the reason.
+Also from the family survey (scripts/hf_families.py): DBRX's router, which returns its logits
+alone, gives transformers' auxiliary loss; families that do work between their layers (zamba,
+zamba2, kolibri1_1, zaya) and llama4's causal LM are refused with the reason.
 """
 from __future__ import annotations
 
@@ -251,3 +254,75 @@ def test_export_writes_the_family_back(dirs, tmp_path, name):
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, layers.eval()(x), **TOL)
         assert (model(x).logits - reference(dirs[name])(x).logits).abs().amax() > 1e-3   # the changed weights
+
+
+def test_a_router_returning_one_tensor_gives_transformers_aux_loss(tmp_path):
+    """DBRX's router returns its logits alone (not a tuple): pipeshard records them as
+    transformers' output recorder does, so the loss with the router auxiliary loss is transformers'."""
+    from transformers import AutoConfig
+
+    from experiments.models.hf import model_class
+
+    cfg = AutoConfig.for_model("dbrx", d_model=48, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=VOCAB,
+                               attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                               ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2,
+                                           "moe_loss_weight": 0.1})
+    torch.manual_seed(0)
+    model_class(cfg)(cfg).save_pretrained(tmp_path / "dbrx")
+    path = str(tmp_path / "dbrx")
+    spec = _spec(path)
+    gen = torch.Generator().manual_seed(3)
+    x, y = (torch.randint(0, VOCAB, (2, SEQ), generator=gen) for _ in range(2))
+    want = reference(path)(x, labels=y, shift_labels=y, output_router_logits=True)
+    assert want.aux_loss is not None and want.aux_loss.item() > 0
+    torch.testing.assert_close(spec.loss_fn(compose(spec.layers)(x), y), want.loss, **TOL)
+    assert spec.loss_fn.pop() == pytest.approx(want.aux_loss.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("mtype,message", [
+    ("zamba", "'zamba' is not supported: .*embedding output.*shared by all of them"),
+    ("zamba2", "'zamba2' is not supported: .*embedding output"),
+    ("kolibri1_1", "'kolibri1_1' is not supported: .*shared_kv_states"),
+    ("zaya", "'zaya' is not supported: .*shifts and scales its embeddings"),
+    ("llama4_text", "base_model_prefix 'language_model' names none of its modules.*not supported"),
+    ("dots3_note_text", "'dots3_note_text' with 'indexed_attention' layers: a sparse-attention indexer.*not supported"),
+])
+def test_families_found_with_family_sizes_are_refused_with_the_reason(mtype, message):
+    """Families whose forward does work between its layers, or that pipeshard cannot split
+    (scripts/hf_families.py's survey with family sizes): refused by the launcher's layout check,
+    with the reason. dots3_note's default config has DSA layers (`indexed_attention`)."""
+    from transformers import AutoConfig
+
+    from experiments.models.hf import discover_layout, model_class
+
+    cfg = AutoConfig.for_model(mtype)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    with pytest.raises(ValueError, match=message):
+        discover_layout(model)
+
+
+def test_a_composite_checkpoint_is_refused_with_the_fix_that_works(tmp_path):
+    """A multimodal checkpoint (qwen3_5: vision tower + language model, `model.language_model.*`)
+    is refused before launch, naming the fix: transformers' AutoModelForCausalLM saves its
+    language model alone, which pipeshard loads, with the multimodal model's text loss."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    from experiments.models.hf_load import pretrained_facts
+
+    text = dict(hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                intermediate_size=64, vocab_size=VOCAB, linear_num_key_heads=2, linear_num_value_heads=2,
+                linear_key_head_dim=8, linear_value_head_dim=8)
+    cfg = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=dict(
+        depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=48))
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(cfg).save_pretrained(tmp_path / "vlm")
+    with pytest.raises(ValueError, match="'qwen3_5' is a composite .*text_config.*AutoModelForCausalLM.from_pretrained"):
+        pretrained_facts(str(tmp_path / "vlm"))
+    AutoModelForCausalLM.from_pretrained(tmp_path / "vlm", dtype=torch.float32).save_pretrained(tmp_path / "lm")
+    spec = _spec(str(tmp_path / "lm"))
+    x, y = (torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5)) for _ in range(2))
+    vlm = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "vlm", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(spec.loss_fn(compose(spec.layers).eval()(x), y),
+                                   vlm(x, labels=y, shift_labels=y).loss, **TOL)
