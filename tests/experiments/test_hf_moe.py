@@ -186,7 +186,9 @@ CASES = [dict(arch="mixtral", schedule="1f1b", m=2), dict(arch="qwen3_moe", sche
          dict(arch="mixtral", schedule="zb-h2", m=4), dict(arch="qwen3_moe", schedule="interleaved-1f1b", v=2, m=2),
          dict(arch="mixtral", schedule="zbv", v=2, m=2), dict(arch="qwen3_moe", schedule="zbv", v=2, m=4),
          dict(arch="mixtral", schedule="1f1b", m=2, loss="chunked"),
-         dict(arch="qwen3_moe", schedule="zb-h1", m=2, recompute=True)]
+         dict(arch="qwen3_moe", schedule="zb-h1", m=2, recompute=True),
+         dict(arch="mixtral", schedule="zb-auto", m=4), dict(arch="qwen3_moe", schedule="dualpipev", v=2, m=4),
+         dict(arch="mixtral", schedule="gpipe", m=2)]
 RANGES = {1: [(0, 2), (2, 6)], 2: [(0, 1), (1, 3), (3, 4), (4, 6)]}   # 4 decoder layers: 6 pipeline layers
 
 
