@@ -215,6 +215,7 @@ class HFModelConfig(ModelConfig):
     intermediate: Optional[int] = None  # MLP hidden size (not gpt2); None = 4 * dim
     loss: LossKind = LossKind["full"]  # LM head + cross-entropy: full ([b, s, V] logits) | chunked (never materialises the fp32 logits)
     loss_chunk: int = 1024  # chunked loss: tokens per chunk of the fused head + cross-entropy
+    sequence_parallel: bool = False  # with pipeline.tensor_parallel > 1 (llama, mistral, qwen2, qwen3): norms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp)
 
 
 # --------------------------------------------------------------------------- pipeline etc.
@@ -860,8 +861,15 @@ def _tp_sizes(model: Any) -> dict[str, Any]:
     if getattr(config, "tie_word_embeddings", False):
         raise ConfigError("pipeline.tensor_parallel > 1 does not support tied weights; set "
                           "model.tie_embeddings=false (a random model), or pipeline.tensor_parallel=1")
+    if getattr(model, "sequence_parallel", False):
+        from experiments.models.hf import sequence_parallel_problem
+
+        problem = sequence_parallel_problem(config)
+        if problem is not None:
+            raise ConfigError(f"model.sequence_parallel=true: {problem}; set model.sequence_parallel=false")
     heads = getattr(config, "num_attention_heads", None)
-    return {f"{where}heads": heads, f"{where}kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+    return {**({"model.seq_len": model.seq_len} if getattr(model, "sequence_parallel", False) else {}),
+            f"{where}heads": heads, f"{where}kv_heads": getattr(config, "num_key_value_heads", None) or heads,
             f"{where}dim": getattr(config, "hidden_size", None),
             f"{where}intermediate": getattr(config, "intermediate_size", None),
             f"{where}vocab": getattr(config, "vocab_size", None)}

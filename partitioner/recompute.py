@@ -28,7 +28,7 @@ from typing import Sequence
 
 from .costs import Profile
 
-__all__ = ["checkpoint_each_layer"]
+__all__ = ["checkpoint_each_layer", "sequence_parallel_profile"]
 
 
 def checkpoint_each_layer(profile: Profile, layers: Sequence[int] | None = None, *,
@@ -62,3 +62,35 @@ def checkpoint_each_layer(profile: Profile, layers: Sequence[int] | None = None,
             backward_flops=None if c.backward_flops is None or c.forward_flops is None
             else c.backward_flops + c.forward_flops))
     return dataclasses.replace(profile, layers=out, meta=dict(profile.meta, checkpointed_layers=sorted(chosen)))
+
+
+def sequence_parallel_profile(profile: Profile, tp: int) -> Profile:
+    """``profile`` (one tp rank's shapes, profiled with the residual stream whole) as the engine
+    runs it under sequence parallelism over ``tp`` ranks (``model.sequence_parallel``): every
+    layer's output but the last (the embedding's and the blocks', the residual stream
+    ``[b, t, d]``) is ``[b, t / tp, d]`` per rank, so ``output_bytes`` (what crosses a cut, the
+    boundary buffers, a recomputing chunk's held input, a chunk's kept output; and
+    :func:`checkpoint_each_layer`'s held block inputs) is divided by ``tp``. The saved
+    activations stay as profiled: a norm keeps its input and output sharded (``2 / tp`` of the
+    residual stream) but the projections after it save their all-gathered input (1), so a block
+    saves ``1 + 2 / tp`` residual-stream tensors per norm against 2 without sequence
+    parallelism: the same at tp = 2, an upper bound above.
+
+    >>> from partitioner import LayerCost, Profile
+    >>> prof = Profile([LayerCost(1.0, 2.0, 8, 100, 10)] * 3)
+    >>> [c.output_bytes for c in sequence_parallel_profile(prof, 2).layers]
+    [5, 5, 10]
+    """
+    tp = int(tp)
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    n = len(profile)
+    out = []
+    for i, c in enumerate(profile.layers):
+        if i == n - 1 or tp == 1:
+            out.append(c)
+            continue
+        sent = c.output_bytes // tp
+        saved = None if c.output_saved_bytes is None else min(c.output_saved_bytes, sent)
+        out.append(dataclasses.replace(c, output_bytes=sent, output_saved_bytes=saved))
+    return dataclasses.replace(profile, layers=out, meta=dict(profile.meta, sequence_parallel=tp))
