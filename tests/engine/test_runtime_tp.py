@@ -41,9 +41,10 @@ CASES += [dict(schedule=s, opt=SGD, model="qwen3") for s in ("1f1b", "zb-h1")]
 # sequence parallelism: norms and the residual stream split on the sequence (activations
 # between stages too), all-gathered / reduce-scattered around the sharded matmuls
 CASES += [dict(schedule=s, opt=o, model="gpt-sp") for s, o in (("1f1b", ADAMW), ("zb-h1", SGD))]
-# the same for a Hugging Face Llama (torchtitan's plan: RMSNorms SequenceParallel, attention and
+# the same for Hugging Face Llama, Qwen3, Mistral (torchtitan's plan: RMSNorms SequenceParallel, attention and
 # MLP inputs all-gathered, o/down reduce-scattered, the embedding Shard(1), the head's input gathered)
 CASES += [dict(schedule=s, opt=o, model="llama-sp") for s, o in (("1f1b", ADAMW), ("zb-h1", SGD))]
+CASES += [dict(schedule="zb-h1", opt=SGD, model="qwen3-sp"), dict(schedule="1f1b", opt=SGD, model="mistral-sp")]
 DP_CASES = [dict(schedule="1f1b", opt=ADAMW), dict(schedule="zb-h1", opt=CLIPPED),
             dict(schedule="zb-h1", opt=ADAMW, model="gpt-sp")]
 # ZeRO-3 x tp: FSDP2 over the dp group on the DTensor-sharded layers (2-D parameters); Llama
