@@ -814,10 +814,12 @@ def _check_tensor_parallel(cfg: Config) -> None:
         raise ConfigError(f"{key}: a training run does not search its layout under tensor parallelism yet (experiments.partition "
                           f"plans and searches tp layouts); give pipeline.schedule "
                           f"and pipeline.microbatches explicitly (e.g. pipeline.schedule=1f1b pipeline.microbatches=4), {off}")
-    if zero == 3 and (getattr(cfg.model, "sequence_parallel", False) or "replicated_with_grad_allreduce" in {
-            str(v) for v in (getattr(_hf_transformers_config(cfg.model), "base_model_tp_plan", None) or {}).values()}):
+    # (the GPT under ZeRO-3 is refused above: its fused q/k/v; with sequence parallelism its
+    # position table's gradient is also summed over tp by the engine)
+    if zero == 3 and "replicated_with_grad_allreduce" in {
+            str(v) for v in (getattr(_hf_transformers_config(cfg.model), "base_model_tp_plan", None) or {}).values()}:
         raise ConfigError(f"{key} with optimizer.zero_stage=3 does not support weights whose gradient is summed "
-                          "over the tp ranks (sequence parallelism, a plan's replicated_with_grad_allreduce norms); "
+                          "over the tp ranks (a plan's replicated_with_grad_allreduce norms); "
                           f"set optimizer.zero_stage=0, {off}")
     for what, size in _tp_sizes(cfg.model).items():
         if size is not None and int(size) % tp:

@@ -50,7 +50,8 @@ DP_CASES = [dict(schedule="1f1b", opt=ADAMW), dict(schedule="zb-h1", opt=CLIPPED
 # ZeRO-3 x tp: FSDP2 over the dp group on the DTensor-sharded layers (2-D parameters); Llama
 # (separate q/k/v projections: GPT's fused q/k/v is refused, see test_zero3_refuses_fused_qkv)
 DP_CASES += [dict(schedule="zb-h1", opt=SGD, zero=3, reshard="true", model="llama"),
-             dict(schedule="1f1b", opt=ADAMW, zero=3, reshard="false", model="llama")]
+             dict(schedule="1f1b", opt=ADAMW, zero=3, reshard="false", model="llama"),
+             dict(schedule="zb-h1", opt=SGD, zero=3, reshard="true", model="llama-sp")]
 
 
 def _model(name: str = "gpt"):
