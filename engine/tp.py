@@ -10,14 +10,15 @@ Hugging Face layers translate the model's own ``base_model_tp_plan``
 (:func:`styles_from_hf_plan`). A layer without parameters is left replicated; one with
 parameters and no ``tp_plan`` is refused.
 
-With sequence parallelism (the GPT layers' ``sequence_parallel``) the norms and the residual
+With sequence parallelism (the GPT layers' ``sequence_parallel``, and the Hugging Face
+Llama-style layers': ``experiments.models.hf.with_sequence_parallel``) the norms and the residual
 stream are split on the sequence (``SequenceParallel``, ``Shard(1)``): the sharded matmuls
 all-gather their input and reduce-scatter their output (gloo has both collectives).
 
 Inside a stage every tp rank runs the same program; between stages each tp rank exchanges
 activations and gradients with the same tp rank of the neighbouring stage (the pipeline group
 of its (replica, tp rank), ``engine.mesh``). Activations crossing a stage boundary are whole
-(replicated over tp); a sharded LM head's logits stay sharded on the vocabulary (a DTensor
+(replicated over tp), or ``[b, t / tp, d]`` under sequence parallelism; a sharded LM head's logits stay sharded on the vocabulary (a DTensor
 ``Shard(-1)``) and :func:`vocab_parallel_cross_entropy` computes the loss from the shards (two
 all-reduces of ``[tokens]`` floats and one of the picked logits; nothing ``[tokens, vocab]`` is
 gathered).

@@ -215,6 +215,7 @@ class HFModelConfig(ModelConfig):
     intermediate: Optional[int] = None  # MLP hidden size (not gpt2); None = 4 * dim
     loss: LossKind = LossKind["full"]  # LM head + cross-entropy: full ([b, s, V] logits) | chunked (never materialises the fp32 logits)
     loss_chunk: int = 1024  # chunked loss: tokens per chunk of the fused head + cross-entropy
+    sequence_parallel: bool = False  # with pipeline.tensor_parallel > 1 (llama, mistral, qwen2, qwen3): norms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp)
 
 
 # --------------------------------------------------------------------------- pipeline etc.
@@ -813,10 +814,12 @@ def _check_tensor_parallel(cfg: Config) -> None:
         raise ConfigError(f"{key}: a training run does not search its layout under tensor parallelism yet (experiments.partition "
                           f"plans and searches tp layouts); give pipeline.schedule "
                           f"and pipeline.microbatches explicitly (e.g. pipeline.schedule=1f1b pipeline.microbatches=4), {off}")
-    if zero == 3 and (getattr(cfg.model, "sequence_parallel", False) or "replicated_with_grad_allreduce" in {
-            str(v) for v in (getattr(_hf_transformers_config(cfg.model), "base_model_tp_plan", None) or {}).values()}):
+    # (the GPT under ZeRO-3 is refused above: its fused q/k/v; with sequence parallelism its
+    # position table's gradient is also summed over tp by the engine)
+    if zero == 3 and "replicated_with_grad_allreduce" in {
+            str(v) for v in (getattr(_hf_transformers_config(cfg.model), "base_model_tp_plan", None) or {}).values()}:
         raise ConfigError(f"{key} with optimizer.zero_stage=3 does not support weights whose gradient is summed "
-                          "over the tp ranks (sequence parallelism, a plan's replicated_with_grad_allreduce norms); "
+                          "over the tp ranks (a plan's replicated_with_grad_allreduce norms); "
                           f"set optimizer.zero_stage=0, {off}")
     for what, size in _tp_sizes(cfg.model).items():
         if size is not None and int(size) % tp:
@@ -860,8 +863,15 @@ def _tp_sizes(model: Any) -> dict[str, Any]:
     if getattr(config, "tie_word_embeddings", False):
         raise ConfigError("pipeline.tensor_parallel > 1 does not support tied weights; set "
                           "model.tie_embeddings=false (a random model), or pipeline.tensor_parallel=1")
+    if getattr(model, "sequence_parallel", False):
+        from experiments.models.hf import sequence_parallel_problem
+
+        problem = sequence_parallel_problem(config)
+        if problem is not None:
+            raise ConfigError(f"model.sequence_parallel=true: {problem}; set model.sequence_parallel=false")
     heads = getattr(config, "num_attention_heads", None)
-    return {f"{where}heads": heads, f"{where}kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+    return {**({"model.seq_len": model.seq_len} if getattr(model, "sequence_parallel", False) else {}),
+            f"{where}heads": heads, f"{where}kv_heads": getattr(config, "num_key_value_heads", None) or heads,
             f"{where}dim": getattr(config, "hidden_size", None),
             f"{where}intermediate": getattr(config, "intermediate_size", None),
             f"{where}vocab": getattr(config, "vocab_size", None)}

@@ -363,8 +363,9 @@ def tp_model_spec(cfg: Any, tensor_parallel: int | None = None) -> Any:
     the vocabulary (embedding and LM head) divided by tp, the head dimension and the hidden size
     kept: the column-parallel projections' outputs and the attention are sharded, while the block's
     input and output, the norms and the residual stream are whole on every rank. A Hugging Face
-    Llama-style family (its config takes `head_dim`) or the GPT model (`_gpt_tp_spec`: its own tp
-    plan's shard shapes); the model itself for tp = 1."""
+    Llama-style family (its config takes `head_dim`; under `model.sequence_parallel`
+    `profile_model` then splits the residual stream, `partitioner.recompute.sequence_parallel_profile`)
+    or the GPT model (`_gpt_tp_spec`: its own tp plan's shard shapes); the model itself for tp = 1."""
     import dataclasses
 
     from experiments.models import build_model
@@ -459,6 +460,10 @@ def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
     prof.meta["microbatch_size"] = size
     if int(cfg.pipeline.tensor_parallel) > 1:   # a profile of one tp rank (`tp_model_spec`)
         prof.meta["tensor_parallel"] = int(cfg.pipeline.tensor_parallel)
+        if getattr(cfg.model, "sequence_parallel", False):   # the residual stream split on the sequence
+            from partitioner.recompute import sequence_parallel_profile
+
+            prof = sequence_parallel_profile(prof, int(cfg.pipeline.tensor_parallel))
     return with_fixed_costs(cfg, prof)
 
 

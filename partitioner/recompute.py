@@ -28,7 +28,7 @@ from typing import Sequence
 
 from .costs import Profile
 
-__all__ = ["checkpoint_each_layer"]
+__all__ = ["checkpoint_each_layer", "sequence_parallel_profile"]
 
 
 def checkpoint_each_layer(profile: Profile, layers: Sequence[int] | None = None, *,
@@ -62,3 +62,39 @@ def checkpoint_each_layer(profile: Profile, layers: Sequence[int] | None = None,
             backward_flops=None if c.backward_flops is None or c.forward_flops is None
             else c.backward_flops + c.forward_flops))
     return dataclasses.replace(profile, layers=out, meta=dict(profile.meta, checkpointed_layers=sorted(chosen)))
+
+
+def sequence_parallel_profile(profile: Profile, tp: int, norms: int = 2) -> Profile:
+    """``profile`` (one tp rank's shapes, profiled with the residual stream whole) as the engine
+    runs it under sequence parallelism over ``tp`` ranks (``model.sequence_parallel``): every
+    layer's output but the last (the embedding's and the blocks', the residual stream
+    ``[b, t, d]``) is ``[b, t / tp, d]`` per rank, so ``output_bytes`` (what crosses a cut, the
+    boundary buffers, a recomputing chunk's held input, a chunk's kept output; and
+    :func:`checkpoint_each_layer`'s held block inputs) is divided by ``tp``. Saved activations:
+    an RMSNorm saves its input and its normalised input and the projections after it save its
+    output (3 residual-stream tensors); split on the sequence the first two are ``1 / tp`` and
+    the projections save the all-gathered output (``1 + 2 / tp``), so each of a block's ``norms``
+    (the head's one final norm) saves ``2 - 2 / tp`` residual-stream tensors less (fp32 compute;
+    the residual stream the layer's input as profiled).
+
+    >>> from partitioner import LayerCost, Profile
+    >>> prof = Profile([LayerCost(1.0, 2.0, 8, 100, 10)] * 3)
+    >>> [(c.output_bytes, c.activation_bytes) for c in sequence_parallel_profile(prof, 2).layers]
+    [(5, 100), (5, 80), (10, 90)]
+    """
+    tp = int(tp)
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    n = len(profile)
+    out = []
+    for i, c in enumerate(profile.layers):
+        if tp == 1:
+            out.append(c)
+            continue
+        count = 0 if i == 0 else (1 if i == n - 1 else int(norms))
+        fewer = int(count * (2 - 2 / tp) * (profile.layers[i - 1].output_bytes if i > 0 else 0))
+        sent = c.output_bytes // tp if i < n - 1 else c.output_bytes
+        saved = None if c.output_saved_bytes is None else min(c.output_saved_bytes, sent)
+        out.append(dataclasses.replace(c, output_bytes=sent, output_saved_bytes=saved,
+                                       activation_bytes=max(0, c.activation_bytes - fewer)))
+    return dataclasses.replace(profile, layers=out, meta=dict(profile.meta, sequence_parallel=tp))

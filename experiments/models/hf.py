@@ -54,6 +54,9 @@ __all__ = [
     "layer_prefixes",
     "layers_from_hf",
     "build_hf_layer",
+    "SP_FAMILIES",
+    "sequence_parallel_problem",
+    "with_sequence_parallel",
     "meta_reference",
     "meta_layer",
     "model_class",
@@ -174,6 +177,66 @@ def _check_tp(size: int, tp: int, what: str) -> None:
                          "tensor_parallel that divides it")
 
 
+SP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_SP_COLWISE = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}
+_SP_ROWWISE = {"self_attn.o_proj", "mlp.down_proj"}
+_SP_CHILDREN = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
+
+
+def sequence_parallel_problem(config: Any) -> str | None:
+    """Why `model.sequence_parallel` cannot run on the model of transformers `config`, or None.
+
+    The one rule (torchtitan's Llama plan, generic over the families whose decoder layer is
+    input_layernorm / self_attn / post_attention_layernorm / mlp, listed in `SP_FAMILIES`):
+    the layer's `base_model_tp_plan` is colwise q/k/v/gate/up and rowwise o/down (plus
+    per-head norms replicated with summed gradients), so that the norms and the residual stream
+    can be split on the sequence and all-gathered before the colwise projections.
+
+    >>> from transformers import LlamaConfig, Phi3Config
+    >>> sequence_parallel_problem(LlamaConfig()) is None
+    True
+    >>> "phi3" in sequence_parallel_problem(Phi3Config())
+    True
+    """
+    mtype = getattr(config, "model_type", "?")
+    if mtype not in SP_FAMILIES:
+        return (f"model type {mtype!r} is not one whose decoder layer is input_layernorm / self_attn / "
+                f"post_attention_layernorm / mlp (sequence parallelism runs {', '.join(SP_FAMILIES)})")
+    plan = {k[len("layers.*."):]: str(v) for k, v in (getattr(config, "base_model_tp_plan", None) or {}).items()
+            if k.startswith("layers.*.")}
+    odd = sorted(f"{k}: {v}" for k, v in plan.items()
+                 if not ((v == "colwise" and k in _SP_COLWISE) or (v == "rowwise" and k in _SP_ROWWISE)
+                         or (v == "replicated_with_grad_allreduce" and k.startswith("self_attn."))))
+    if odd or {k for k, v in plan.items() if v == "rowwise"} != _SP_ROWWISE:
+        return (f"model type {mtype!r}: its base_model_tp_plan is not colwise q/k/v/gate/up and rowwise "
+                f"o/down ({'; '.join(odd) or 'rowwise entries differ'})")
+    return None
+
+
+def with_sequence_parallel(factory: Any) -> nn.Module:
+    """The pipeline layer `factory()` marked for sequence parallelism (its `tp_plan` then
+    splits the norms and the residual stream on the sequence)."""
+    layer = factory()
+    layer.sequence_parallel = True
+    return layer
+
+
+def _sp_input_styles() -> dict[str, Any]:
+    """The block's sequence-parallel styles around the model's colwise / rowwise ones: the norms
+    on `Shard(1)`, the attention's and MLP's inputs all-gathered to `Replicate()`, the rowwise
+    outputs reduce-scattered to `Shard(1)` (torchtitan's Llama plan)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    seq, rep = Shard(1), Replicate()
+    return {"block.input_layernorm": SequenceParallel(), "block.post_attention_layernorm": SequenceParallel(),
+            "block.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                                  desired_input_kwarg_layouts={"hidden_states": rep}),
+            "block.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,)),
+            "block.self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+            "block.mlp.down_proj": RowwiseParallel(output_layouts=seq)}
+
+
 class HFTokenEmbedding(nn.Module):
     """Token embedding (+ a projection to the hidden size, + learned positions, + dropout):
     `[b, t]` int64 -> `[b, t, d]`. OPT: `proj` is its `project_in`, and its position table
@@ -188,14 +251,22 @@ class HFTokenEmbedding(nn.Module):
         self.scale = scale   # granite's embedding_multiplier
         self.proj = proj
 
+    sequence_parallel = False   # `with_sequence_parallel`
+
     def tp_plan(self, tp: int) -> dict[str, Any]:
         """Tensor parallelism (`engine.tp`): the token table split on the vocabulary (each rank
-        looks up its rows, the vectors summed); learned positions replicated."""
-        from torch.distributed.tensor import Replicate
+        looks up its rows, the vectors summed); learned positions replicated. With
+        `sequence_parallel` the sum is reduce-scattered on the sequence (each rank its positions)."""
+        from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import RowwiseParallel
 
         _check_tp(self.wte.num_embeddings, tp, "the vocabulary (model.vocab)")
-        return {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+        if not self.sequence_parallel:
+            return {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+        if self.wpe is not None or self.proj is not None:
+            raise ValueError("model.sequence_parallel=true needs an embedding without learned positions or a "
+                             "projection (a Llama-style family); set model.sequence_parallel=false")
+        return {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))}
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.wte(input_ids)
@@ -268,8 +339,20 @@ class HFBlock(nn.Module):
                            (getattr(config, "intermediate_size", None), "the MLP width")):
             if size is not None:
                 _check_tp(int(size), tp, what)
-        styles = styles_from_hf_plan(plan, self.block, "layers.*.")
-        return {f"block.{name}": style for name, style in styles.items()}
+        styles = {f"block.{name}": style for name, style in styles_from_hf_plan(plan, self.block, "layers.*.").items()}
+        if not self.sequence_parallel:
+            return styles
+        problem = sequence_parallel_problem(config)
+        children = {n for n, m in self.block.named_children() if any(True for _ in m.parameters())}
+        if problem is None and children != _SP_CHILDREN:
+            problem = f"its decoder layer holds {sorted(children)}, not {sorted(_SP_CHILDREN)}"
+        if problem is not None:
+            raise ValueError(f"model.sequence_parallel=true: {problem}; set model.sequence_parallel=false")
+        self.seq_shards = int(tp)
+        return {**styles, **_sp_input_styles()}
+
+    sequence_parallel = False   # `with_sequence_parallel`
+    seq_shards = 1   # the tp ranks the sequence is split over (sequence parallelism, set by tp_plan)
 
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> Any:
         """The layer's rotary (cos, sin) for `position_ids`, or None without rotary."""
@@ -284,7 +367,7 @@ class HFBlock(nn.Module):
         alone into the first layer) and out, this layer's routing sums added
         (`experiments.models.hf_moe`)."""
         hidden, stats = (x if isinstance(x, tuple) else (x, None))
-        t = hidden.shape[1]
+        t = hidden.shape[1] * self.seq_shards   # the whole sequence (the attention's)
         positions = torch.arange(t, device=hidden.device).unsqueeze(0)
         mask = None
         if self.window is not None and t >= self.window:
@@ -311,7 +394,7 @@ class HFBlock(nn.Module):
             cache: Any = None, position_embeddings: Any = None) -> torch.Tensor:
         """The layer with an explicit mask (None = causal), positions and optional KV cache."""
         if self.eager and (mask is None or mask.dtype == torch.bool):
-            mask = additive_mask(mask, hidden.shape[1], self.window, hidden.dtype, hidden.device)
+            mask = additive_mask(mask, hidden.shape[1] * self.seq_shards, self.window, hidden.dtype, hidden.device)
         kwargs: dict[str, Any] = {"attention_mask": mask}
         if "position_ids" in self._args:
             kwargs["position_ids"] = position_ids
@@ -351,7 +434,8 @@ class HFHead(nn.Module):
     def tp_plan(self, tp: int) -> dict[str, Any]:
         """Tensor parallelism (`engine.tp`): the LM head split on the vocabulary, its logits left
         sharded for `lm_loss`'s vocabulary-parallel cross-entropy (transformers' own plan gathers
-        them: `colwise_gather_output`); the final norm replicated."""
+        them: `colwise_gather_output`); the final norm replicated, or with `sequence_parallel`
+        split on the sequence and its output all-gathered into the head."""
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -359,7 +443,17 @@ class HFHead(nn.Module):
             raise ValueError("model.loss=chunked is not supported with pipeline.tensor_parallel > 1; "
                              "use model.loss=full (the vocabulary-parallel loss never gathers the logits)")
         _check_tp(self.lm_head.out_features, tp, "the vocabulary (model.vocab)")
-        return {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        if not self.sequence_parallel:
+            return {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        if self.proj is not None or isinstance(self.norm, nn.Identity):
+            raise ValueError("model.sequence_parallel=true needs a final norm and no output projection (a "
+                             "Llama-style family); set model.sequence_parallel=false")
+        return {"norm": SequenceParallel(),
+                "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+
+    sequence_parallel = False   # `with_sequence_parallel`
 
     def _scaled(self, t: torch.Tensor) -> torch.Tensor:
         if self.scale is None:

@@ -19,7 +19,8 @@ from typing import Any
 
 from experiments.models.gpt import lm_spec
 from experiments.models.loss import loss_settings
-from experiments.models.hf import build_hf_layer, config_from_json, hf_config, meta_reference
+from experiments.models.hf import (build_hf_layer, config_from_json, hf_config, meta_reference,
+                                   with_sequence_parallel)
 from experiments.models.hf_cache import HFCachedChunk
 from experiments.models.hf_moe import RouterLoss, RouterSpec, moe_summary, router_spec
 from experiments.models.spec import ModelSpec
@@ -36,7 +37,7 @@ def build_hf(cfg: Any, head_dim: int | None = None) -> ModelSpec:
     directory; each factory loads only its own tensors) or random weights of family `cfg.arch`.
 
     Fields: pretrained, arch, layers, dim, heads, vocab, seq_len, dropout, tie_embeddings,
-    kv_heads, intermediate (the size fields are ignored with `pretrained`, which brings its own).
+    kv_heads, intermediate, sequence_parallel (the size fields are ignored with `pretrained`, which brings its own).
     ``head_dim``: the attention head size of a random model (default dim / heads; a tensor-parallel
     rank's shapes keep the whole model's, `experiments.wiring.tp_model_spec`).
     """
@@ -61,6 +62,8 @@ def build_hf(cfg: Any, head_dim: int | None = None) -> ModelSpec:
         _, lay = meta_reference(config_json)
         factories = [partial(build_hf_layer, lay.model_type, config_json, i) for i in range(lay.num_layers + 2)]
         name = f"hf-{lay.model_type}-L{lay.num_layers}-d{cfg.dim}"
+    if getattr(cfg, "sequence_parallel", False):
+        factories = [partial(with_sequence_parallel, f) for f in factories]
     n = lay.num_layers
     ties = [_tie_pair(n)] if getattr(config, "tie_word_embeddings", False) else []
     loss, chunk = loss_settings(cfg)

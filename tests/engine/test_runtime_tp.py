@@ -41,12 +41,17 @@ CASES += [dict(schedule=s, opt=SGD, model="qwen3") for s in ("1f1b", "zb-h1")]
 # sequence parallelism: norms and the residual stream split on the sequence (activations
 # between stages too), all-gathered / reduce-scattered around the sharded matmuls
 CASES += [dict(schedule=s, opt=o, model="gpt-sp") for s, o in (("1f1b", ADAMW), ("zb-h1", SGD))]
+# the same for Hugging Face Llama, Qwen3, Mistral (torchtitan's plan: RMSNorms SequenceParallel, attention and
+# MLP inputs all-gathered, o/down reduce-scattered, the embedding Shard(1), the head's input gathered)
+CASES += [dict(schedule=s, opt=o, model="llama-sp") for s, o in (("1f1b", ADAMW), ("zb-h1", SGD))]
+CASES += [dict(schedule="zb-h1", opt=SGD, model="qwen3-sp"), dict(schedule="1f1b", opt=SGD, model="mistral-sp")]
 DP_CASES = [dict(schedule="1f1b", opt=ADAMW), dict(schedule="zb-h1", opt=CLIPPED),
             dict(schedule="zb-h1", opt=ADAMW, model="gpt-sp")]
 # ZeRO-3 x tp: FSDP2 over the dp group on the DTensor-sharded layers (2-D parameters); Llama
 # (separate q/k/v projections: GPT's fused q/k/v is refused, see test_zero3_refuses_fused_qkv)
 DP_CASES += [dict(schedule="zb-h1", opt=SGD, zero=3, reshard="true", model="llama"),
-             dict(schedule="1f1b", opt=ADAMW, zero=3, reshard="false", model="llama")]
+             dict(schedule="1f1b", opt=ADAMW, zero=3, reshard="false", model="llama"),
+             dict(schedule="zb-h1", opt=SGD, zero=3, reshard="true", model="llama-sp")]
 
 
 def _model(name: str = "gpt"):
@@ -57,9 +62,9 @@ def _model(name: str = "gpt"):
     if name.startswith("gpt"):
         return build_gpt(GPTConfig(layers=2, dim=16, heads=2, vocab=32, seq_len=8,
                                    sequence_parallel=name == "gpt-sp"))
-    return build_model({"name": "hf", "arch": name, "layers": 2, "dim": 16, "heads": 4,
+    return build_model({"name": "hf", "arch": name.removesuffix("-sp"), "layers": 2, "dim": 16, "heads": 4,
                         "kv_heads": 2, "intermediate": 32, "vocab": 32, "seq_len": 8,
-                        "tie_embeddings": False})
+                        "tie_embeddings": False, "sequence_parallel": name.endswith("-sp")})
 
 
 def _data(step: int):
@@ -73,7 +78,9 @@ def _data(step: int):
 # DTensor parameters kept whole on every tp rank (replicated): the rowwise layers' biases and,
 # under sequence parallelism, the LayerNorms
 REPLICATED = {f"{i}.{m}.{w}" for i in (1, 2) for m in ("proj", "fc_out") for w in ("bias",)} | {
-    f"{i}.{m}.{w}" for i in (1, 2, 3) for m in ("ln1", "ln2", "ln_f") for w in ("weight", "bias")}
+    f"{i}.{m}.{w}" for i in (1, 2, 3) for m in ("ln1", "ln2", "ln_f") for w in ("weight", "bias")} | {
+    f"{i}.block.{m}.weight" for i in (1, 2) for m in ("input_layernorm", "post_attention_layernorm")} | {
+    "3.norm.weight"}
 
 
 def _worker(cases, replicas):
@@ -193,13 +200,14 @@ def test_sequence_parallel_shards_the_residual_stream(results):
     """Under sequence parallelism the first stage sends each tp rank's half of the sequence, and
     the LayerNorms are replicated DTensors; without it the whole sequence and plain norms."""
     for k, case in enumerate(CASES):
-        if case.get("model", "gpt") not in ("gpt", "gpt-sp"):
-            continue
-        sp = case.get("model") == "gpt-sp"
+        model = case.get("model", "gpt")
+        sp = model.endswith("-sp")
         sent = [rank[k]["sent"] for rank in results if rank[k]["sent"] is not None]
         assert sent == [(BATCH, 4 if sp else 8, 16)] * TP, sent
         held = {n for rank in results for n in rank[k]["local"]}
-        assert ("1.ln1.weight" in held) == sp and ("3.ln_f.weight" in held) == sp
+        norms = (("1.ln1.weight", "3.ln_f.weight") if model.startswith("gpt") else
+                 ("1.block.input_layernorm.weight", "2.block.post_attention_layernorm.weight", "3.norm.weight"))
+        assert all((n in held) == sp for n in norms), (model, sorted(held))
 
 
 def _zero3_gpt_worker():

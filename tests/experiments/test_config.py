@@ -144,6 +144,10 @@ def test_bad_choice_fails_at_composition(compose_cfg, override):
          "does not divide model.kv_heads=1"),
         (["pipeline.tensor_parallel=2", "model=hf_llama", "model.tie_embeddings=false", "model.arch=qwen3",
           "optimizer.zero_stage=3"], "replicated_with_grad_allreduce"),
+        (["pipeline.tensor_parallel=2", "model=hf_llama", "model.tie_embeddings=false", "model.arch=phi3",
+          "model.sequence_parallel=true"], "'phi3' is not one whose decoder layer"),
+        (["pipeline.tensor_parallel=2", "model=hf_llama", "model.tie_embeddings=false",
+          "model.sequence_parallel=true", "model.seq_len=33"], "does not divide model.seq_len=33"),
         (["model.vocab=128"], "model.vocab>=256"),
         (["model=mlp"], "data=synthetic"),
         (["model.heads=3"], "heads dividing dim"),
@@ -244,7 +248,13 @@ def test_bad_search_settings_are_refused_with_a_remedy(compose_cfg, overrides, r
 
 
 def test_tensor_parallel_layouts_that_run_are_accepted(compose_cfg):
-    """pipeline.tensor_parallel=2 on GPT (with sequence parallelism) and on a Llama (ZeRO-3 too)."""
+    """pipeline.tensor_parallel=2 on GPT and a Llama-style HF model (with sequence parallelism),
+    and on a Llama (ZeRO-3 too)."""
     validate_config(compose_cfg("pipeline.tensor_parallel=2", "model.sequence_parallel=true"))
+    for arch in ("llama", "qwen3"):
+        validate_config(compose_cfg("pipeline.tensor_parallel=2", "model=hf_llama", "model.tie_embeddings=false",
+                                    f"model.arch={arch}", "model.sequence_parallel=true"))
+    validate_config(compose_cfg("pipeline.tensor_parallel=2", "model=hf_llama", "model.tie_embeddings=false",
+                                "model.sequence_parallel=true", "optimizer.zero_stage=3"))
     validate_config(compose_cfg("pipeline.tensor_parallel=2", "model=hf_llama", "model.tie_embeddings=false",
                                 "optimizer.zero_stage=3"))

@@ -1,7 +1,8 @@
 """`python -m experiments.train pipeline.tensor_parallel=2` on a Hugging Face Llama (4 processes:
 2 stages x 2 tp ranks, the decoder layers sharded by transformers' base_model_tp_plan), then
 `python -m experiments.export_hf`: the checkpoint of the tp run holds whole tensors, and the
-exported model equals the one exported from the same run without tensor parallelism.
+exported model equals the one exported from the same run without tensor parallelism; the same with
+sequence parallelism (`model.sequence_parallel=true`: norms and residual stream split on the sequence).
 """
 from __future__ import annotations
 
@@ -37,14 +38,19 @@ def test_tensor_parallel_llama_trains_and_exports(tmp_path):
     from transformers import AutoModelForCausalLM
 
     exported = {}
-    for tp in (2, 1):
-        run = tmp_path / f"tp{tp}"
-        _run("experiments.train", *BASE, f"pipeline.tensor_parallel={tp}", f"hydra.run.dir={run}")
-        _run("experiments.export_hf", f"checkpoint={run}", f"out={tmp_path / f'out{tp}'}")
-        exported[tp] = (AutoModelForCausalLM.from_pretrained(tmp_path / f"out{tp}").state_dict(),
-                        [r["loss"] for r in read_metrics(run)])
-    (got, got_losses), (want, want_losses) = exported[2], exported[1]
-    assert got_losses == pytest.approx(want_losses, rel=1e-5)
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    layouts = {"tp2": ["pipeline.tensor_parallel=2"],
+               "tp2-sp": ["pipeline.tensor_parallel=2", "model.sequence_parallel=true"],
+               "tp1": ["pipeline.tensor_parallel=1"]}
+    for key, layout in layouts.items():
+        run = tmp_path / key
+        _run("experiments.train", *BASE, *layout, f"hydra.run.dir={run}")
+        _run("experiments.export_hf", f"checkpoint={run}", f"out={tmp_path / f'out-{key}'}")
+        exported[key] = (AutoModelForCausalLM.from_pretrained(tmp_path / f"out-{key}").state_dict(),
+                         [r["loss"] for r in read_metrics(run)])
+    want, want_losses = exported["tp1"]
+    for key in ("tp2", "tp2-sp"):
+        got, got_losses = exported[key]
+        assert got_losses == pytest.approx(want_losses, rel=1e-5), key
+        assert sorted(got) == sorted(want)
+        for name, t in want.items():
+            torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-7, msg=lambda m, n=name, k=key: f"{k} {n}: {m}")

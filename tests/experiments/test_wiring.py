@@ -243,3 +243,24 @@ def test_tensor_parallel_plan_without_tp_shapes_is_the_whole_model_and_says_so(c
 
     assert sharded.tensor_parallel == 2
     assert 0.5 * params(whole) <= params(sharded) < 0.6 * params(whole)   # 1/tp but the norms and positions
+
+
+def test_sequence_parallel_plan_books_the_residual_stream_split_over_tp(compose_cfg):
+    """A Llama-style HF model with tensor_parallel=2 and sequence parallelism is planned on its
+    tp-rank shapes with the residual stream (what crosses a cut, the boundary buffers) halved:
+    every layer's output but the head's is half of the plan without sequence parallelism; each
+    block saves one residual stream less per RMSNorm (two), the head one less (its final norm);
+    the rank's memory is lower."""
+    from experiments.wiring import profile_model, tp_model_spec
+
+    base = ("experiment=smoke", "partitioner.profile=analytic", "pipeline.schedule=1f1b", "model=hf_llama",
+            "model.tie_embeddings=false", "pipeline.tensor_parallel=2")
+    plain, sp = compose_cfg(*base), compose_cfg(*base, "model.sequence_parallel=true")
+    whole, split = profile_model(plain, tp_model_spec(plain)), profile_model(sp, tp_model_spec(sp))
+    assert [c.output_bytes // 2 for c in whole.layers[:-1]] == [c.output_bytes for c in split.layers[:-1]]
+    assert whole.layers[-1].output_bytes == split.layers[-1].output_bytes and split.meta["sequence_parallel"] == 2
+    stream = whole.layers[0].output_bytes
+    fewer = [0, *[2 * stream] * (len(whole) - 2), stream]
+    assert [c.activation_bytes - f for c, f in zip(whole.layers, fewer)] == [c.activation_bytes for c in split.layers]
+    a, b = make_plan(plain, tp_model_spec(plain)), make_plan(sp, tp_model_spec(sp))
+    assert b.tensor_parallel == 2 and max(b.rank_memory_bytes) < max(a.rank_memory_bytes)
