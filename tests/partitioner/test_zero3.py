@@ -2,9 +2,11 @@
 at each rank's measured peak (pp2 x fsdp2, 4 gloo ranks, fp32, 1f1b; wide layers, so that the
 state, not the activations, makes the peak: the peak falls inside a backward).
 
-The model's terms are within 10% of MemTracker's breakdown on every rank, both reshard policies
-(resharding: the layers of the chunk that computes are all counted gathered, an upper bound that
-the measured peak meets when it falls at the end of a chunk's backward).
+The model's terms are within 10% of MemTracker's breakdown on every rank without resharding. With
+resharding the layers of the chunk that computes are all counted gathered: the optimizer state is
+within 10%, and the parameters and gradients are upper bounds,
+which the measured peak meets only when it falls at the end of a chunk's backward with every
+layer gathered (it depends on the all-gather prefetch's timing; in 2 runs of 8 it does not).
 """
 from __future__ import annotations
 
@@ -60,6 +62,17 @@ def test_zero3_terms_match_memtracker(results, k):
         model = zero3_state_bytes([got["numel"]], data_parallel=2, optimizer=case["opt"]["name"],
                                   momentum=case["opt"].get("momentum", 0.0),
                                   reshard_after_forward=case["reshard"] == "true")
+        if case["reshard"] == "true":
+            # an upper bound: the peak holds every layer gathered and every gradient only when the
+            # backward's all-gather prefetch lines up with the reshards; otherwise it falls where
+            # part of the layers are gathered or part of the gradients exist (2 runs in 8 at
+            # 053686a: parameters 297992 or gradients 148224 where the bound is 449304 / 299536).
+            # The plan never books less than the peak holds; the shards are always there.
+            assert got["breakdown"]["optimizer_state"] == pytest.approx(model["optimizer_state"], rel=0.10)
+            for kind in ("parameters", "gradients"):
+                assert got["breakdown"][kind] <= model[kind] * 1.10, (kind, got["breakdown"], model)
+            assert got["breakdown"]["parameters"] >= got["numel"] * 4 / 2 and got["breakdown"]["gradients"] > 0
+            continue
         for kind in ("parameters", "gradients", "optimizer_state"):
             measured = got["breakdown"][kind]
             assert measured == pytest.approx(model[kind], rel=0.10), (kind, got["breakdown"], model)
