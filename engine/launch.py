@@ -237,7 +237,18 @@ def _external(fn: Callable, args: tuple, env: Any, pg_timeout_s: float) -> list[
         init_process_group(backend, datetime.timedelta(seconds=pg_timeout_s))
     out: list[Any] = [None] * dist.get_world_size()
     out[dist.get_rank()] = fn(*args)
+    _meet_on_store(dist)
     return out
+
+
+def _meet_on_store(dist: Any) -> None:
+    # The local workers' rule (_worker_main): no rank leaves while a peer may still be receiving
+    # from it; met on the rendezvous store, not with a collective.
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store, rank, world = _get_default_store(), dist.get_rank(), dist.get_world_size()
+    store.set(f"pipeshard-done-{rank}", "1")
+    store.wait([f"pipeshard-done-{r}" for r in range(world)])
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,

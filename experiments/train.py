@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,6 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any] | None:
     except KeyboardInterrupt:
         _print_stopped(cfg, run_dir)
         return None
-    if under_torchrun():
-        _close_process_group()
     # the last stage of replica 0 (its tp rank 0) owns the loss (rank order: engine.mesh)
     owner = (int(cfg.pipeline.stages) - 1) * int(cfg.pipeline.tensor_parallel)
     summary = results[owner] if len(results) > owner else None
@@ -62,15 +61,18 @@ def run(cfg: Any, run_dir: str | os.PathLike) -> dict[str, Any] | None:
     return summary
 
 
-def _close_process_group() -> None:
-    """torch's shutdown rule: destroy the process group before the interpreter exits. Left to
-    the interpreter's teardown, gloo's threads could outlive it and abort the process
-    ("terminate called without an active exception"). Only after a clean run: a rank that
-    failed skips it, since destroying a group that peers still use can block."""
-    import torch.distributed as dist
+def _leave_torchrun_rank() -> None:
+    """Under torchrun, leave without the interpreter's teardown, as engine.launch's own workers
+    do: every rank has met on the store after its work (engine.launch), and the run's files and
+    W&B run are closed. gloo's threads torn down with the interpreter (or by
+    destroy_process_group) could abort a finished rank ("terminate called without an active
+    exception", SIGABRT), which turned a clean job into a failed one."""
+    import logging
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 def _print_end(summary: dict[str, Any] | None, run_dir: Path) -> None:
@@ -99,6 +101,8 @@ def _print_stopped(cfg: Any, run_dir: Path) -> None:
 def main() -> None:
     """The Hydra entry point (`python -m experiments.train [overrides]`)."""
     hydra_entry(run)
+    if under_torchrun():
+        _leave_torchrun_rank()
 
 
 if __name__ == "__main__":
