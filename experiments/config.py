@@ -259,7 +259,7 @@ class PartitionerConfig:
     warmup: int = 2  # measure: untimed repeats before timing
     sweeps: int = 3  # measure: profile the model this many times, median per layer (a slow spell of the machine hits one sweep)
     device_spec: Optional[str] = None  # analytic: device preset (partitioner.DEVICE_PRESETS, e.g. h100); null = this CPU
-    attention: Optional[AttentionBackend] = None  # analytic: SDPA kernel attention is costed through: flash | efficient | math; null = the device spec's (flash)
+    attention: Optional[AttentionBackend] = None  # analytic: SDPA kernel attention is costed through: flash | efficient | math | unfused (Megatron legacy core attention); null = the device spec's (flash)
     link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs; null = free transfers
     calibrate: bool = False  # analytic: time a fixed kernel set on the device at hand, fit the device model, cache it per device name
     fixed_costs: bool = True  # measure: charge the runtime's fixed costs (per action, message, step) measured on this machine (cached; CPU runs)

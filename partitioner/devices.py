@@ -12,8 +12,9 @@ which is measured once per process by timing a matmul and a large copy::
 quantisation, flash attention by sequence length and head dim, memory-bound ops at achieved
 bandwidth, a launch cost per kernel; docs/device-model.md sources every constant). The plain
 names (and their ``"-flat"`` aliases) are a flat roofline at ``efficiency`` (0.7) of the datasheet
-peaks plus ``overhead_s`` (5 us) per op: on held-out published steps it is the closer of the two
-today (docs/device-model.md). The measured ``"cpu"`` is flat too (its figures are achieved ones)
+peaks plus ``overhead_s`` (5 us) per op: on held-out published steps (planned as those runs
+executed) it is the closer of the two today, though the kernel model is closer to the published
+per-stage kernel times (docs/device-model.md). The measured ``"cpu"`` is flat too (its figures are achieved ones)
 unless calibrated (``partitioner.calibrate``). ``fuse=True`` (``get_device_spec(..., fuse=True)``)
 costs pointwise chains as ``torch.compile`` fuses them.
 """
@@ -29,8 +30,10 @@ from .kernels import KERNEL_PRESETS, KernelModel, OpCharger
 __all__ = ["DeviceSpec", "DEVICE_PRESETS", "ATTENTION_BACKENDS", "get_device_spec", "measure_cpu_spec"]
 
 # The SDPA kernels an analytic profile can cost attention through (partitioner.profile):
-# flash / efficient keep O(s) per head for backward, math the s x s probabilities.
-ATTENTION_BACKENDS: tuple[str, ...] = ("flash", "efficient", "math")
+# flash / efficient keep O(s) per head for backward, math the s x s probabilities; "unfused" is
+# Megatron-LM's legacy core attention (materialised s x s scores: baddbmm, one fused
+# scale-mask-softmax kernel, dropout, bmm), what runs without --use-flash-attn.
+ATTENTION_BACKENDS: tuple[str, ...] = ("flash", "efficient", "math", "unfused")
 
 
 @dataclass(frozen=True)
@@ -113,9 +116,11 @@ _FLAT: dict[str, DeviceSpec] = {
                        notes="H200 SXM 141GB; NVLink4 900 GB/s bidirectional; NDR 400 Gb/s per GPU",
                        intra_node_bytes_per_s=450e9, inter_node_bytes_per_s=50e9, **_COLLECTIVES),
 }
-# The plain names keep the flat roofline: on the held-out published figures (torchtitan's Llama 3.1
-# 8B step, docs/device-model.md) the per-op-class model predicts a faster step than the flat one,
-# further from the measurement, so it is opt-in ("-kernels") until a step-level term closes that gap.
+# The plain names keep the flat roofline: on the held-out published steps (Zero Bubble's A100 table,
+# torchtitan's Llama 3.1 8B step; scripts/device_check.py, docs/device-model.md) the per-op-class
+# model predicts a faster step than the flat one, further from the measurement, although it is the
+# closer one to the published per-stage kernel times; it stays opt-in ("-kernels") until the step
+# time outside the profiled kernels is modelled.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     **_FLAT,
     **{f"{name}-flat": replace(spec, name=f"{name}-flat") for name, spec in _FLAT.items()},

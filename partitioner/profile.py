@@ -56,7 +56,7 @@ from typing import Any, Callable
 from .costs import LayerCost, Profile
 from .devices import ATTENTION_BACKENDS, DeviceSpec, get_device_spec
 
-__all__ = ["profile", "layer_sources"]
+__all__ = ["forward_op_times", "profile", "layer_sources"]
 
 
 def layer_sources(layers: Any) -> list[Callable[[], Any]]:
@@ -234,7 +234,7 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
     if mode == "analytic":
         spec = get_device_spec(device_spec or "cpu")
         backend = attention or spec.attention
-        with _attention_mode(backend):
+        with _attention_mode(backend, gpu_dropout=spec.name != "cpu"):   # the measured CPU: its own dropout
             prof = _profile_analytic(sources, example_input, tdtype, spec, cache)
         prof.meta.update(attention=backend, input_requires_grad=grad_in)
         return _loss_meta(_with_optimizer_costs(prof, spec), loss_fn)
@@ -647,6 +647,7 @@ def _roofline_mode(spec: DeviceSpec, dtype_name: str):
     from torch.utils.flop_counter import flop_registry
 
     charger = spec.charger(dtype_name)
+    no_kernel = _no_kernel_ops()
 
     class Roofline(TorchDispatchMode):
         def __init__(self) -> None:
@@ -655,11 +656,12 @@ def _roofline_mode(spec: DeviceSpec, dtype_name: str):
             self.flops = 0.0
             self.bytes = 0.0
             self.by_class = charger.by_class if charger is not None else {}
+            self.ops: list[tuple[str, float]] = []   # (aten op name, seconds) in call order
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            if getattr(func, "is_view", False):
+            if getattr(func, "is_view", False) or func._overloadpacket in no_kernel:
                 return out
             fl = 0
             fn = flop_registry.get(func._overloadpacket)
@@ -672,38 +674,126 @@ def _roofline_mode(spec: DeviceSpec, dtype_name: str):
                 self.flops += fl
                 self.bytes += moved
                 if charger is None:
-                    self.time_s += spec.op_time(fl, moved, dtype_name)
+                    t = spec.op_time(fl, moved, dtype_name)
                 else:
-                    self.time_s += charger.charge(func, args, kwargs, out, fl, moved, ins, outs)
+                    t = charger.charge(func, args, kwargs, out, fl, moved, ins, outs)
+                self.time_s += t
+                self.ops.append((func._overloadpacket.__name__, t))
             return out
 
     return Roofline()
 
 
-def _attention_mode(backend: str | None):
+def forward_op_times(factory: Callable, example_input: Any, *, device_spec: "str | DeviceSpec", dtype: Any = None,
+                     attention: str | None = None) -> list[tuple[str, float]]:
+    """The analytic forward of one layer, op by op: ``(aten op name, seconds)`` in call order,
+    charged as :func:`profile` charges them (same device model, attention backend and dropout).
+    For policies that keep some ops' outputs and recompute the rest (e.g. torchtitan's op-level
+    selective checkpointing, ``scripts/device_check.py``).
+
+    >>> import torch
+    >>> ops = forward_op_times(lambda: torch.nn.Linear(64, 64), torch.randn(8, 64), device_spec="a100-kernels")
+    >>> [name for name, _ in ops], ops[0][1] > 0
+    (['addmm'], True)
+    """
+    import torch
+
+    spec = get_device_spec(device_spec)
+    meta = torch.device("meta")
+    tdtype = dtype if (dtype is None or isinstance(dtype, torch.dtype)) else getattr(torch, str(dtype))
+    with torch.device(meta):
+        layer = _build(factory, meta, tdtype)
+    x = _prep_input(example_input, meta, tdtype, True)
+    pdtype = next((p.dtype for p in layer.parameters() if p.is_floating_point()), None)
+    mode = _roofline_mode(spec, _dtype_name(tdtype or pdtype, x))
+    with _attention_mode(attention or spec.attention, gpu_dropout=spec.name != "cpu"), mode:
+        layer(x)
+    return list(mode.ops)
+
+
+def _no_kernel_ops() -> frozenset:
+    """Aten ops that launch no kernel and move no bytes: allocations (their output is not
+    written) and ``_unsafe_view`` (a view that autograd does not track as one)."""
+    import torch
+
+    a = torch.ops.aten
+    return frozenset({a.empty, a.empty_like, a.new_empty, a.empty_strided, a.new_empty_strided, a._unsafe_view})
+
+
+def _attention_mode(backend: str | None, gpu_dropout: bool = False):
     """A TorchFunctionMode that runs ``F.scaled_dot_product_attention`` with ``backend``'s
     kernel, so that the meta device saves (and the roofline moves) what that kernel does:
     flash / efficient keep O(s) per head (output, log-sum-exp), math the s x s probabilities.
-    ``None`` or "math": SDPA as dispatched (the meta device's math path)."""
+    ``None`` or "math": SDPA as dispatched (the meta device's math path).
+
+    ``gpu_dropout``: ``F.dropout`` runs as on a GPU, one fused ``native_dropout`` kernel (reads
+    the input, writes the output and a one-byte mask, which backward reads); the meta device
+    would take the CPU's path instead (``bernoulli_``, ``div_``, ``mul``: three kernels and a
+    mask in the input's dtype), ATen's ``dropout`` choosing the fused kernel only for CUDA inputs.
+    """
     import contextlib
 
     import torch
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    if backend in (None, "math"):
-        return contextlib.nullcontext()
-    if backend not in ATTENTION_BACKENDS:
+    if backend not in (None, *ATTENTION_BACKENDS):
         raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTENTION_BACKENDS}")
+    sdpa = backend not in (None, "math")
+    if not sdpa and not gpu_dropout:
+        return contextlib.nullcontext()
 
     class Attention(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = dict(kwargs or {})
-            if func is not F.scaled_dot_product_attention:
+            if gpu_dropout and func is F.dropout:
+                return _fused_dropout(*args, **kwargs)
+            if not sdpa or func is not F.scaled_dot_product_attention:
                 return func(*args, **kwargs)
+            if backend == "unfused":
+                return _unfused_sdpa(*args, **kwargs)
             return _fused_sdpa(backend, *args, **kwargs)
 
     return Attention()
+
+
+def _fused_dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
+    """``F.dropout`` as CUDA runs it: one ``native_dropout`` kernel (``_attention_mode``)."""
+    import torch
+    import torch.nn.functional as F
+
+    if not training or not 0.0 < p < 1.0:
+        return F.dropout(input, p, training, inplace)
+    return torch.native_dropout(input, p, True)[0]
+
+
+def _unfused_sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                  scale: float | None = None, enable_gqa: bool = False):
+    """Megatron-LM's legacy ``CoreAttention`` (``--transformer-impl local`` without
+    ``--use-flash-attn``), op for op as it charges and saves: ``baddbmm`` of the scaled scores
+    into a ``[b*h, s, s]`` buffer, one fused scale-mask-softmax kernel (apex's
+    ``scaled_upper_triang_masked_softmax``: reads the scores, writes the probabilities, saves
+    them), ``dropout`` of the probabilities (saves its mask), ``bmm`` with the values. The mask
+    lives inside the fused kernel, so on the meta device (the only place this runs: the
+    analytic profile) it is one softmax; grouped key/value heads are repeated first. Heads
+    transposed out of a ``[b, s, h, d]`` projection are copied to merge ``b`` and ``h`` where
+    Megatron's ``[s, b, h, d]`` layout needs no copy: a small overcharge when ``b > 1``."""
+    import torch
+
+    if query.device.type != "meta":
+        raise ValueError("attention='unfused' is a cost model of Megatron's core attention for the analytic "
+                         "profile (meta device); a measured profile runs the model's own attention")
+    if key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    *lead, s, d = query.shape
+    q, k, v = (t.reshape(-1, t.shape[-2], t.shape[-1]) for t in (query, key, value))
+    scores = torch.baddbmm(q.new_empty(q.shape[0], s, k.shape[-2]), q, k.transpose(1, 2), beta=0.0,
+                           alpha=scale if scale is not None else d ** -0.5)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:   # one fused kernel, as on the GPU (_fused_dropout)
+        probs = torch.native_dropout(probs, dropout_p, True)[0]
+    return torch.bmm(probs, v).view(*lead, s, v.shape[-1])
 
 
 def _fused_sdpa(backend: str, query, key, value, attn_mask=None, dropout_p: float = 0.0,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from partitioner import get_device_spec, profile
 from partitioner.kernels import KERNEL_PRESETS, OpCharger, attention_time, gemm_time, memory_time
+from partitioner.profile import forward_op_times
 
 A100 = KERNEL_PRESETS["a100"]
 PEAK, BW = 312e12, 2.039e12
@@ -128,3 +129,63 @@ def test_kernel_model_profiles_price_the_optimizer_step_at_achieved_bandwidth():
     assert plan.rank_optimizer_s[0] == pytest.approx(per_param * (1024 * 1024 + 1024) * 2)
     flat = profile(layers, x, mode="analytic", device_spec="a100-flat", dtype=torch.bfloat16)
     assert flat.fixed is None   # the former model stays as it was
+
+
+def test_dropout_is_charged_as_the_gpu_runs_it_one_fused_kernel():
+    spec = get_device_spec("a100-kernels")
+    ops = forward_op_times(lambda: nn.Dropout(0.1), torch.randn(64, 1024), device_spec=spec, dtype=torch.float16)
+    n = 64 * 1024   # fp16 in, fp16 out and a one-byte mask
+    assert [name for name, _ in ops] == ["native_dropout"]
+    assert ops[0][1] == pytest.approx(memory_time(spec.kernels, spec.memory_bandwidth, n * (2 + 2 + 1)))
+
+
+def test_dropout_on_the_measured_cpu_keeps_the_cpus_own_kernels():
+    ops = forward_op_times(lambda: nn.Dropout(0.1), torch.randn(64, 1024), device_spec="cpu")
+    assert "native_dropout" not in [name for name, _ in ops] and "bernoulli_" in [name for name, _ in ops]
+
+
+def test_allocations_launch_no_kernel_and_move_no_bytes():
+    class Alloc(nn.Module):
+        def forward(self, x):
+            return torch.empty_like(x).new_empty(x.shape)
+
+    assert forward_op_times(Alloc, torch.randn(8, 8), device_spec="a100-kernels") == []
+
+
+class _Attn(nn.Module):
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.1)
+
+
+def test_unfused_attention_is_megatrons_core_attention_op_for_op():
+    b, h, s, d = 2, 4, 128, 32
+    spec = get_device_spec("a100-kernels")
+    ops = forward_op_times(_Attn, torch.randn(b, h, s, d), device_spec=spec, dtype=torch.float16, attention="unfused")
+    assert [name for name, _ in ops] == ["baddbmm", "_softmax", "native_dropout", "bmm"]
+    scores = b * h * s * s   # fp16: softmax reads and writes them; dropout also writes a one-byte mask
+    assert ops[1][1] == pytest.approx(memory_time(spec.kernels, spec.memory_bandwidth, scores * 4))
+    assert ops[2][1] == pytest.approx(memory_time(spec.kernels, spec.memory_bandwidth, scores * 5))
+    assert ops[0][1] == pytest.approx(gemm_time(spec.kernels, 312e12, spec.memory_bandwidth, 2, s, s, d, b * h))
+
+
+def test_unfused_attention_saves_the_probabilities_the_mask_and_the_dropped_probabilities():
+    b, h, s, d = 2, 4, 128, 32
+    x = torch.randn(b, h, s, d)
+
+    class Projected(_Attn):   # a parameter, so that the attention's inputs take a gradient
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(d, d)
+
+        def forward(self, q):
+            return super().forward(self.lin(q))
+
+    def saved(attention):
+        return profile([Projected], x, mode="analytic", device_spec="a100-kernels", dtype=torch.float16,
+                       attention=attention).layers[0].activation_bytes
+
+    # unfused keeps 5 bytes a score (fp16 probabilities, bool mask, fp16 dropped probabilities);
+    # flash keeps instead its output (fp16) and log-sum-exp (fp32) per query, and its rng seed
+    extra = saved("unfused") - saved("flash")
+    scores = b * h * s * s
+    assert extra == pytest.approx(scores * 5 - b * h * s * d * 2 - b * h * s * 4, abs=64)
