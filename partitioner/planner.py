@@ -274,7 +274,7 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     _note_recompute(recompute, ckpt, notes)
     settings = dict(method=method, data_parallel=data_parallel, zero_stage=zero_stage, optimizer=optimizer,
                     max_inflight=max_inflight, step_sync=str(step_sync), tensor_parallel=int(tensor_parallel),
-                    recompute_granularity=granularity)
+                    recompute_granularity=granularity, sequence_parallel=int(profile.meta.get("sequence_parallel", 1)) > 1)
     local = False
     if method == "optimal" and simulate:
         bounds, local = _refine(prob, bounds, recompute, settings, notes)
