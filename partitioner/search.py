@@ -47,6 +47,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -59,7 +60,7 @@ from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule
 
 from .costs import LayerCost, Profile  # noqa: F401 - LayerCost: the doctests
 from .plan import PartitionError, Plan, format_search
-from .planner import checkpointing_mode, partition
+from .planner import checkpointing_mode, partition, without_stage_advice
 from .recompute import sequence_parallel_profile
 from .solve import pipeline_lower_bound
 
@@ -395,11 +396,13 @@ def _lower_bound(prof: Profile, c: Candidate, p: int) -> float:
     return compute + 2 * m * v * action + step
 
 
-def _solve(c: Candidate, prof: Profile, p: int, kwargs: dict[str, Any]) -> None:
-    """Solve one layout with :func:`partition`, recording the outcome on ``c``."""
+def _solve(c: Candidate, prof: Profile, p: int, kwargs: dict[str, Any], advice: bool = False) -> None:
+    """Solve one layout with :func:`partition`, recording the outcome on ``c`` (an infeasible
+    layout's note without the stage-count advice unless ``advice``: :func:`_nothing_fits`)."""
     try:
-        plan = partition(prof, p, schedule=c.schedule, microbatches=c.microbatches, virtual_stages=c.virtual_stages,
-                         max_inflight=c.max_inflight, **dict(kwargs, recompute_granularity=c.recompute_granularity))
+        with contextlib.nullcontext() if advice else without_stage_advice():
+            plan = partition(prof, p, schedule=c.schedule, microbatches=c.microbatches, virtual_stages=c.virtual_stages,
+                             max_inflight=c.max_inflight, **dict(kwargs, recompute_granularity=c.recompute_granularity))
     except PartitionError as exc:
         c.status, c.note = "infeasible", str(exc)
         return
@@ -463,7 +466,7 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
            v_split_budget: float = V_SPLIT_BUDGET, scaling: str = "bounded",
            tensor_parallel: int = 1, reshard_after_forward: bool | None = None,
            links: Any = None, recompute_granularity: str = "chunk",
-           sequence_parallel: "bool | str" = False) -> SearchResult:
+           sequence_parallel: "bool | str" = False, table_steps: list[float] | None = None) -> SearchResult:
     """Choose the layout with the smallest predicted step that fits (see the module docstring).
 
     ``profile``: a callable ``microbatch size -> Profile`` (profiled at each size searched), a
@@ -481,7 +484,10 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
     (:func:`sequence_parallel_choices`);
     ``tensor_parallel`` / ``reshard_after_forward`` / ``links``: the 3-D layout's, see
     :func:`partitioner.partition`; :func:`search_parallel` chooses them too). ``top``: the
-    alternatives kept exact (and shown); ``prune=False`` solves every layout. Raises :class:`PartitionError` when nothing fits.
+    alternatives kept exact (and shown); ``prune=False`` solves every layout. ``table_steps``: the
+    sorted predicted steps of layouts that fit and are ranked in the same table (another search's:
+    :func:`search_parallel`), pruned against too and extended in place. Raises :class:`PartitionError` when nothing fits
+    (or, with ``table_steps``, nothing that fits can enter the table).
     """
     t0 = time.perf_counter()
     p, B = int(num_stages), int(batch_per_replica)
@@ -509,11 +515,16 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
                   step_sync=step_sync, grad_clip=grad_clip,
                   tensor_parallel=tensor_parallel, reshard_after_forward=reshard_after_forward, links=links,
                   activation_checkpointing=ckpt)
-    notes = _run(cands, _with_sequence_parallel(profile_for, tensor_parallel), p, B, n, kwargs,
-                 top if prune else None, v_split_budget)
+    variant_for = _with_sequence_parallel(profile_for, tensor_parallel)
+    notes = _run(cands, variant_for, p, B, n, kwargs, top if prune else None, v_split_budget,
+                 table_steps if table_steps is not None else [])
     ranked = sorted(cands, key=_rank_key)
     if ranked[0].status != "ok":
-        raise PartitionError(_nothing_fits(ranked, memory_limit_bytes))
+        again = lambda c: _solve(c, variant_for(B // c.microbatches, c.sequence_parallel)[0], p, kwargs, True)  # noqa: E731
+        raise PartitionError(_nothing_fits(ranked, memory_limit_bytes, again)
+                             + ("" if not any(c.status == "pruned" for c in ranked) else
+                                f"; {sum(c.status == 'pruned' for c in ranked)} layout(s) pruned: their lower bounds "
+                                "cannot beat the table's steps"))
     result = SearchResult(ranked[0].plan, ranked, time.perf_counter() - t0, notes,  # type: ignore[arg-type]
                           profile_seconds=spent[0])
     result.plan.search = result.record(top)
@@ -557,9 +568,10 @@ def _missing_twin(c: Candidate, solved: dict[tuple, Candidate]) -> Candidate | N
 
 
 def _run(cands: list[Candidate], profile_for: Callable[[int, bool], tuple[Profile | None, str]], p: int, B: int,
-         n: int, kwargs: dict[str, Any], keep: int | None, v_split_budget: float) -> list[str]:
+         n: int, kwargs: dict[str, Any], keep: int | None, v_split_budget: float, best: list[float]) -> list[str]:
     """Solve the layouts in order of their lower bounds (a sequence-parallel layout before its
-    twin), pruning once the table is settled."""
+    twin), pruning once the table is settled. ``best``: the sorted steps of the layouts that fit
+    so far (this search's, and others' ranked in the same table), extended in place."""
     notes: list[str] = []
     for c in cands:
         prof, c.profile = profile_for(B // c.microbatches, c.sequence_parallel)
@@ -567,7 +579,6 @@ def _run(cands: list[Candidate], profile_for: Callable[[int, bool], tuple[Profil
             c.status, c.note, c.lower_bound_s = "skipped", c.profile, math.inf
         else:
             c.lower_bound_s = _lower_bound(prof, c, p)
-    best: list[float] = []
     sp_solved: dict[tuple, Candidate] = {}
     for c in sorted(cands, key=lambda c: (c.lower_bound_s, not c.sequence_parallel, c.recompute_granularity != "chunk")):
         if c.status == "skipped":
@@ -592,7 +603,8 @@ def _run(cands: list[Candidate], profile_for: Callable[[int, bool], tuple[Profil
         if c.sequence_parallel:
             sp_solved[(c.schedule, c.virtual_stages, c.microbatches, c.max_inflight, c.recompute_granularity)] = c
         if c.status == "ok":
-            best = sorted(best + [c.step_s])  # type: ignore[list-item]
+            best.append(c.step_s)  # type: ignore[arg-type]
+            best.sort()
     for why in dict.fromkeys(c.note for c in cands if c.status == "skipped"):
         notes.append(f"{sum(c.note == why for c in cands)} layout(s) skipped: {why}")
     notes.append("microbatch costs: " + "; ".join(sorted({f"m={c.microbatches}: {c.profile}" for c in cands},
@@ -602,12 +614,15 @@ def _run(cands: list[Candidate], profile_for: Callable[[int, bool], tuple[Profil
     return notes
 
 
-def _nothing_fits(ranked: list[Candidate], memory_limit_bytes: Any) -> str:
-    """Why no layout works, with the partitioner's advice for one layout of each schedule."""
+def _nothing_fits(ranked: list[Candidate], memory_limit_bytes: Any, again: Callable[[Candidate], None]) -> str:
+    """Why no layout works, with the partitioner's advice for one layout of each schedule (the
+    first four: an infeasible one solved ``again`` with the stage-count advice)."""
     seen, hints = set(), []
     for c in ranked:
-        if c.schedule not in seen and c.note:
+        if c.schedule not in seen and c.note and len(hints) < 4:
             seen.add(c.schedule)
+            if c.status == "infeasible":
+                again(c)
             hints.append(f"{c.label}: {c.note}")
     return (f"no layout of the {len(ranked)} considered fits memory_limit_bytes={memory_limit_bytes}; "
             + " | ".join(hints[:4]))
@@ -659,14 +674,14 @@ def search_parallel(profile_for_tp: Callable[[int], ProfileSource], num_stages: 
                          f"stage into replicas that divide the batch of {batch}; list divisors of {gpus_per_stage}")
     cands: list[Candidate] = []
     notes: list[str] = []
-    spent = 0.0
-    for t, d, z in triples:
+    spent, steps = 0.0, []   # steps: of every triple's layouts that fit, one pruning bound for the table
+    for t, d, z in sorted(triples, key=lambda x: -x[0]):   # most tp first: least compute per rank, prunes early
         reshard = kwargs.get("reshard_after_forward") if z == 3 else None
         kw = dict(kwargs, reshard_after_forward=reshard)
         try:
             sp = sequence_parallel(t) if callable(sequence_parallel) else sequence_parallel
             res = search(profile_for_tp(t), num_stages, batch // d, data_parallel=d, zero_stage=z,
-                         tensor_parallel=t, top=top, sequence_parallel=sp, **kw)
+                         tensor_parallel=t, top=top, sequence_parallel=sp, table_steps=steps, **kw)
         except (PartitionError, ValueError) as exc:   # nothing fits; no microbatch count divides its batch
             notes.append(f"dp{d} tp{t} zero{z}: {str(exc)[:300]}")
             continue
