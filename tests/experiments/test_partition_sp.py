@@ -130,3 +130,20 @@ def test_the_norm_rule_counts_what_the_norms_save(compose_cfg, precision):
     assert sp_norm_tensors(cfg) == _norm_saves(LlamaRMSNorm(64), dtype, auto)
     gpt = compose_cfg("experiment=smoke", f"precision={precision}")
     assert sp_norm_tensors(gpt) == _norm_saves(torch.nn.LayerNorm(64), dtype, auto)
+
+
+def test_a_training_run_takes_the_chosen_granularity(compose_cfg):
+    """tp = 1, `pipeline.recompute_granularity=auto` with every chunk recomputing: the plan
+    chooses (the less memory at the same step), `resolve_layout` writes it, the engine gets it."""
+    from experiments.config import searches
+    from experiments.models import build_model
+    from experiments.wiring import pipeline_kwargs
+
+    cfg = compose_cfg("experiment=smoke", "partitioner.profile=analytic", "pipeline.activation_checkpointing=true",
+                      "pipeline.recompute_granularity=auto")
+    assert searches(cfg)
+    plan = make_plan(cfg, build_model(cfg.model))
+    assert plan.search is not None and all(plan.stage_recompute)
+    resolved = resolve_layout(cfg, plan)
+    kw = pipeline_kwargs(resolved, plan.stage_ranges, recompute=plan.stage_recompute)
+    assert kw["recompute_granularity"] == plan.recompute_granularity in ("chunk", "layer")
