@@ -580,8 +580,9 @@ def _tp_rank_spec(cfg: Any, spec: Any) -> tuple[Any, str | None]:
 
 def search_layout(cfg: Any, spec: Any, profiles: Any = None, *, method: str | None = None) -> Any:
     """`partitioner.search` per the config: the `SearchResult` (its `plan` carries the record that
-    `plan.json` keeps). `profiles`: `size -> Profile` (default `profiles_by_size`), or one Profile
-    measured at the configured microbatch size."""
+    `plan.json` keeps). `profiles`: `size -> Profile` (default `profiles_by_size`, the residual
+    stream whole: the search plans sequence parallelism), or one Profile measured at the
+    configured microbatch size (one under sequence parallelism already is planned as it is)."""
     import partitioner
 
     cfg = as_config(cfg)
@@ -595,6 +596,8 @@ def search_layout(cfg: Any, spec: Any, profiles: Any = None, *, method: str | No
     extra = {}
     if isinstance(profiles, partitioner.Profile) and profiles.meta.get("microbatch_size"):
         extra["profile_microbatch"] = int(profiles.meta["microbatch_size"])
+    if isinstance(profiles, partitioner.Profile) and int(profiles.meta.get("sequence_parallel", 1)) > 1:
+        kwargs["sequence_parallel"] = False   # given under sequence parallelism already: planned as it is
     return partitioner.search(profiles, **kwargs, **extra)
 
 

@@ -147,3 +147,13 @@ def test_a_training_run_takes_the_chosen_granularity(compose_cfg):
     resolved = resolve_layout(cfg, plan)
     kw = pipeline_kwargs(resolved, plan.stage_ranges, recompute=plan.stage_recompute)
     assert kw["recompute_granularity"] == plan.recompute_granularity in ("chunk", "layer")
+
+
+def test_a_searched_plan_of_a_profile_already_under_sequence_parallelism(compose_cfg):
+    """`make_plan` with the profile `profile_model` made (sequence parallelism applied once) and a
+    searched layout: planned as it is, not divided again."""
+    cfg = validate_plan_config(compose_cfg(*LLAMA, "model.sequence_parallel=true", "pipeline.schedule=auto"))
+    spec = tp_model_spec(cfg)
+    prof = profile_model(cfg, spec)
+    plan = make_plan(cfg, spec, prof)
+    assert plan.sequence_parallel and plan.search is not None
