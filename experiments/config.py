@@ -34,7 +34,7 @@ from engine.choices import (BACKENDS, GRAD_ACCUM_DTYPES, NONFINITE, OPTIMIZERS, 
                             STEP_SYNCS, check_recompute_granularity)
 from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULES
-from experiments.fields import choice_text
+from experiments.fields import choice_text, sequence_parallel_mode
 from partitioner.devices import ATTENTION_BACKENDS
 from partitioner.planner import METHODS
 from partitioner.planner import checkpointing_mode as _recompute_mode
@@ -55,6 +55,8 @@ __all__ = [
     "WeightDtype",
     "GradAccumDtype",
     "checkpointing_mode",
+    "sequence_parallel_setting",
+    "sequence_parallel_problem_at",
     "LoggerMode",
     "LossKind",
     "MLPProfile",
@@ -146,7 +148,7 @@ MLPProfile = _choice("MLPProfile", ("uniform", "ramp", "hourglass"))
 HFArch = _choice("HFArch", ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox"))
 Device = _choice("Device", ("auto", "cpu", "cuda"))
 NonFinite = _choice("NonFinite", NONFINITE)
-RecomputeGranularity = _choice("RecomputeGranularity", RECOMPUTE_GRANULARITIES)
+RecomputeGranularity = _choice("RecomputeGranularity", (*RECOMPUTE_GRANULARITIES, AUTO))
 TextUnit = _choice("TextUnit", ("line", "paragraph", "document"))
 
 
@@ -173,7 +175,7 @@ class GPTConfig(ModelConfig):
     tie_embeddings: bool = False  # share the token embedding with the LM head (summed gradients)
     loss: LossKind = LossKind["full"]  # LM head + cross-entropy: full ([b, s, V] logits) | chunked (never materialises the fp32 logits)
     loss_chunk: int = 1024  # chunked loss: tokens per chunk of the fused head + cross-entropy
-    sequence_parallel: bool = False  # with pipeline.tensor_parallel > 1: LayerNorms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp)
+    sequence_parallel: Union[bool, str] = False  # with pipeline.tensor_parallel > 1: LayerNorms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp); auto: the planner chooses (experiments.partition)
 
 
 @dataclass
@@ -215,7 +217,7 @@ class HFModelConfig(ModelConfig):
     intermediate: Optional[int] = None  # MLP hidden size (not gpt2); None = 4 * dim
     loss: LossKind = LossKind["full"]  # LM head + cross-entropy: full ([b, s, V] logits) | chunked (never materialises the fp32 logits)
     loss_chunk: int = 1024  # chunked loss: tokens per chunk of the fused head + cross-entropy
-    sequence_parallel: bool = False  # with pipeline.tensor_parallel > 1 (llama, mistral, qwen2, qwen3): norms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp)
+    sequence_parallel: Union[bool, str] = False  # with pipeline.tensor_parallel > 1 (llama, mistral, qwen2, qwen3): norms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp); auto: the planner chooses (experiments.partition)
 
 
 # --------------------------------------------------------------------------- pipeline etc.
@@ -231,7 +233,7 @@ class PipelineConfig:
     data_parallel: int = 1  # replicas of the pipeline (d); processes = stages * data_parallel * tensor_parallel
     tensor_parallel: int = 1  # tensor-parallel ranks per stage and replica (t; the mesh's innermost axis; engine.tp, GPT and HF models)
     activation_checkpointing: Union[bool, str] = False  # false | true (every chunk recomputes) | auto (the partitioner decides per chunk)
-    recompute_granularity: RecomputeGranularity = RecomputeGranularity["chunk"]  # what one checkpoint of a recomputing chunk covers: chunk (a held microbatch keeps the chunk's input; backward recomputes the whole chunk at once) | layer (each layer its own checkpoint, torchtitan's "full" AC: keeps every layer's input, recomputes one layer at a time); planned by the partitioner
+    recompute_granularity: RecomputeGranularity = RecomputeGranularity["chunk"]  # what one checkpoint of a recomputing chunk covers: chunk (a held microbatch keeps the chunk's input; backward recomputes the whole chunk at once) | layer (each layer its own checkpoint, torchtitan's "full" AC: keeps every layer's input, recomputes one layer at a time) | auto (the planner chooses, per layout); planned by the partitioner
     comm_timeout_s: float = 60.0  # a point-to-point transfer waiting longer than this fails the job
     nonfinite: NonFinite = NonFinite["raise"]  # a non-finite loss/gradient: raise (stop) | skip (drop the step)
 
@@ -754,10 +756,40 @@ def configured_microbatches(cfg: Any) -> int | None:
 
 
 def searches(cfg: Any) -> bool:
-    """Whether the planner chooses the layout: `pipeline.schedule=auto` or `pipeline.microbatches=auto`
-    (`partitioner.search`)."""
+    """Whether the planner chooses the layout: `pipeline.schedule=auto`, `pipeline.microbatches=auto`,
+    `pipeline.recompute_granularity=auto` or `model.sequence_parallel=auto` (`partitioner.search`)."""
     cfg = as_config(cfg)
-    return choice_text(cfg.pipeline.schedule) == AUTO or configured_microbatches(cfg) is None
+    return (choice_text(cfg.pipeline.schedule) == AUTO or configured_microbatches(cfg) is None
+            or choice_text(cfg.pipeline.recompute_granularity) == AUTO or sequence_parallel_setting(cfg.model) == AUTO)
+
+
+def sequence_parallel_setting(model: Any) -> bool | str:
+    """`model.sequence_parallel` as True, False or "auto" (ConfigError otherwise; False for a model
+    group without it)."""
+    try:
+        return sequence_parallel_mode(getattr(model, "sequence_parallel", False))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def sequence_parallel_problem_at(model: Any, tp: int) -> str | None:
+    """Why the model cannot run sequence parallelism over `tp` ranks, or None: the one rule for
+    `model.sequence_parallel` (true is refused with it, auto plans it only where it is None): more
+    than one tp rank, the GPT or a Hugging Face family whose plan allows it
+    (`experiments.models.hf.sequence_parallel_problem`), `model.seq_len` divisible by tp."""
+    if int(tp) <= 1:
+        return "it needs pipeline.tensor_parallel > 1"
+    if not isinstance(model, (GPTConfig, HFModelConfig)):
+        return f"model={choice_text(model.name)} has no tensor-parallel plan"
+    if isinstance(model, HFModelConfig):
+        from experiments.models.hf import sequence_parallel_problem
+
+        problem = sequence_parallel_problem(_hf_transformers_config(model))
+        if problem is not None:
+            return problem
+    if int(model.seq_len) % int(tp):
+        return f"pipeline.tensor_parallel={tp} does not divide model.seq_len={model.seq_len}"
+    return None
 
 
 def _layout(cfg: Config) -> tuple[int, int | None, int, int]:
@@ -812,8 +844,9 @@ def _check_tensor_parallel(cfg: Config) -> None:
                           f"not sum the tp shards); set optimizer.step_sync=global, {off}")
     if searches(cfg):
         raise ConfigError(f"{key}: a training run does not search its layout under tensor parallelism yet (experiments.partition "
-                          f"plans and searches tp layouts); give pipeline.schedule "
-                          f"and pipeline.microbatches explicitly (e.g. pipeline.schedule=1f1b pipeline.microbatches=4), {off}")
+                          f"plans and searches tp layouts); give pipeline.schedule, pipeline.microbatches, "
+                          f"pipeline.recompute_granularity and model.sequence_parallel explicitly (e.g. "
+                          f"pipeline.schedule=1f1b pipeline.microbatches=4), {off}")
     # (the GPT under ZeRO-3 is refused above: its fused q/k/v; with sequence parallelism its
     # position table's gradient is also summed over tp by the engine)
     if zero == 3 and "replicated_with_grad_allreduce" in {
@@ -825,6 +858,10 @@ def _check_tensor_parallel(cfg: Config) -> None:
         if size is not None and int(size) % tp:
             raise ConfigError(f"{key} does not divide {what}={size}; choose a tensor_parallel that divides the "
                               "attention heads, key/value heads, hidden size, MLP width and vocabulary")
+    problem = sequence_parallel_problem_at(cfg.model, tp) if sequence_parallel_setting(cfg.model) is True else None
+    if problem is not None:
+        raise ConfigError(f"model.sequence_parallel=true: {problem}; set model.sequence_parallel=false "
+                          "(or auto: the planner plans it where it runs)")
 
 
 def _hf_transformers_config(model: HFModelConfig) -> Any:
@@ -848,8 +885,7 @@ def _tp_sizes(model: Any) -> dict[str, Any]:
             raise ConfigError("pipeline.tensor_parallel > 1 does not support tied weights; set "
                               "model.tie_embeddings=false, or pipeline.tensor_parallel=1")
         return {"model.heads": model.heads, "model.dim": model.dim, "model.vocab": model.vocab,
-                "model.dim x model.mlp_ratio": model.dim * model.mlp_ratio,
-                **({"model.seq_len": model.seq_len} if model.sequence_parallel else {})}
+                "model.dim x model.mlp_ratio": model.dim * model.mlp_ratio}
     config = _hf_transformers_config(model)
     where = f"{model.pretrained}'s " if model.pretrained else "model."
     mtype = getattr(config, "model_type", "?")
@@ -863,15 +899,8 @@ def _tp_sizes(model: Any) -> dict[str, Any]:
     if getattr(config, "tie_word_embeddings", False):
         raise ConfigError("pipeline.tensor_parallel > 1 does not support tied weights; set "
                           "model.tie_embeddings=false (a random model), or pipeline.tensor_parallel=1")
-    if getattr(model, "sequence_parallel", False):
-        from experiments.models.hf import sequence_parallel_problem
-
-        problem = sequence_parallel_problem(config)
-        if problem is not None:
-            raise ConfigError(f"model.sequence_parallel=true: {problem}; set model.sequence_parallel=false")
     heads = getattr(config, "num_attention_heads", None)
-    return {**({"model.seq_len": model.seq_len} if getattr(model, "sequence_parallel", False) else {}),
-            f"{where}heads": heads, f"{where}kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+    return {f"{where}heads": heads, f"{where}kv_heads": getattr(config, "num_key_value_heads", None) or heads,
             f"{where}dim": getattr(config, "hidden_size", None),
             f"{where}intermediate": getattr(config, "intermediate_size", None),
             f"{where}vocab": getattr(config, "vocab_size", None)}
@@ -1033,10 +1062,13 @@ def checkpointing_mode(value: Any) -> bool | str:
 
 def _check_checkpointing(cfg: Config) -> None:
     checkpointing_mode(cfg.pipeline.activation_checkpointing)
+    sequence_parallel_setting(cfg.model)
+    if choice_text(cfg.pipeline.recompute_granularity) == AUTO:
+        return
     try:
         check_recompute_granularity(cfg.pipeline.recompute_granularity)
     except ValueError as exc:
-        raise ConfigError(f"pipeline.{exc}") from None
+        raise ConfigError(f"pipeline.{exc} (or auto: the planner chooses)") from None
     if int(cfg.train.memory_every or 0) < 0:
         raise ConfigError("train.memory_every must be >= 0 (0 turns the memory measurement off)")
 

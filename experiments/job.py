@@ -136,7 +136,8 @@ def _prepare(cfg: Config, run_dir: Path) -> Job:
               + (f", {plan.virtual_stages} chunks per rank" if plan.virtual_stages > 1 else "")
               + (f", max_inflight {plan.max_inflight}" if plan.max_inflight is not None else "")
               + (f", recompute on chunks {[c for c, r in enumerate(plan.stage_recompute) if r]}"
-                 if any(plan.stage_recompute) else ""), flush=True)
+                 f" ({plan.recompute_granularity} checkpoints)" if any(plan.stage_recompute) else "")
+              + (", sequence parallel" if plan.sequence_parallel else ""), flush=True)
     return Job(config=config, plan=plan, run_dir=str(run_dir), checkpoint_root=str(checkpoint_root(cfg, run_dir)),
                resume_from=str(resume) if resume else None, run_name=run_name(config), data=data)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from experiments.app import hydra_entry
-from experiments.config import as_config, searches, validate_config
+from experiments.config import as_config, checkpointing_mode, searches, sequence_parallel_setting, validate_config
 from experiments.fields import choice_text as _text
 from experiments.wiring import (make_plan, microbatch_size, profile_model, resolve_layout, search_layout,
                                 tp_model_spec)
@@ -181,7 +181,9 @@ def validate_plan_config(cfg: Any) -> Any:
 
 def layout_line(cfg: Any, plan: Any) -> str:
     """The 3-D layout in one line: pp x dp x tp (GPUs), the ZeRO stage and, under ZeRO-3, the
-    reshard policy (the plan's choice, or the configured one without a plan).
+    reshard policy; with tp > 1 whether the sequence is split (sequence parallelism); where
+    chunks may recompute, the recompute granularity and how many chunks recompute. Each is the
+    plan's choice, or the configured value without a plan.
 
     >>> from experiments.config import Config, GPTConfig, TextDataConfig
     >>> layout_line(Config(model=GPTConfig(), data=TextDataConfig()), None)
@@ -196,6 +198,14 @@ def layout_line(cfg: Any, plan: Any) -> str:
         got = plan.reshard_after_forward if plan is not None else None
         chosen = str(cfg.optimizer.reshard_after_forward).lower() if got is None else str(bool(got)).lower()
         text += f" (FSDP2), reshard_after_forward={chosen}"
+    if tp > 1:
+        sp = plan.sequence_parallel if plan is not None else sequence_parallel_setting(cfg.model)
+        text += f"; sequence_parallel={str(sp).lower()}"
+    if checkpointing_mode(p.activation_checkpointing) is not False:
+        granularity = plan.recompute_granularity if plan is not None else _text(p.recompute_granularity)
+        text += f"; recompute_granularity={granularity}"
+        if plan is not None:
+            text += f" ({sum(map(bool, plan.stage_recompute))} of {plan.num_chunks} chunks recompute)"
     return text
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from experiments.config import (Config, ConfigError, as_config, checkpointing_mode, configured_microbatches,
-                                optimizer_kwargs, parse_memory_limit, searches, validate_config)
+                                optimizer_kwargs, parse_memory_limit, searches, sequence_parallel_problem_at,
+                                sequence_parallel_setting, validate_config)
 from experiments.fields import choice_text as _text
 from partitioner.planner import recompute_follows
 
@@ -41,7 +42,7 @@ __all__ = [
     "profile_kwargs", "partition_kwargs", "reshard_choice", "device_links", "tp_model_spec", "with_fixed_costs", "pipeline_kwargs", "engine_optimizer_kwargs",
     "checkpoint_root", "resume_checkpoint", "check_checkpoint_model", "profile_model", "make_plan",
     "plan_matches", "search_kwargs", "measures_fixed_costs", "profiles_by_size", "search_layout", "resolve_layout", "available_cores",
-    "parallel_search",
+    "parallel_search", "sequence_parallel_search", "sp_norm_tensors",
 ]
 
 
@@ -236,8 +237,20 @@ def search_kwargs(cfg: Any) -> dict[str, Any]:
         "virtual_stages": [int(p.virtual_stages)] if schedule == "interleaved-1f1b" else None,
         "max_inflight": None if cap is None else [cap],
         "top": int(sc.top),
+        "sequence_parallel": sequence_parallel_search(cfg, int(p.tensor_parallel)),
         **_planner_kwargs(cfg),
     }
+
+
+def sequence_parallel_search(cfg: Any, tp: int) -> bool | str:
+    """What `partitioner.search` plans at `tp` ranks for `model.sequence_parallel`: true / false as
+    configured; auto, "auto" (with and without) where the model runs it over `tp` ranks
+    (`experiments.config.sequence_parallel_problem_at`), else False. The search is given the
+    profile with the residual stream whole and divides it once itself."""
+    mode = sequence_parallel_setting(as_config(cfg).model)
+    if mode != "auto":
+        return mode
+    return "auto" if sequence_parallel_problem_at(as_config(cfg).model, tp) is None else False
 
 
 def engine_optimizer_kwargs(cfg: Any, plan: Any = None) -> dict[str, Any]:
@@ -363,9 +376,10 @@ def tp_model_spec(cfg: Any, tensor_parallel: int | None = None) -> Any:
     the vocabulary (embedding and LM head) divided by tp, the head dimension and the hidden size
     kept: the column-parallel projections' outputs and the attention are sharded, while the block's
     input and output, the norms and the residual stream are whole on every rank. A Hugging Face
-    Llama-style family (its config takes `head_dim`; under `model.sequence_parallel`
-    `profile_model` then splits the residual stream, `partitioner.recompute.sequence_parallel_profile`)
-    or the GPT model (`_gpt_tp_spec`: its own tp plan's shard shapes); the model itself for tp = 1."""
+    Llama-style family (its config takes `head_dim`) or the GPT model (`_gpt_tp_spec`: its own tp
+    plan's shard shapes), built without sequence parallelism (under `model.sequence_parallel`
+    `profile_model`, or the search, then splits the residual stream:
+    `partitioner.recompute.sequence_parallel_profile`); the model itself for tp = 1."""
     import dataclasses
 
     from experiments.models import build_model
@@ -375,14 +389,15 @@ def tp_model_spec(cfg: Any, tensor_parallel: int | None = None) -> Any:
     model = cfg.model
     if t == 1:
         return build_model(model)
-    gpt = _text(model.name) == "gpt" and not getattr(model, "sequence_parallel", False)
+    gpt = _text(model.name) == "gpt"
     if not gpt and (not hasattr(model, "arch") or getattr(model, "pretrained", None)
                     or _text(model.arch) in ("gpt2", "gpt_neox")):
-        raise ConfigError(f"planning pipeline.tensor_parallel={t} needs the GPT model without sequence parallelism "
+        raise ConfigError(f"planning pipeline.tensor_parallel={t} needs the GPT model "
                           f"or a random Hugging Face model of a Llama-style "
                           f"family (model=hf_llama, or model=hf with model.arch=llama, mistral, qwen2, qwen3, phi3); "
                           f"got model.name={_text(model.name)}: set pipeline.tensor_parallel=1")
-    if _text(model.name) == "gpt":
+    model = dataclasses.replace(model, sequence_parallel=False)   # the residual stream whole, as profiled
+    if gpt:
         return _gpt_tp_spec(model, t)
     heads, dim = int(model.heads), int(model.dim)
     kv = int(model.kv_heads or heads)
@@ -459,12 +474,29 @@ def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
         torch.set_num_threads(threads)
     prof.meta["microbatch_size"] = size
     if int(cfg.pipeline.tensor_parallel) > 1:   # a profile of one tp rank (`tp_model_spec`)
+        from partitioner.recompute import SP_NORM_TENSORS
+
         prof.meta["tensor_parallel"] = int(cfg.pipeline.tensor_parallel)
-        if getattr(cfg.model, "sequence_parallel", False):   # the residual stream split on the sequence
+        prof.meta[SP_NORM_TENSORS] = sp_norm_tensors(cfg)
+        if sequence_parallel_setting(cfg.model) is True:   # the residual stream split on the sequence
             from partitioner.recompute import sequence_parallel_profile
 
             prof = sequence_parallel_profile(prof, int(cfg.pipeline.tensor_parallel))
     return with_fixed_costs(cfg, prof)
+
+
+def sp_norm_tensors(cfg: Any) -> int:
+    """Residual-stream tensors each of the model's norms saves that sequence parallelism splits
+    (`partitioner.recompute.SP_NORM_TENSORS`), in units of the residual stream: the GPT's
+    LayerNorm its input (1); a Hugging Face RMSNorm its input and its normalised input (2) on a
+    4-byte residual stream (fp32, and the `-autocast` precisions), and with 16-bit weights its
+    input upcast to fp32 (2) and its normalised input cast back (1): 3."""
+    from engine.choices import weight_bytes
+
+    cfg = as_config(cfg)
+    if _text(cfg.model.name) == "gpt":
+        return 1
+    return 3 if weight_bytes(_text(cfg.precision)) == 2 else 2
 
 
 def profiles_by_size(cfg: Any, spec: Any) -> Any:
@@ -539,8 +571,7 @@ def make_plan(cfg: Any, spec: Any, prof: Any = None, *, method: str | None = Non
 
 def _tp_rank_spec(cfg: Any, spec: Any) -> tuple[Any, str | None]:
     """(one tp rank's model spec, None), or (`spec`, why not) when the model has no tp-rank shapes
-    to profile (`tp_model_spec`: the GPT without sequence parallelism and random Llama-style
-    Hugging Face models only)."""
+    to profile (`tp_model_spec`: the GPT and random Llama-style Hugging Face models only)."""
     try:
         return tp_model_spec(cfg), None
     except ConfigError as e:
@@ -549,8 +580,9 @@ def _tp_rank_spec(cfg: Any, spec: Any) -> tuple[Any, str | None]:
 
 def search_layout(cfg: Any, spec: Any, profiles: Any = None, *, method: str | None = None) -> Any:
     """`partitioner.search` per the config: the `SearchResult` (its `plan` carries the record that
-    `plan.json` keeps). `profiles`: `size -> Profile` (default `profiles_by_size`), or one Profile
-    measured at the configured microbatch size."""
+    `plan.json` keeps). `profiles`: `size -> Profile` (default `profiles_by_size`, the residual
+    stream whole: the search plans sequence parallelism), or one Profile measured at the
+    configured microbatch size (one under sequence parallelism already is planned as it is)."""
     import partitioner
 
     cfg = as_config(cfg)
@@ -560,11 +592,21 @@ def search_layout(cfg: Any, spec: Any, profiles: Any = None, *, method: str | No
     kwargs = search_kwargs(cfg)
     if method is not None:
         kwargs["method"] = method
-    profiles = profiles if profiles is not None else profiles_by_size(cfg, spec)
+    profiles = profiles if profiles is not None else profiles_by_size(_stream_whole(cfg), spec)
     extra = {}
     if isinstance(profiles, partitioner.Profile) and profiles.meta.get("microbatch_size"):
         extra["profile_microbatch"] = int(profiles.meta["microbatch_size"])
+    if isinstance(profiles, partitioner.Profile) and int(profiles.meta.get("sequence_parallel", 1)) > 1:
+        kwargs["sequence_parallel"] = False   # given under sequence parallelism already: planned as it is
     return partitioner.search(profiles, **kwargs, **extra)
+
+
+def _stream_whole(cfg: Config) -> Config:
+    """`cfg` profiled with the residual stream whole (`model.sequence_parallel=false`): the search
+    plans sequence parallelism itself (`sequence_parallel_search`)."""
+    if not hasattr(cfg.model, "sequence_parallel"):
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sequence_parallel=False))
 
 
 def parallel_search(cfg: Any) -> bool:
@@ -601,27 +643,35 @@ def _search_parallel(cfg: Config, method: str | None) -> Any:
         kwargs["method"] = method
     batch = int(cfg.train.batch_size)
 
+    kwargs.pop("sequence_parallel")
+
     def profiles(tp: int) -> Any:
-        one = _with_parallel(cfg, tp, per_stage // tp)
+        one = _stream_whole(_with_parallel(cfg, tp, per_stage // tp))
         return profiles_by_size(one, tp_model_spec(one))
 
     return partitioner.search_parallel(profiles, int(p.stages), batch, per_stage, tensor_parallel=tps,
-                                       zero_stages=zeros, **kwargs)
+                                       zero_stages=zeros, sequence_parallel=lambda t: sequence_parallel_search(cfg, t),
+                                       **kwargs)
 
 
 def resolve_layout(config: Any, plan: Any) -> Config:
     """The typed `config` with the layout `plan` runs written into `pipeline` (schedule,
-    microbatches, virtual stages, max_inflight): after the planner chose, everything downstream
-    (workers, data, checkpoints, names) reads a plain layout."""
+    microbatches, virtual stages, max_inflight; under auto the recompute granularity, and
+    `model.sequence_parallel`): after the planner chose, everything downstream (workers, data,
+    checkpoints, names) reads a plain layout."""
     import dataclasses
 
-    from experiments.config import ScheduleName
+    from experiments.config import RecomputeGranularity, ScheduleName
 
     config = as_config(config)
     pipeline = dataclasses.replace(config.pipeline, schedule=ScheduleName(plan.schedule),
                                    microbatches=int(plan.microbatches), virtual_stages=int(plan.virtual_stages),
                                    max_inflight=plan.max_inflight)
+    if _text(config.pipeline.recompute_granularity) == "auto":
+        pipeline = dataclasses.replace(pipeline, recompute_granularity=RecomputeGranularity(plan.recompute_granularity))
     out = dataclasses.replace(config, pipeline=pipeline)
+    if sequence_parallel_setting(out.model) == "auto":
+        out = dataclasses.replace(out, model=dataclasses.replace(out.model, sequence_parallel=bool(plan.sequence_parallel)))
     if parallel_search(out):   # the 3-D search chose the replicas, tp and ZeRO stage too
         out = _with_parallel(out, plan.tensor_parallel, plan.data_parallel, plan.zero_stage)
     if plan.reshard_after_forward is not None and str(out.optimizer.reshard_after_forward).lower() == "auto":
@@ -634,10 +684,10 @@ def plan_matches(plan: Any, cfg: Any, num_layers: int) -> bool:
     """Whether a saved plan fits the configured layout (stages, chunks, schedule, m, replicas,
     method), precision and checkpointing (`pipeline.activation_checkpointing`: false / true,
     no chunk / every chunk recomputes; auto, any; a recomputing plan's
-    `pipeline.recompute_granularity`); under `auto` layouts, a searched plan whose
-    layout the search could choose."""
+    `pipeline.recompute_granularity`), `model.sequence_parallel` (each: auto, any); under
+    `auto` layouts, a searched plan whose layout the search could choose."""
     cfg = as_config(cfg)
-    mode = checkpointing_mode(cfg.pipeline.activation_checkpointing)
+    mode, sp = checkpointing_mode(cfg.pipeline.activation_checkpointing), sequence_parallel_setting(cfg.model)
     same = (plan.num_layers == num_layers and plan.num_stages == int(cfg.pipeline.stages)
             and plan.data_parallel == int(cfg.pipeline.data_parallel)
             and plan.method == _text(cfg.partitioner.method)
@@ -645,7 +695,8 @@ def plan_matches(plan: Any, cfg: Any, num_layers: int) -> bool:
             and len(plan.stage_recompute or []) == plan.num_chunks
             and recompute_follows(mode, plan.stage_recompute)
             and (not any(plan.stage_recompute)
-                 or plan.recompute_granularity == _text(cfg.pipeline.recompute_granularity)))
+                 or _text(cfg.pipeline.recompute_granularity) in ("auto", plan.recompute_granularity))
+            and (sp == "auto" or bool(plan.sequence_parallel) == (sp is True and int(cfg.pipeline.tensor_parallel) > 1)))
     if searches(cfg):
         kw = search_kwargs(cfg)
         return (same and plan.search is not None and kw["batch_per_replica"] % plan.microbatches == 0

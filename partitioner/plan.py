@@ -35,7 +35,9 @@ class Plan(JsonMixin):
     ``stage_pending`` (split-backward schedules: the microbatches whose weight gradients are
     still deferred at the rank's peak; their kept gradients count in ``temporary``),
     ``stage_recompute`` (and ``recompute_granularity``: "chunk", one checkpoint per recomputing
-    chunk, or "layer", one per layer; marked R and RL in the summary). Per rank: ``rank_memory_bytes`` (predicted peak), ``rank_fits`` and
+    chunk, or "layer", one per layer; marked R and RL in the summary). ``sequence_parallel``: the
+    profile was planned under sequence parallelism (``partitioner.recompute.sequence_parallel_profile``,
+    its ``meta["sequence_parallel"]``). Per rank: ``rank_memory_bytes`` (predicted peak), ``rank_fits`` and
     ``rank_memory_breakdown`` (per rank, bytes of ``parameters``, ``gradients``,
     ``optimizer_state``, ``activations``, ``communication``, ``temporary`` at that peak; they sum
     to ``rank_memory_bytes``; see ``partitioner.memory``). A chunk's ``stage_memory_bytes`` is its
@@ -100,6 +102,7 @@ class Plan(JsonMixin):
     rank_optimizer_s: list[float] = field(default_factory=list)
     rank_collective_s: list[float] = field(default_factory=list)   # the replicas' per-step collectives, exposed
     tensor_parallel: int = 1
+    sequence_parallel: bool = False   # the profile planned under sequence parallelism over the tp ranks
     reshard_after_forward: bool | None = None   # ZeRO-3's reshard policy (None: not ZeRO-3)
     rank_memory_bytes: list[int] = field(default_factory=list)
     rank_fits: list[bool] = field(default_factory=list)
@@ -321,6 +324,7 @@ class Plan(JsonMixin):
                  + (f", v={self.virtual_stages}" if self.virtual_stages > 1 else "")
                  + (f", dp={self.data_parallel} zero={self.zero_stage}" if self.data_parallel > 1 else "")
                  + (f", tp={self.tensor_parallel}" if self.tensor_parallel > 1 else "")
+                 + (" sequence-parallel" if self.sequence_parallel else "")
                  + (f" reshard_after_forward={str(self.reshard_after_forward).lower()}"
                     if self.reshard_after_forward is not None else "")
                  + f", {self.precision} {self.optimizer}")
@@ -406,7 +410,9 @@ def _search_cells(row: dict[str, Any], best: float | None) -> list[str]:
             "-" if step is None else f"{step * 1e3:.3f}",
             "-" if step is None or not best else f"{step / best:.3f}x",
             "-" if row.get("bubble_fraction") is None else f"{row['bubble_fraction']:.1%}",
-            "-" if not mem else f"{max(mem) / 2**30:.3f}", str(rec) if mem else "-", row["status"],
+            "-" if not mem else f"{max(mem) / 2**30:.3f}",
+            "-" if not mem else str(rec) + (" per-layer" if rec and row.get("recompute_granularity") == "layer" else ""),
+            row["status"],
             _costs_cell(row.get("profile") or "")]
 
 
@@ -426,7 +432,8 @@ def _costs_cell(how: str) -> str:
 def format_search(record: dict[str, Any], width: int = 120) -> str:
     """The table of a ``partitioner.search`` record (``Plan.search``): the chosen layout (first
     row) and the next best, each with its predicted step, bubble, peak rank memory and the chunks
-    that recompute; then the counts and notes."""
+    that recompute (and "per-layer" for per-layer checkpoints), whether each is planned under
+    sequence parallelism where any layout is; then the counts and notes."""
     head = ["#", "schedule", "v", "m", "inflight", "step ms", "vs best", "bubble", "peak rank GiB",
             "recompute", "status", "costs"]
     chosen = record["chosen"]
@@ -439,6 +446,9 @@ def format_search(record: dict[str, Any], width: int = 120) -> str:
         body = [b[:1] + [f"{r['data_parallel']} x {r['tensor_parallel']}", str(r["zero_stage"]),
                          "-" if r.get("reshard_after_forward") is None else str(r["reshard_after_forward"]).lower()]
                 + b[1:] for b, r in zip(body, rows)]
+    if any(r.get("sequence_parallel") for r in record.get("candidates", rows)):   # planned both ways
+        head = head + ["SP"]
+        body = [b + ["yes" if r.get("sequence_parallel") else "no"] for b, r in zip(body, rows)]
     title = (f"search: {record['considered']} layouts ({record.get('ok', 0)} solved, "
              f"{record.get('pruned', 0)} pruned, {record.get('infeasible', 0)} infeasible, "
              f"{record.get('skipped', 0)} skipped), {record['seconds']:.2f} s"

@@ -29,6 +29,8 @@ chunks (:func:`partitioner.vsplit.optimal_v_split`). Which rank runs which chunk
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import itertools
 import math
@@ -52,7 +54,22 @@ from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optima
                     pipeline_lower_bound, split_costs, uniform_split)
 from .vsplit import min_v_memory_scale, optimal_v_split
 
-__all__ = ["partition", "METHODS", "CHECKPOINTING", "checkpointing_mode", "recompute_follows"]
+__all__ = ["partition", "METHODS", "CHECKPOINTING", "checkpointing_mode", "recompute_follows", "without_stage_advice"]
+
+_STAGE_ADVICE: contextvars.ContextVar[bool] = contextvars.ContextVar("stage_advice", default=True)
+
+
+@contextlib.contextmanager
+def without_stage_advice() -> Iterator[None]:
+    """Within it, a :class:`PartitionError` leaves out ", or use N stages" (which builds the
+    schedule at other stage counts: seconds for zb-auto): for callers that discard the message
+    (``partition``'s reshard choice, ``partitioner.search`` until it reports). The smallest limit
+    that works is still named."""
+    token = _STAGE_ADVICE.set(False)
+    try:
+        yield
+    finally:
+        _STAGE_ADVICE.reset(token)
 
 METHODS: tuple[str, ...] = ("optimal", "uniform", "parameters", "greedy")
 
@@ -216,13 +233,11 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
               links: Links | None = None, recompute_granularity: str = "chunk") -> Plan:
     """Split ``profile`` into ``num_stages`` pipeline stages (see the module docstring).
 
-    ``memory_limit_bytes``: one number for every rank, or one per rank. ``method``: "optimal"
-    or a baseline ("uniform", "parameters", "greedy"; baselines ignore the limits when
-    choosing, and the plan reports whether each rank fits). ``activation_checkpointing``:
-    False, True (every stage recomputes) or "auto" (a stage recomputes only where the exact
-    search needs it to fit). ``simulate``: predict the step with :meth:`Plan.simulate` (else
-    the closed form). ``max_inflight``: zb-h2's bound on the microbatches a rank holds (its
-    memory knob). ``precision`` (None: fp32 for a 4-byte profile, bf16 for a 16-bit one),
+    ``memory_limit_bytes``: one number for every rank, or one per rank. ``method``: "optimal" or a baseline
+    ("uniform", "parameters", "greedy"; baselines ignore the limits when choosing, and the plan reports whether
+    each rank fits). ``activation_checkpointing``: False, True (every stage recomputes) or "auto" (a stage
+    recomputes only where the exact search needs it to fit). ``simulate``: predict the step with
+    :meth:`Plan.simulate` (else the closed form). ``max_inflight``: zb-h2's memory knob. ``precision`` (None: fp32 for a 4-byte profile, bf16 for a 16-bit one),
     ``momentum`` (SGD's), ``grad_accum_dtype``, ``backend``, ``overlap_grad_reduce`` and
     ``grad_bucket_mb``: what the run keeps per parameter (:class:`partitioner.memory.MemorySettings`).
     ``step_sync`` (``optimizer.step_sync``) and ``grad_clip`` (whether it clips): with
@@ -248,15 +263,16 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
         link_bytes_per_s = profile.fixed.link_bytes_per_s
     if int(zero_stage) == 3 and reshard_after_forward is None:   # the planner's choice
         try:
-            plan = partition(profile, p, schedule=schedule, microbatches=m, virtual_stages=v,
-                             data_parallel=data_parallel, zero_stage=3, optimizer=optimizer,
-                             memory_limit_bytes=memory_limit_bytes, method=method, link_bytes_per_s=link_bytes_per_s,
-                             activation_checkpointing=activation_checkpointing, simulate=simulate,
-                             max_inflight=max_inflight, precision=precision, momentum=momentum,
-                             grad_accum_dtype=grad_accum_dtype, backend=backend, reshard_after_forward=False,
-                             overlap_grad_reduce=overlap_grad_reduce, grad_bucket_mb=grad_bucket_mb,
-                             step_sync=step_sync, grad_clip=grad_clip, tensor_parallel=tensor_parallel,
-                             links=links, recompute_granularity=granularity)
+            with without_stage_advice():   # a failure here is not reported
+                plan = partition(profile, p, schedule=schedule, microbatches=m, virtual_stages=v,
+                                 data_parallel=data_parallel, zero_stage=3, optimizer=optimizer,
+                                 memory_limit_bytes=memory_limit_bytes, method=method, link_bytes_per_s=link_bytes_per_s,
+                                 activation_checkpointing=activation_checkpointing, simulate=simulate,
+                                 max_inflight=max_inflight, precision=precision, momentum=momentum,
+                                 grad_accum_dtype=grad_accum_dtype, backend=backend, reshard_after_forward=False,
+                                 overlap_grad_reduce=overlap_grad_reduce, grad_bucket_mb=grad_bucket_mb,
+                                 step_sync=step_sync, grad_clip=grad_clip, tensor_parallel=tensor_parallel,
+                                 links=links, recompute_granularity=granularity)
             plan.notes.append("reshard_after_forward=false chosen: the layers stay gathered for the step "
                               "(one all-gather per layer per step)")
             return plan
@@ -274,7 +290,7 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     _note_recompute(recompute, ckpt, notes)
     settings = dict(method=method, data_parallel=data_parallel, zero_stage=zero_stage, optimizer=optimizer,
                     max_inflight=max_inflight, step_sync=str(step_sync), tensor_parallel=int(tensor_parallel),
-                    recompute_granularity=granularity)
+                    recompute_granularity=granularity, sequence_parallel=int(profile.meta.get("sequence_parallel", 1)) > 1)
     local = False
     if method == "optimal" and simulate:
         bounds, local = _refine(prob, bounds, recompute, settings, notes)
@@ -1176,7 +1192,7 @@ def _infeasible_message(err: Exception, prob: _Problem) -> str:
                f"({_gib(need_rank)})")
         if v > 1:
             msg += f" (with each chunk held to the rank limit / {v})"
-        msg += _more_stages(prob)
+        msg += _more_stages(prob) if _STAGE_ADVICE.get() else ""
     else:
         scale, split = min_memory_scale(k, n, caps=chunk_caps, recompute_time=f, checkpointing=ckpt, **common)
         need = [max(math.ceil(c * scale + res), x)

@@ -9,9 +9,11 @@ and a backward recomputes one block at a time; the engine runs that with
 turns a profile into the second (each checkpointed layer saves only its input; its activations
 and backward workspace become its backward's transient; its backward runs its forward again).
 :func:`partitioner.partition` with ``recompute_granularity="layer"`` prices its recomputing chunks
-by this rule (every layer, ``input_shards=1``); called directly, with ``activation_checkpointing=False``,
-it predicts another runtime's memory and time (blocks only, sequence-parallel inputs) to compare
-with published figures.
+by this rule (every layer); called directly, with ``activation_checkpointing=False``, it predicts
+another runtime's memory and time (blocks only) to compare with published figures.
+:func:`sequence_parallel_profile` is the one rule for sequence parallelism: it divides what lies on
+the residual stream by tp once (a held block input included), and refuses a profile it has
+already divided.
 
 Example::
 
@@ -28,21 +30,16 @@ from typing import Sequence
 
 from .costs import Profile
 
-__all__ = ["checkpoint_each_layer", "sequence_parallel_profile"]
+__all__ = ["checkpoint_each_layer", "sequence_parallel_profile", "SP_NORM_TENSORS"]
 
 
-def checkpoint_each_layer(profile: Profile, layers: Sequence[int] | None = None, *,
-                          input_shards: int = 1) -> Profile:
+def checkpoint_each_layer(profile: Profile, layers: Sequence[int] | None = None) -> Profile:
     """``profile`` with each of ``layers`` (default: all but the first and the last, the
     transformer blocks of an LM's pipeline layers) checkpointed on its own (module docstring):
-    its saved activations the input it receives (the previous layer's output; 0 for the first),
-    divided by ``input_shards`` (sequence parallelism over ``t`` tensor-parallel ranks keeps a
-    block's input sharded along the sequence: ``input_shards=t``), its workspace its former
-    activations plus workspace (recomputed then freed by its backward; as profiled, without
-    sequence parallelism: an upper bound with it), its backward (and a split backward's input
-    half) longer by its forward."""
-    if int(input_shards) < 1:
-        raise ValueError(f"input_shards must be >= 1, got {input_shards}")
+    its saved activations the input it receives (the previous layer's output, as the profile has
+    it: ``[b, t / tp, d]`` in a :func:`sequence_parallel_profile`; 0 for the first), its
+    workspace its former activations plus workspace (recomputed then freed by its backward), its
+    backward (and a split backward's input half) longer by its forward."""
     n = len(profile)
     chosen = set(range(1, n - 1) if layers is None else (int(i) for i in layers))
     bad = sorted(i for i in chosen if not 0 <= i < n)
@@ -53,7 +50,7 @@ def checkpoint_each_layer(profile: Profile, layers: Sequence[int] | None = None,
         if i not in chosen:
             out.append(c)
             continue
-        held = (profile.layers[i - 1].output_bytes if i > 0 else 0) // int(input_shards)
+        held = profile.layers[i - 1].output_bytes if i > 0 else 0
         ws = c.workspace_bytes if c.workspace_bytes is not None else 2 * c.output_bytes
         out.append(dataclasses.replace(
             c, activation_bytes=int(held), workspace_bytes=int(c.activation_bytes + ws), shared_input_bytes=0,
@@ -64,6 +61,13 @@ def checkpoint_each_layer(profile: Profile, layers: Sequence[int] | None = None,
     return dataclasses.replace(profile, layers=out, meta=dict(profile.meta, checkpointed_layers=sorted(chosen)))
 
 
+SP_NORM_TENSORS = "sp_norm_tensors"
+"""``Profile.meta`` key: residual-stream tensors each norm saves that sequence parallelism splits
+(:func:`sequence_parallel_profile`, in units of the residual stream; the experiments' wiring knows
+the model's norm: an RMSNorm 2 on a 4-byte stream, 3 on a 16-bit one (its input upcast to fp32),
+a LayerNorm 1)."""
+
+
 def sequence_parallel_profile(profile: Profile, tp: int, norms: int = 2) -> Profile:
     """``profile`` (one tp rank's shapes, profiled with the residual stream whole) as the engine
     runs it under sequence parallelism over ``tp`` ranks (``model.sequence_parallel``): every
@@ -71,11 +75,14 @@ def sequence_parallel_profile(profile: Profile, tp: int, norms: int = 2) -> Prof
     ``[b, t, d]``) is ``[b, t / tp, d]`` per rank, so ``output_bytes`` (what crosses a cut, the
     boundary buffers, a recomputing chunk's held input, a chunk's kept output; and
     :func:`checkpoint_each_layer`'s held block inputs) is divided by ``tp``. Saved activations:
-    an RMSNorm saves its input and its normalised input and the projections after it save its
-    output (3 residual-stream tensors); split on the sequence the first two are ``1 / tp`` and
-    the projections save the all-gathered output (``1 + 2 / tp``), so each of a block's ``norms``
-    (the head's one final norm) saves ``2 - 2 / tp`` residual-stream tensors less (fp32 compute;
-    the residual stream the layer's input as profiled).
+    each of a block's ``norms`` (the head's one final norm) saves ``k`` residual-stream tensors
+    that, split on the sequence, become ``1 / tp`` (the projections after it save the
+    all-gathered output, whole either way): ``k (1 - 1 / tp)`` tensors less per norm. ``k`` is
+    ``profile.meta[SP_NORM_TENSORS]``, default 2: an RMSNorm in fp32 saves its input and its
+    normalised input (with 16-bit weights its input upcast to fp32 and its normalised input: 3;
+    a LayerNorm its input only: 1). The residual stream's size is the
+    layer's input as profiled. Refuses a profile already divided (``meta["sequence_parallel"]``):
+    the rule is applied once.
 
     >>> from partitioner import LayerCost, Profile
     >>> prof = Profile([LayerCost(1.0, 2.0, 8, 100, 10)] * 3)
@@ -85,14 +92,18 @@ def sequence_parallel_profile(profile: Profile, tp: int, norms: int = 2) -> Prof
     tp = int(tp)
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
+    if int(profile.meta.get("sequence_parallel", 1)) > 1:
+        raise ValueError(f"the profile is already planned under sequence parallelism over "
+                         f"{profile.meta['sequence_parallel']} ranks; give the profile with the residual stream "
+                         "whole (sequence_parallel_profile divides it once)")
+    if tp == 1:
+        return profile
+    k = float(profile.meta.get(SP_NORM_TENSORS, 2))
     n = len(profile)
     out = []
     for i, c in enumerate(profile.layers):
-        if tp == 1:
-            out.append(c)
-            continue
         count = 0 if i == 0 else (1 if i == n - 1 else int(norms))
-        fewer = int(count * (2 - 2 / tp) * (profile.layers[i - 1].output_bytes if i > 0 else 0))
+        fewer = int(count * k * (1 - 1 / tp) * (profile.layers[i - 1].output_bytes if i > 0 else 0))
         sent = c.output_bytes // tp if i < n - 1 else c.output_bytes
         saved = None if c.output_saved_bytes is None else min(c.output_saved_bytes, sent)
         out.append(dataclasses.replace(c, output_bytes=sent, output_saved_bytes=saved,

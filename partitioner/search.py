@@ -9,6 +9,12 @@ solved by :func:`partitioner.partition` (the exact split under the memory limit,
 recomputation where the limit needs it under ``activation_checkpointing="auto"``, the step predicted by ``Plan.simulate`` with the
 profile's fixed costs) and the layouts are ranked by predicted step; the fastest that fits is
 the choice. The partitioner is a black box here, so its memory and cost models flow through.
+With ``recompute_granularity="auto"`` each layout is solved at both granularities (a recomputing
+chunk checkpointed whole, or layer by layer: :func:`partitioner.recompute.checkpoint_each_layer`;
+only "chunk" where no chunk may recompute), and with ``sequence_parallel="auto"`` and more than
+one tp rank with and without sequence parallelism (the profile given whole, divided once by
+:func:`partitioner.recompute.sequence_parallel_profile`); the plan records both
+(``Plan.recompute_granularity``, ``Plan.sequence_parallel``).
 
 Costs depend on the microbatch size, and not linearly: a layer's time is a fixed part (per-op
 launch and dispatch, which a small microbatch does not amortise) plus a part that grows with the
@@ -41,22 +47,26 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, Union
 
+from engine.choices import check_recompute_granularity
 from engine.footprint import GRAD_BUCKET_MB
 from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule
 
 from .costs import LayerCost, Profile  # noqa: F401 - LayerCost: the doctests
 from .plan import PartitionError, Plan, format_search
-from .planner import checkpointing_mode, partition
+from .planner import checkpointing_mode, partition, without_stage_advice
+from .recompute import sequence_parallel_profile
 from .solve import pipeline_lower_bound
 
 __all__ = ["AUTO", "Candidate", "SearchResult", "search", "search_parallel", "parallel_layouts", "candidate_layouts", "microbatch_counts",
-           "inflight_values", "scale_profile", "affine_profile", "V_SPLIT_BUDGET", "SCALINGS"]
+           "inflight_values", "scale_profile", "affine_profile", "V_SPLIT_BUDGET", "SCALINGS",
+           "granularity_choices", "sequence_parallel_choices"]
 
 AUTO = "auto"
 """The config value that asks the planner to choose (``pipeline.schedule`` / ``pipeline.microbatches``)."""
@@ -101,14 +111,20 @@ class Candidate:
     data_parallel: int | None = None
     zero_stage: int | None = None
     reshard_after_forward: bool | None = None
+    # planned under sequence parallelism; a recomputing chunk's checkpoints (chunk / layer)
+    sequence_parallel: bool = False
+    recompute_granularity: str = "chunk"
 
     @property
     def label(self) -> str:
         """A short name: ``"zb-h2 m=8 inflight=3"``, ``"interleaved-1f1b v=3 m=8"`` (with
-        ``"dp8 tp8 zero3"`` first when :func:`search_parallel` chose them)."""
+        ``"dp8 tp8 zero3"`` first when :func:`search_parallel` chose them, ``" sp"`` under
+        sequence parallelism, ``" per-layer"`` with per-layer recompute checkpoints)."""
         out = self.schedule + (f" v={self.virtual_stages}" if SCHEDULE_INFO[self.schedule].chunks_per_rank is None
                                else "") + f" m={self.microbatches}"
         out += f" inflight={self.max_inflight}" if self.max_inflight is not None else ""
+        out += " sp" if self.sequence_parallel else ""
+        out += " per-layer" if self.recompute_granularity == "layer" else ""
         if self.tensor_parallel is not None:
             out = f"dp{self.data_parallel} tp{self.tensor_parallel} zero{self.zero_stage} " + out
         return out
@@ -380,11 +396,13 @@ def _lower_bound(prof: Profile, c: Candidate, p: int) -> float:
     return compute + 2 * m * v * action + step
 
 
-def _solve(c: Candidate, prof: Profile, p: int, kwargs: dict[str, Any]) -> None:
-    """Solve one layout with :func:`partition`, recording the outcome on ``c``."""
+def _solve(c: Candidate, prof: Profile, p: int, kwargs: dict[str, Any], advice: bool = False) -> None:
+    """Solve one layout with :func:`partition`, recording the outcome on ``c`` (an infeasible
+    layout's note without the stage-count advice unless ``advice``: :func:`_nothing_fits`)."""
     try:
-        plan = partition(prof, p, schedule=c.schedule, microbatches=c.microbatches, virtual_stages=c.virtual_stages,
-                         max_inflight=c.max_inflight, **kwargs)
+        with contextlib.nullcontext() if advice else without_stage_advice():
+            plan = partition(prof, p, schedule=c.schedule, microbatches=c.microbatches, virtual_stages=c.virtual_stages,
+                             max_inflight=c.max_inflight, **dict(kwargs, recompute_granularity=c.recompute_granularity))
     except PartitionError as exc:
         c.status, c.note = "infeasible", str(exc)
         return
@@ -397,11 +415,41 @@ def _solve(c: Candidate, prof: Profile, p: int, kwargs: dict[str, Any]) -> None:
 
 def _rank_key(c: Candidate) -> tuple:
     """Fits first, then the predicted step; ties: less memory, the simpler schedule, fewer
-    chunks and microbatches."""
+    chunks and microbatches, no sequence parallelism, chunk checkpoints."""
     return (_STATUS.index(c.status) if c.status in _STATUS else len(_STATUS),
             c.step_s if c.step_s is not None else math.inf,
             c.peak_memory_bytes if c.peak_memory_bytes is not None else math.inf,
-            SCHEDULES.index(c.schedule), c.virtual_stages, c.microbatches, c.max_inflight or 0)
+            SCHEDULES.index(c.schedule), c.virtual_stages, c.microbatches, c.max_inflight or 0,
+            c.sequence_parallel, c.recompute_granularity != "chunk")
+
+
+def granularity_choices(value: Any, checkpointing: Any) -> list[str]:
+    """The recompute granularities the search solves each layout at: ``"auto"``, chunk and
+    layer (chunk only where no chunk may recompute, ``checkpointing`` off); else the one given.
+
+    >>> granularity_choices("auto", "auto"), granularity_choices("auto", False), granularity_choices("layer", "on")
+    (['chunk', 'layer'], ['chunk'], ['layer'])
+    """
+    if str(value).strip().lower() != AUTO:
+        return [check_recompute_granularity(value)]
+    return ["chunk"] if checkpointing_mode(checkpointing) == "off" else ["chunk", "layer"]
+
+
+def sequence_parallel_choices(value: Any, tensor_parallel: int) -> list[bool]:
+    """Whether the search plans each layout without and / or with sequence parallelism:
+    ``"auto"``, both with more than one tp rank; True or False, that one; one tp rank has no
+    sequence to split (False only).
+
+    >>> sequence_parallel_choices("auto", 4), sequence_parallel_choices("auto", 1), sequence_parallel_choices(True, 2)
+    ([False, True], [False], [True])
+    """
+    if int(tensor_parallel) <= 1:
+        return [False]
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return [False, True]
+    if not isinstance(value, bool):
+        raise ValueError(f"sequence_parallel={value!r}; use True, False or 'auto'")
+    return [value]
 
 
 def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
@@ -417,7 +465,8 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
            top: int = 5, prune: bool = True,
            v_split_budget: float = V_SPLIT_BUDGET, scaling: str = "bounded",
            tensor_parallel: int = 1, reshard_after_forward: bool | None = None,
-           links: Any = None, recompute_granularity: str = "chunk") -> SearchResult:
+           links: Any = None, recompute_granularity: str = "chunk",
+           sequence_parallel: "bool | str" = False, table_steps: list[float] | None = None) -> SearchResult:
     """Choose the layout with the smallest predicted step that fits (see the module docstring).
 
     ``profile``: a callable ``microbatch size -> Profile`` (profiled at each size searched), a
@@ -429,10 +478,16 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
     the memory limit needs it; ``precision`` / ``momentum`` / ``grad_accum_dtype`` / ``backend`` /
     ``overlap_grad_reduce`` / ``grad_bucket_mb`` / ``step_sync`` / ``grad_clip``: what the run keeps
     per parameter, and how its steps follow each other;
-    ``recompute_granularity``: a recomputing chunk's checkpoints, the chunk or each layer;
+    ``recompute_granularity``: a recomputing chunk's checkpoints, the chunk or each layer, or
+    "auto" (:func:`granularity_choices`); ``sequence_parallel``: True plans ``profile`` (given with
+    the residual stream whole) under sequence parallelism over the tp ranks, "auto" both ways
+    (:func:`sequence_parallel_choices`);
     ``tensor_parallel`` / ``reshard_after_forward`` / ``links``: the 3-D layout's, see
     :func:`partitioner.partition`; :func:`search_parallel` chooses them too). ``top``: the
-    alternatives kept exact (and shown); ``prune=False`` solves every layout. Raises :class:`PartitionError` when nothing fits.
+    alternatives kept exact (and shown); ``prune=False`` solves every layout. ``table_steps``: the
+    sorted predicted steps of layouts that fit and are ranked in the same table (another search's:
+    :func:`search_parallel`), pruned against too and extended in place. Raises :class:`PartitionError` when nothing fits
+    (or, with ``table_steps``, nothing that fits can enter the table).
     """
     t0 = time.perf_counter()
     p, B = int(num_stages), int(batch_per_replica)
@@ -444,8 +499,12 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
                          "callable size -> Profile, or fix the microbatch count")
     profile_for = _profile_source(profile, profile_microbatch, scaling, spent)
     n = _num_layers(profile, profile_for, [B // m for m in ms])
-    cands = candidate_layouts(p, n, ms, schedules=schedules, virtual_stages=virtual_stages,
-                              max_virtual_stages=max_virtual_stages, max_inflight=max_inflight)
+    ckpt = _checkpointing(activation_checkpointing, memory_limit_bytes)
+    cands = [dataclasses.replace(c, sequence_parallel=sp, recompute_granularity=g)
+             for c in candidate_layouts(p, n, ms, schedules=schedules, virtual_stages=virtual_stages,
+                                        max_virtual_stages=max_virtual_stages, max_inflight=max_inflight)
+             for sp in sequence_parallel_choices(sequence_parallel, tensor_parallel)
+             for g in granularity_choices(recompute_granularity, ckpt)]
     if not cands:
         raise PartitionError(f"no layout of {n} layers on {p} ranks with microbatches {ms} is accepted by the "
                              f"schedules {list(schedules or SCHEDULES)}; allow more schedules or microbatch counts")
@@ -455,17 +514,23 @@ def search(profile: ProfileSource, num_stages: int, batch_per_replica: int, *,
                   overlap_grad_reduce=overlap_grad_reduce, grad_bucket_mb=grad_bucket_mb,
                   step_sync=step_sync, grad_clip=grad_clip,
                   tensor_parallel=tensor_parallel, reshard_after_forward=reshard_after_forward, links=links,
-                  recompute_granularity=recompute_granularity,
-                  activation_checkpointing=_checkpointing(activation_checkpointing, memory_limit_bytes))
-    notes = _run(cands, profile_for, p, B, n, kwargs, top if prune else None, v_split_budget)
+                  activation_checkpointing=ckpt)
+    variant_for = _with_sequence_parallel(profile_for, tensor_parallel)
+    notes = _run(cands, variant_for, p, B, n, kwargs, top if prune else None, v_split_budget,
+                 table_steps if table_steps is not None else [])
     ranked = sorted(cands, key=_rank_key)
     if ranked[0].status != "ok":
-        raise PartitionError(_nothing_fits(ranked, memory_limit_bytes))
+        again = lambda c: _solve(c, variant_for(B // c.microbatches, c.sequence_parallel)[0], p, kwargs, True)  # noqa: E731
+        raise PartitionError(_nothing_fits(ranked, memory_limit_bytes, again)
+                             + ("" if not any(c.status == "pruned" for c in ranked) else
+                                f"; {sum(c.status == 'pruned' for c in ranked)} layout(s) pruned: their lower bounds "
+                                "cannot beat the table's steps"))
     result = SearchResult(ranked[0].plan, ranked, time.perf_counter() - t0, notes,  # type: ignore[arg-type]
                           profile_seconds=spent[0])
     result.plan.search = result.record(top)
     result.plan.notes.append(f"chosen by the search over {len(ranked)} layouts (schedule, chunks, microbatches, "
-                             f"max_inflight, recompute, split): see the search table")
+                             f"max_inflight, recompute and its granularity, sequence parallelism, split): see the "
+                             "search table")
     return result
 
 
@@ -478,18 +543,44 @@ def _num_layers(profile: ProfileSource, profile_for: Callable[[int], tuple[Profi
     return len(profile_for(sizes[0])[0])   # type: ignore[arg-type]
 
 
-def _run(cands: list[Candidate], profile_for: Callable[[int], tuple[Profile | None, str]], p: int, B: int, n: int,
-         kwargs: dict[str, Any], keep: int | None, v_split_budget: float) -> list[str]:
-    """Solve the layouts in order of their lower bounds, pruning once the table is settled."""
+def _with_sequence_parallel(profile_for: Callable[[int], tuple[Profile | None, str]], tp: int
+                            ) -> Callable[[int, bool], tuple[Profile | None, str]]:
+    """``(size, sequence parallel) -> (Profile or None, how)``: ``profile_for``'s profile, or
+    its :func:`partitioner.recompute.sequence_parallel_profile` over ``tp`` ranks (cached)."""
+    cache: dict[int, Profile] = {}
+
+    def get(size: int, sp: bool) -> tuple[Profile | None, str]:
+        prof, how = profile_for(size)
+        if not sp or prof is None:
+            return prof, how
+        if size not in cache:
+            cache[size] = sequence_parallel_profile(prof, tp)
+        return cache[size], how
+
+    return get
+
+
+def _missing_twin(c: Candidate, solved: dict[tuple, Candidate]) -> Candidate | None:
+    """The sequence-parallel twin of ``c`` (without sequence parallelism) when it does not fit,
+    so that ``c`` cannot: the twin's profile holds no more bytes on any layer."""
+    twin = solved.get((c.schedule, c.virtual_stages, c.microbatches, c.max_inflight, c.recompute_granularity))
+    return twin if not c.sequence_parallel and twin is not None and twin.status == "infeasible" else None
+
+
+def _run(cands: list[Candidate], profile_for: Callable[[int, bool], tuple[Profile | None, str]], p: int, B: int,
+         n: int, kwargs: dict[str, Any], keep: int | None, v_split_budget: float, best: list[float]) -> list[str]:
+    """Solve the layouts in order of their lower bounds (a sequence-parallel layout before its
+    twin), pruning once the table is settled. ``best``: the sorted steps of the layouts that fit
+    so far (this search's, and others' ranked in the same table), extended in place."""
     notes: list[str] = []
     for c in cands:
-        prof, c.profile = profile_for(B // c.microbatches)
+        prof, c.profile = profile_for(B // c.microbatches, c.sequence_parallel)
         if prof is None:
             c.status, c.note, c.lower_bound_s = "skipped", c.profile, math.inf
         else:
             c.lower_bound_s = _lower_bound(prof, c, p)
-    best: list[float] = []
-    for c in sorted(cands, key=lambda c: c.lower_bound_s):
+    sp_solved: dict[tuple, Candidate] = {}
+    for c in sorted(cands, key=lambda c: (c.lower_bound_s, not c.sequence_parallel, c.recompute_granularity != "chunk")):
         if c.status == "skipped":
             continue
         if keep is not None and len(best) > keep and c.lower_bound_s > best[keep]:
@@ -501,9 +592,19 @@ def _run(cands: list[Candidate], profile_for: Callable[[int], tuple[Profile | No
             c.note = (f"zbv's exact V split of {n} layers over {p} ranks costs O(p n^4) (~{p * n ** 4 / 4:.1e} "
                       f"steps > v_split_budget {v_split_budget:.0e})")
             continue
-        _solve(c, profile_for(B // c.microbatches)[0], p, kwargs)  # type: ignore[arg-type]
+        twin = _missing_twin(c, sp_solved)
+        if twin is not None:
+            c.status, c.note = "infeasible", f"not solved, as its sequence-parallel twin (no more bytes): {twin.note}"
+            continue
+        _solve(c, profile_for(B // c.microbatches, c.sequence_parallel)[0], p, kwargs)  # type: ignore[arg-type]
+        if c.status == "ok" and c.recompute_granularity != "chunk" and not any(c.recompute):
+            c.status, c.note = "skipped", ("no chunk recomputes: a plan of chunk checkpoints too (that twin is at "
+                                           "least as fast)")
+        if c.sequence_parallel:
+            sp_solved[(c.schedule, c.virtual_stages, c.microbatches, c.max_inflight, c.recompute_granularity)] = c
         if c.status == "ok":
-            best = sorted(best + [c.step_s])  # type: ignore[list-item]
+            best.append(c.step_s)  # type: ignore[arg-type]
+            best.sort()
     for why in dict.fromkeys(c.note for c in cands if c.status == "skipped"):
         notes.append(f"{sum(c.note == why for c in cands)} layout(s) skipped: {why}")
     notes.append("microbatch costs: " + "; ".join(sorted({f"m={c.microbatches}: {c.profile}" for c in cands},
@@ -513,12 +614,15 @@ def _run(cands: list[Candidate], profile_for: Callable[[int], tuple[Profile | No
     return notes
 
 
-def _nothing_fits(ranked: list[Candidate], memory_limit_bytes: Any) -> str:
-    """Why no layout works, with the partitioner's advice for one layout of each schedule."""
+def _nothing_fits(ranked: list[Candidate], memory_limit_bytes: Any, again: Callable[[Candidate], None]) -> str:
+    """Why no layout works, with the partitioner's advice for one layout of each schedule (the
+    first four: an infeasible one solved ``again`` with the stage-count advice)."""
     seen, hints = set(), []
     for c in ranked:
-        if c.schedule not in seen and c.note:
+        if c.schedule not in seen and c.note and len(hints) < 4:
             seen.add(c.schedule)
+            if c.status == "infeasible":
+                again(c)
             hints.append(f"{c.label}: {c.note}")
     return (f"no layout of the {len(ranked)} considered fits memory_limit_bytes={memory_limit_bytes}; "
             + " | ".join(hints[:4]))
@@ -548,7 +652,9 @@ def parallel_layouts(gpus_per_stage: int, batch: int, tensor_parallel: Sequence[
 
 def search_parallel(profile_for_tp: Callable[[int], ProfileSource], num_stages: int, batch: int,
                     gpus_per_stage: int, *, tensor_parallel: Sequence[int] = (1,),
-                    zero_stages: Sequence[int] = (1,), top: int = 5, **kwargs: Any) -> SearchResult:
+                    zero_stages: Sequence[int] = (1,), top: int = 5,
+                    sequence_parallel: "bool | str | Callable[[int], bool | str]" = False,
+                    **kwargs: Any) -> SearchResult:
     """:func:`search` over the 3-D layouts too: on ``num_stages x gpus_per_stage`` GPUs with a
     global ``batch`` (samples per step), each (tensor parallel, data parallel, ZeRO stage) of
     :func:`parallel_layouts` is searched (``profile_for_tp(t)``: the profile source of one tp
@@ -556,8 +662,10 @@ def search_parallel(profile_for_tp: Callable[[int], ProfileSource], num_stages: 
     every triple is ranked together: with the GPUs and the batch fixed, the fastest step is the
     most tokens per second per GPU. Under ZeRO-3 the reshard policy is the planner's per layout
     (``reshard_after_forward`` None, :func:`partitioner.partition`) unless given in ``kwargs``.
-    ``kwargs``: :func:`search`'s other keywords (not ``data_parallel`` / ``zero_stage`` /
-    ``tensor_parallel``). Raises :class:`PartitionError` when no triple has a layout that fits.
+    ``sequence_parallel``: :func:`search`'s, or a callable ``tp -> that`` (whether the model can
+    split its sequence over ``tp`` ranks). ``kwargs``: :func:`search`'s other keywords (not
+    ``data_parallel`` / ``zero_stage`` / ``tensor_parallel``). Raises :class:`PartitionError` when
+    no triple has a layout that fits.
     """
     t0 = time.perf_counter()
     triples = parallel_layouts(int(gpus_per_stage), int(batch), tensor_parallel, zero_stages)
@@ -566,13 +674,14 @@ def search_parallel(profile_for_tp: Callable[[int], ProfileSource], num_stages: 
                          f"stage into replicas that divide the batch of {batch}; list divisors of {gpus_per_stage}")
     cands: list[Candidate] = []
     notes: list[str] = []
-    spent = 0.0
-    for t, d, z in triples:
+    spent, steps = 0.0, []   # steps: of every triple's layouts that fit, one pruning bound for the table
+    for t, d, z in sorted(triples, key=lambda x: -x[0]):   # most tp first: least compute per rank, prunes early
         reshard = kwargs.get("reshard_after_forward") if z == 3 else None
         kw = dict(kwargs, reshard_after_forward=reshard)
         try:
+            sp = sequence_parallel(t) if callable(sequence_parallel) else sequence_parallel
             res = search(profile_for_tp(t), num_stages, batch // d, data_parallel=d, zero_stage=z,
-                         tensor_parallel=t, top=top, **kw)
+                         tensor_parallel=t, top=top, sequence_parallel=sp, table_steps=steps, **kw)
         except (PartitionError, ValueError) as exc:   # nothing fits; no microbatch count divides its batch
             notes.append(f"dp{d} tp{t} zero{z}: {str(exc)[:300]}")
             continue
@@ -591,5 +700,6 @@ def search_parallel(profile_for_tp: Callable[[int], ProfileSource], num_stages: 
                           profile_seconds=spent)
     result.plan.search = result.record(top)
     result.plan.notes.append(f"chosen by the 3-D search over {len(ranked)} layouts (tensor parallel, replicas, "
-                             "ZeRO stage, reshard policy, schedule, chunks, microbatches, recompute, split)")
+                             "ZeRO stage, reshard policy, sequence parallelism, schedule, chunks, microbatches, "
+                             "recompute and its granularity, split)")
     return result

@@ -7,21 +7,23 @@ AsyncTP; 1F1B 100 tokens/s/GPU at 82.5 GiB, interleaved 1F1B 128 at 72.7 GiB. to
 then (9dec370) splits the batch into as many microbatches as pipeline stages (8) and, with
 pipeline parallelism, keeps FSDP's layers unsharded for the step (``reshard_after_forward=False``).
 
-For each schedule, three rows: the plan as pipeshard's engine runs it (``experiments.partition``
-with these overrides, no sequence parallelism) with the whole chunk checkpointed
-(``pipeline.recompute_granularity=chunk``) and with each layer checkpointed on its own as
-torchtitan does (``pipeline.recompute_granularity=layer``), and the per-layer plan with the block
-inputs it keeps sharded by sequence parallelism (torchtitan's TP plan, ``partitioner.recompute``'s
-``input_shards``; the engine does not run that, the row is a prediction to put beside the
-published figures). bf16 compute on
-the analytic ``h100`` spec (SXM datasheet; the benchmark's GPUs were 96 GB HBM2e parts at 500 W,
-2.4 TB/s); no Float8, no torch.compile, no AsyncTP. ``--auto`` also runs the 3-D search
-(``pipeline.schedule=auto pipeline.microbatches=auto``, tp in 1/2/4/8, ZeRO 1/3, under
-``--limit``, each layer checkpointed) and prints its choice.
+For each schedule, five rows: the plan as pipeshard's engine runs it (``experiments.partition``
+with these overrides) with the whole chunk checkpointed (``pipeline.recompute_granularity=chunk``)
+and with each layer checkpointed on its own as torchtitan does
+(``pipeline.recompute_granularity=layer``), each without and with sequence parallelism
+(``model.sequence_parallel=true``: ``partitioner.recompute.sequence_parallel_profile``, the one
+rule dividing the residual stream by tp); and torchtitan's way as a what-if: the blocks alone
+checkpointed (embedding and head not recomputed), on the sequence-parallel profile (the engine
+recomputes whole chunks' layers; the row is a prediction to put beside the published figures).
+bf16 compute on the analytic ``h100`` spec (SXM datasheet; the benchmark's GPUs were 96 GB HBM2e
+parts at 500 W, 2.4 TB/s); no Float8, no torch.compile, no AsyncTP. ``--auto`` also runs the 3-D
+search (``pipeline.schedule=auto pipeline.microbatches=auto``, tp in 1/2/4/8, ZeRO 1/3, under
+``--limit``, recompute per chunk where needed at the granularity and with or without sequence
+parallelism the search chooses) and prints its choice.
 
 Usage::
 
-    PYTHONPATH=. python scripts/llama405_plan.py                 # the four rows (markdown)
+    PYTHONPATH=. python scripts/llama405_plan.py                 # the rows (markdown)
     PYTHONPATH=. python scripts/llama405_plan.py --auto          # and the search's choice
     PYTHONPATH=. python scripts/llama405_plan.py --tiny          # a smoke run (tests/test_scripts.py)
 """
@@ -46,7 +48,7 @@ SCHEDULES = {"1F1B": ["pipeline.schedule=1f1b"],
              "Interleaved 1F1B": ["pipeline.schedule=interleaved-1f1b", "pipeline.virtual_stages=2"]}
 PUBLISHED = {"1F1B": (100, 82.5), "Interleaved 1F1B": (128, 72.7)}
 AUTO = ["pipeline.schedule=auto", "pipeline.microbatches=auto", "pipeline.activation_checkpointing=auto",
-        "pipeline.recompute_granularity=layer",
+        "pipeline.recompute_granularity=auto", "model.sequence_parallel=auto",
         "partitioner.search.tensor_parallel=[1,2,4,8]", "partitioner.search.zero_stages=[1,3]",
         "optimizer.reshard_after_forward=auto"]
 
@@ -63,27 +65,27 @@ def _tokens_per_gpu(cfg, step_s: float) -> float:
 
 
 def plan_rows(model: list[str], layout: list[str]) -> list[dict]:
-    """Per schedule, the plans as the engine runs them (chunk and per-layer recompute) and the
-    per-layer one with sequence-parallel block inputs."""
+    """Per schedule, the plans as the engine runs them (chunk and per-layer recompute, each without
+    and with sequence parallelism) and torchtitan's blocks-only recompute on the SP profile."""
     import partitioner
     from experiments.config import compose_config
     from experiments.partition import validate_plan_config
     from experiments.wiring import partition_kwargs, profile_model, tp_model_spec
-    from partitioner.recompute import checkpoint_each_layer
+    from partitioner.recompute import checkpoint_each_layer, sequence_parallel_profile
 
     rows = []
     for name, sched in SCHEDULES.items():
         cfg = validate_plan_config(compose_config(*model, *layout, *sched))
-        prof = profile_model(cfg, tp_model_spec(cfg))
+        prof = profile_model(cfg, tp_model_spec(cfg))   # the residual stream whole
+        sp = sequence_parallel_profile(prof, int(cfg.pipeline.tensor_parallel))   # divided once
         kw = partition_kwargs(cfg)
-        block = dict(kw, activation_checkpointing=False)
-        tp = int(cfg.pipeline.tensor_parallel)
-        runs = {"as the engine runs it: chunk recompute, no SP": partitioner.partition(
-                    prof, **dict(kw, recompute_granularity="chunk")),
-                "as the engine runs it: per-layer recompute, no SP": partitioner.partition(
-                    prof, **dict(kw, recompute_granularity="layer")),
-                "per-block recompute + SP inputs (torchtitan's; not run by the engine)": partitioner.partition(
-                    checkpoint_each_layer(prof, input_shards=tp), **block)}
+        runs = {}
+        for label, profile in (("no SP", prof), ("SP", sp)):
+            for how in ("chunk", "layer"):
+                runs[f"as the engine runs it: {how} recompute, {label}"] = partitioner.partition(
+                    profile, **dict(kw, recompute_granularity=how))
+        runs["torchtitan's way: blocks only recomputed, SP (what-if)"] = partitioner.partition(
+            checkpoint_each_layer(sp), **dict(kw, activation_checkpointing=False))
         for how, plan in runs.items():
             rows.append({"schedule": name, "recompute": how, "step_s": plan.step_s,
                          "tokens_per_s_per_gpu": _tokens_per_gpu(cfg, plan.step_s),
@@ -111,7 +113,8 @@ def auto_choice(model: list[str], layout: list[str], limit: str) -> dict:
     chosen = resolve_layout(cfg, plan)
     return {"limit": limit, "layout": res.chosen.label, "step_s": plan.step_s, "tokens_per_s_per_gpu": _tokens_per_gpu(chosen, plan.step_s),
             "peak_gib": max(plan.rank_memory_bytes) / 2**30, "reshard_after_forward": plan.reshard_after_forward,
-            "recompute": plan.stage_recompute, "table": res.table()}
+            "sequence_parallel": plan.sequence_parallel, "recompute_granularity": plan.recompute_granularity,
+            "recompute": plan.stage_recompute, "seconds": res.seconds, "table": res.table()}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -144,7 +147,10 @@ def main() -> None:
         else:
             print(got.pop("table"))
             print(f"schedule=auto under {limit} chose {got['layout']}: {got['tokens_per_s_per_gpu']:.1f} tok/s/GPU, "
-                  f"peak {got['peak_gib']:.1f} GiB, reshard_after_forward={got['reshard_after_forward']}", flush=True)
+                  f"peak {got['peak_gib']:.1f} GiB, reshard_after_forward={got['reshard_after_forward']}, "
+                  f"sequence_parallel={got['sequence_parallel']}, recompute_granularity={got['recompute_granularity']} "
+                  f"({sum(got['recompute'])} of {len(got['recompute'])} chunks recompute); searched in "
+                  f"{got['seconds']:.1f} s", flush=True)
         out.setdefault("auto", []).append(got)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

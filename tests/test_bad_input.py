@@ -92,7 +92,7 @@ def test_unknown_schedule_lists_valid_ones(base_cfg):
 
 
 def test_unknown_recompute_granularity_names_the_choices(base_cfg):
-    assert ("Invalid value 'block', expected one of [chunk, layer]"
+    assert ("Invalid value 'block', expected one of [chunk, layer, auto]"
             in _compose_error("pipeline.recompute_granularity=block"))
     with pytest.raises(ConfigError, match=r"pipeline.recompute_granularity='block'; use 'chunk' .* or 'layer'"):
         validate_config(_cfg(base_cfg, pipeline__recompute_granularity="block"))

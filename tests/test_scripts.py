@@ -86,20 +86,23 @@ def test_planner_speed_script_tiny(tmp_path):
 
 def test_llama405_plan_script_tiny(tmp_path):
     """scripts/llama405_plan.py on a tiny Llama (pp2 x dp2 x tp2): per schedule, the plans as the engine
-    runs them (chunk and per-layer recompute) and per-block checkpointing with sequence-parallel
-    inputs (torchtitan's, blocks only: the embedding and head not recomputed), and the 3-D
-    search's choice."""
+    runs them (chunk and per-layer recompute, each without and with sequence parallelism) and
+    per-block checkpointing on the sequence-parallel profile (torchtitan's, blocks only: the
+    embedding and head not recomputed), and the 3-D search's choice."""
     out = tmp_path / "l405.json"
     proc = _run("scripts/llama405_plan.py", "--tiny", "--auto", "--limit", "none", "--json", str(out))
     got = json.loads(out.read_text())
     rows = got["rows"]
-    assert [r["schedule"] for r in rows] == ["1F1B"] * 3 + ["Interleaved 1F1B"] * 3
-    for k in (0, 3):
-        chunk, block, sp = rows[k:k + 3]
-        assert block["peak_gib"] < chunk["peak_gib"] and sp["step_s"] <= block["step_s"]
-        assert block["step_s"] == chunk["step_s"]   # both run each forward twice
+    assert [r["schedule"] for r in rows] == ["1F1B"] * 5 + ["Interleaved 1F1B"] * 5
+    for k in (0, 5):
+        chunk, layer, chunk_sp, layer_sp, block = rows[k:k + 5]
+        assert layer["step_s"] == chunk["step_s"]   # both run each forward twice
+        for whole, split in ((chunk, chunk_sp), (layer, layer_sp)):   # SP: less memory, no slower
+            assert split["peak_gib"] < whole["peak_gib"] and split["step_s"] <= whole["step_s"]
+        assert block["step_s"] <= layer_sp["step_s"]   # the embedding and head not recomputed
         assert "gathered_parameters" in chunk["breakdown_rank0"]
     assert got["auto"][0]["tokens_per_s_per_gpu"] > 0 and "schedule=auto under none chose dp" in proc.stdout
+    assert got["auto"][0]["sequence_parallel"] in (True, False)
 
 
 def _script(name: str):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments.fields import sequence_parallel_mode
 from experiments.models.loss import HeadOutput, fused_head, lm_loss, loss_function, loss_settings
 from experiments.models.spec import ModelSpec, compose, count_params
 
@@ -210,7 +211,7 @@ def build_gpt(cfg: Any) -> ModelSpec:
     loss, chunk = loss_settings(cfg)
     if dim % heads:
         raise ValueError(f"model.dim={dim} is not divisible by model.heads={heads}; choose heads dividing dim")
-    sp = {"sequence_parallel": True} if getattr(cfg, "sequence_parallel", False) else {}
+    sp = {"sequence_parallel": True} if sequence_parallel_mode(getattr(cfg, "sequence_parallel", False)) is True else {}
     factories = [partial(GPTEmbedding, vocab, dim, seq_len, dropout, **sp)]
     factories += [partial(GPTBlock, dim, heads, dropout, mlp_ratio, layers, **sp) for _ in range(layers)]
     factories.append(partial(GPTHead, dim, vocab, **sp))

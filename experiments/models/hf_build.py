@@ -17,6 +17,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from experiments.fields import sequence_parallel_mode
 from experiments.models.gpt import lm_spec
 from experiments.models.loss import loss_settings
 from experiments.models.hf import (build_hf_layer, config_from_json, hf_config, meta_reference,
@@ -62,7 +63,7 @@ def build_hf(cfg: Any, head_dim: int | None = None) -> ModelSpec:
         _, lay = meta_reference(config_json)
         factories = [partial(build_hf_layer, lay.model_type, config_json, i) for i in range(lay.num_layers + 2)]
         name = f"hf-{lay.model_type}-L{lay.num_layers}-d{cfg.dim}"
-    if getattr(cfg, "sequence_parallel", False):
+    if sequence_parallel_mode(getattr(cfg, "sequence_parallel", False)) is True:   # auto: resolved by the planner first
         factories = [partial(with_sequence_parallel, f) for f in factories]
     n = lay.num_layers
     ties = [_tie_pair(n)] if getattr(config, "tie_word_embeddings", False) else []

@@ -40,8 +40,9 @@ def test_tp_that_does_not_divide_is_refused_with_the_fix(compose_cfg, tmp_path):
     cfg = compose_cfg(*TINY, "pipeline.tensor_parallel=3")
     with pytest.raises(ConfigError, match="does not divide model.heads=8"):
         run(cfg, tmp_path)
-    with pytest.raises(ConfigError, match="Llama-style"):   # no tp-rank shapes under sequence parallelism
-        run(compose_cfg("experiment=smoke", "pipeline.tensor_parallel=2", "model.sequence_parallel=true"), tmp_path)
+    with pytest.raises(ConfigError, match="Llama-style"):   # no tp-rank shapes for GPT-NeoX
+        run(compose_cfg("model=hf", "model.arch=gpt_neox", "model.tie_embeddings=false", "partitioner.profile=analytic",
+                        "data=synthetic", "pipeline.tensor_parallel=2"), tmp_path)
 
 
 def test_reshard_override_and_the_engine_follows_the_plan(compose_cfg):

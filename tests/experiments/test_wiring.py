@@ -225,16 +225,17 @@ def test_one_checkpointing_rule_for_the_planner_and_the_search(compose_cfg, layo
 
 
 def test_tensor_parallel_plan_without_tp_shapes_is_the_whole_model_and_says_so(compose_cfg):
-    """A GPT run with tensor_parallel=2 and sequence parallelism has no tp-rank shapes to profile
-    (`tp_model_spec`): its plan is the tp=1 plan of the same layout (an upper bound on memory),
-    with a note. Without sequence parallelism the GPT's tp-rank shapes are planned (tp=2)."""
+    """A GPT-NeoX run with tensor_parallel=2 has no tp-rank shapes to profile (`tp_model_spec`:
+    Llama-style families and the GPT): its plan is the tp=1 plan of the same layout (an upper
+    bound on memory), with a note. The GPT's tp-rank shapes are planned (tp=2)."""
     base = ("experiment=smoke", "partitioner.profile=analytic", "pipeline.schedule=1f1b")
-    tp2 = compose_cfg(*base, "pipeline.tensor_parallel=2", "model.sequence_parallel=true")
-    spec = build_model(tp2.model)
-    plan = make_plan(tp2, spec)
-    one = make_plan(compose_cfg(*base, "model.sequence_parallel=true"), spec)
+    neox = ("model=hf", "model.arch=gpt_neox", "model.tie_embeddings=false")
+    tp2 = compose_cfg(*base, *neox, "pipeline.tensor_parallel=2")
+    plan = make_plan(tp2, build_model(tp2.model))
+    one = make_plan(compose_cfg(*base, *neox), build_model(tp2.model))
     assert plan.tensor_parallel == 1 and plan.rank_memory_bytes == one.rank_memory_bytes
     assert "planned as tensor_parallel=1" in plan.notes[-1] and "Llama-style" in plan.notes[-1]
+    spec = build_model(compose_cfg(*base).model)
     sharded = make_plan(compose_cfg(*base, "pipeline.tensor_parallel=2"), spec)
     whole = make_plan(compose_cfg(*base), spec)
 
