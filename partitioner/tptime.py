@@ -19,8 +19,11 @@ before timing: the collectives must match), and a layer's figure is the mean ove
 
 **Compute only** (the rule, stated in ``Profile.meta["tp_time"] == "dtensor"``): the clock is the
 rank's own thread's CPU time (``time.thread_time``), so a figure holds the layer's compute and
-DTensor's dispatch and redistribution work, and not the tp collectives: gloo runs them on its
-own threads while the rank's thread waits. The planner charges the collectives on top, once,
+DTensor's dispatch and redistribution work (``engine.launch`` runs each rank with one intra-op
+thread, so all of its compute is on that thread), and not the tp collectives: gloo runs them on
+its own threads while the rank's thread waits. Collectives the model issues outside DTensor (the
+vocabulary-parallel loss's three all-reduces of ``[tokens]`` floats) are therefore in neither
+the times nor the link charge (``megatron_allreduces`` leaves them out). The planner charges the collectives on top, once,
 from the links as for any tp profile (``partitioner.planner``'s ``_collective_times``, the one
 place; on the CPU the measured gloo fits, ``experiments.wiring.device_links``: the busy fit when
 the job's ranks outnumber the cores, where a collective waits for its peer to get a core, which
