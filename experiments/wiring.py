@@ -445,7 +445,8 @@ def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
 
     A measured profile runs the layers as the engine does: weights in the precision's weight
     dtype (fp32 under `bf16-autocast`) and, with 16-bit compute, under `torch.autocast`, so it
-    saves what the run saves (autocast keeps fp32 inputs and 16-bit weight copies)."""
+    saves what the run saves (autocast keeps fp32 inputs and 16-bit weight copies). A tp rank's
+    profile measured on the CPU takes its times from the layers run as DTensor (`_tp_timed`)."""
     import contextlib
 
     import torch
@@ -477,6 +478,7 @@ def profile_model(cfg: Any, spec: Any, microbatch: int | None = None) -> Any:
         from partitioner.recompute import SP_NORM_TENSORS
 
         prof.meta["tensor_parallel"] = int(cfg.pipeline.tensor_parallel)
+        prof = _tp_timed(cfg, prof, size, kwargs, compute)
         prof.meta[SP_NORM_TENSORS] = sp_norm_tensors(cfg)
         if sequence_parallel_setting(cfg.model) is True:   # the residual stream split on the sequence
             from partitioner.recompute import sequence_parallel_profile
@@ -497,6 +499,31 @@ def sp_norm_tensors(cfg: Any) -> int:
     if _text(cfg.model.name) == "gpt":
         return 1
     return 3 if weight_bytes(_text(cfg.precision)) == 2 else 2
+
+
+def _tp_timed(cfg: Config, prof: Any, size: int, kwargs: dict[str, Any], compute: Any) -> Any:
+    """A tp rank's profile (plain shapes) with, for layers measured on the CPU, the times of the
+    whole model's layers run as the engine runs them: sharded by `engine.tp.parallelize_layer`
+    over a gloo tp group of `pipeline.tensor_parallel` local ranks (`partitioner.tptime`: each rank's
+    CPU time, DTensor's dispatch and redistribution included, the tp collectives not: the plan
+    charges those from the links), `meta["tp_time"] = "dtensor"`; the bytes stay the plain shapes'.
+    Else (analytic, another device) the plain shapes' times, `meta["tp_time"] = "shapes"`."""
+    import torch
+
+    from partitioner.tptime import TP_TIME_KEY, measure_tp_times, with_tp_times
+
+    if kwargs["mode"] != "measure" or torch.device(kwargs["device"]).type != "cpu":
+        prof.meta[TP_TIME_KEY] = "shapes"
+        return prof
+    from experiments.models import build_model
+    from experiments.models.loss import profile_loss_kwargs
+
+    tp, whole = int(cfg.pipeline.tensor_parallel), build_model(cfg.model)
+    loss = profile_loss_kwargs(whole, size)
+    times = measure_tp_times(whole.layers, whole.example_input(size), tp, dtype=kwargs["dtype"], autocast=compute,
+                             repeats=kwargs["repeats"], warmup=kwargs["warmup"], sweeps=kwargs["sweeps"],
+                             loss_fn=loss["loss_fn"], example_target=loss["example_target"])
+    return with_tp_times(prof, times, tp)
 
 
 def profiles_by_size(cfg: Any, spec: Any) -> Any:

@@ -383,8 +383,10 @@ def _collective_times(profile: Profile, memory: MemorySettings, par: _Parallel, 
         for i, (nf, nb) in enumerate(counts):
             tp_f[i] = nf * links.all_reduce(L[i].output_bytes, par.tp, "intra")
             tp_b[i] = nb * links.all_reduce(L[i - 1].output_bytes if i > 0 else L[i].output_bytes, par.tp, "intra")
+        timed = (" (the layers' times: DTensor's compute on a tp rank, partitioner.tptime, without them)"
+                 if profile.meta.get("tp_time") == "dtensor" else "")
         notes.append(f"tensor parallel {par.tp}: {float(tp_f.sum() + tp_b.sum()) * 1e3:.3f} ms of all-reduces per "
-                     "microbatch (forward + backward, all layers), not overlapped with compute")
+                     f"microbatch (forward + backward, all layers), not overlapped with compute{timed}")
     if dp > 1:
         numel = np.array([c.param_bytes for c in L], dtype=np.float64) / profile.itemsize
         if memory.zero3:

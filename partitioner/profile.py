@@ -56,7 +56,7 @@ from typing import Any, Callable
 from .costs import LayerCost, Profile
 from .devices import ATTENTION_BACKENDS, DeviceSpec, get_device_spec
 
-__all__ = ["forward_op_times", "profile", "layer_sources"]
+__all__ = ["forward_op_times", "profile", "layer_sources", "split_times"]
 
 
 def layer_sources(layers: Any) -> list[Callable[[], Any]]:
@@ -469,15 +469,7 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
         del out, out_tensors
         f_s, b_s, split, pending = _time_layer(layer, x, grads, params, xs, dev, repeats, warmup,
                                                weight_grad, min_time_s)
-        if not params:
-            w_s: float | None = 0.0
-            i_s: float | None = None
-        elif not xs:
-            w_s, i_s = b_s, None  # no input gradient: the whole backward is weight gradients
-        elif split is not None:
-            i_s, w_s = split
-        else:
-            w_s = i_s = None
+        i_s, w_s = split_times(b_s, split, bool(params), bool(xs))
         costs.append(LayerCost(forward_s=f_s, backward_s=b_s, param_bytes=int(param_bytes),
                                activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
                                weight_grad_s=w_s, input_grad_s=i_s, name=name,
@@ -493,6 +485,22 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
                    meta={"mode": "measure", "device": str(dev), "repeats": repeats, "warmup": warmup,
                          "min_time_s": min_time_s,
                          "threads": torch.get_num_threads(), **_variants_meta(variants)})
+
+
+def split_times(backward_s: float, split: tuple[float, float] | None, params: bool, input_grad: bool
+                ) -> tuple[float | None, float | None]:
+    """A measured layer's ``(input_grad_s, weight_grad_s)``: without parameters no W (0) and no I;
+    without an input gradient the whole backward is W; else the timed split ``(I, W)``, or
+    ``(None, None)`` when the split was not timed.
+
+    >>> split_times(2.0, None, True, False), split_times(2.0, (1.5, 0.7), True, True)
+    ((None, 2.0), (1.5, 0.7))
+    """
+    if not params:
+        return None, 0.0
+    if not input_grad:
+        return None, backward_s
+    return split if split is not None else (None, None)
 
 
 _MAX_REPEATS = 40   # a fast layer repeats until ``min_time_s`` is timed, at most this often
@@ -513,11 +521,14 @@ def _median_profile(runs: list[Profile]) -> Profile:
     return Profile(layers, dtype=runs[0].dtype, meta=dict(runs[0].meta, sweeps=len(runs)))
 
 
-def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, min_time_s):
+def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, min_time_s,
+                kept_bytes: bool = True, clock: Callable[[], float] = time.perf_counter):
     """Medians of one layer's forward, whole backward and (``weight_grad``, a layer with
     parameters and an input gradient) the engine's split backward ``(I, W)``, plus the bytes the
-    split keeps from I to W. Backwards run as the engine runs them: gradients accumulate into
-    the parameters' ``.grad``."""
+    split keeps from I to W (0 without ``kept_bytes``: times only, e.g. of DTensor layers,
+    ``partitioner.tptime``). ``clock``: wall time (default), or e.g. ``time.thread_time`` for
+    the calling thread's CPU time. Backwards run as the engine runs them: gradients accumulate
+    into the parameters' ``.grad``."""
     import torch
 
     fw, bw, bi, bwt = [], [], [], []
@@ -531,27 +542,27 @@ def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, 
         for t in xs:
             t.grad = None
         _sync(dev)
-        t0 = time.perf_counter()
+        t0 = clock()
         o = layer(x)
         _sync(dev)
-        t1 = time.perf_counter()
+        t1 = clock()
         oo = [t for t in _tensors(o) if t.requires_grad]
         if oo and params + xs:
             torch.autograd.backward(oo, grads, inputs=params + xs)
         _sync(dev)
-        t2 = time.perf_counter()
+        t2 = clock()
         del o, oo
         if r >= warmup:
             fw.append(t1 - t0)
             bw.append(t2 - t1)
             measured += t2 - t0
         if chunk is not None:
-            ti, tw, pending = _time_split(chunk, x, grads, dev)
+            ti, tw, pending = _time_split(chunk, x, grads, dev, kept_bytes, clock)
             if r >= warmup:
                 bi.append(ti)
                 bwt.append(tw)
                 measured += ti + tw
-    if params and not (weight_grad and xs):
+    if params and not (weight_grad and xs) and kept_bytes:
         pending = _measure_pending(layer, x, grads)
     split = (statistics.median(bi), statistics.median(bwt)) if bi else None
     return statistics.median(fw), statistics.median(bw), split, pending
@@ -564,19 +575,21 @@ def _split_chunk(layer):
     return Chunk(0, 0, [layer], measure_activations=False)
 
 
-def _time_split(chunk, x, grads, dev) -> tuple[float, float, int]:
-    """One run of the engine's split backward on ``chunk``: (I seconds, W seconds, kept bytes)."""
+def _time_split(chunk, x, grads, dev, kept_bytes: bool = True,
+                clock: Callable[[], float] = time.perf_counter) -> tuple[float, float, int]:
+    """One run of the engine's split backward on ``chunk``: (I seconds, W seconds, kept bytes;
+    0 without ``kept_bytes``)."""
     chunk.forward(0, x, split=True)
     _sync(dev)
-    t0 = time.perf_counter()
+    t0 = clock()
     chunk.backward_input(0, list(grads), _PlainBackward())
     _sync(dev)
-    t1 = time.perf_counter()
-    kept = chunk.kept_grad_bytes(0)
-    t2 = time.perf_counter()
+    t1 = clock()
+    kept = chunk.kept_grad_bytes(0) if kept_bytes else 0
+    t2 = clock()
     chunk.backward_weight(0, _PlainBackward())
     _sync(dev)
-    return t1 - t0, time.perf_counter() - t2, kept
+    return t1 - t0, clock() - t2, kept
 
 
 class _PlainBackward:

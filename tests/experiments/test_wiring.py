@@ -265,3 +265,26 @@ def test_sequence_parallel_plan_books_the_residual_stream_split_over_tp(compose_
     assert [c.activation_bytes - f for c, f in zip(whole.layers, fewer)] == [c.activation_bytes for c in split.layers]
     a, b = make_plan(plain, tp_model_spec(plain)), make_plan(sp, tp_model_spec(sp))
     assert b.tensor_parallel == 2 and max(b.rank_memory_bytes) < max(a.rank_memory_bytes)
+
+
+def test_a_measured_tensor_parallel_profile_is_timed_as_dtensor_with_the_plain_shapes_bytes(compose_cfg):
+    """`partitioner.profile=measure` on the CPU with tensor_parallel=2 (the GPT): the layers' times
+    come from the whole layers sharded by the engine over 2 gloo ranks (`partitioner.tptime`,
+    `meta["tp_time"] == "dtensor"`), the bytes from one tp rank's plain shapes, as before; an
+    analytic profile keeps the shapes' times and says so."""
+    from experiments.models.loss import profile_loss_kwargs
+    from experiments.wiring import microbatch_size, profile_model, tp_model_spec
+
+    base = ("experiment=smoke", "pipeline.schedule=1f1b", "pipeline.tensor_parallel=2", "partitioner.fixed_costs=false")
+    cfg = compose_cfg(*base)
+    spec = tp_model_spec(cfg)
+    prof = profile_model(cfg, spec)
+    size = microbatch_size(cfg)
+    plain = partitioner.profile(spec.layers, spec.example_input(size), mode="measure", repeats=1, warmup=0,
+                                **profile_loss_kwargs(spec, size))
+    assert prof.meta["tp_time"] == "dtensor" and prof.meta["tensor_parallel"] == 2
+    assert [(c.param_bytes, c.activation_bytes, c.output_bytes) for c in prof.layers] == \
+        [(c.param_bytes, c.activation_bytes, c.output_bytes) for c in plain.layers]
+    assert all(c.forward_s > 0 and c.backward_s > 0 for c in prof.layers)
+    analytic = profile_model(compose_cfg(*base, "partitioner.profile=analytic"), spec)
+    assert analytic.meta["tp_time"] == "shapes"

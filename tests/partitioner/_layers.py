@@ -57,3 +57,21 @@ class Head(nn.Module):
 def gpt_factories(vocab: int, dim: int, heads: int, layers: int, seq: int) -> list:
     return ([lambda: Embed(vocab, dim, seq)] + [lambda: Block(dim, heads) for _ in range(layers)]
             + [lambda: Head(dim, vocab)])
+
+
+class TpMLP(nn.Module):
+    """A residual MLP with a tensor-parallel plan (``engine.tp``'s ``tp_plan``): the up
+    projection column-parallel, the down projection row-parallel (one all-reduce forward, one
+    backward)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+    def tp_plan(self, tp: int) -> dict:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
