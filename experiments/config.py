@@ -842,11 +842,6 @@ def _check_tensor_parallel(cfg: Config) -> None:
     if choice_text(cfg.optimizer.step_sync) == "post_validate":
         raise ConfigError(f"{key} with optimizer.step_sync=post_validate is not built (its rank-local norm does "
                           f"not sum the tp shards); set optimizer.step_sync=global, {off}")
-    if searches(cfg):
-        raise ConfigError(f"{key}: a training run does not search its layout under tensor parallelism yet (experiments.partition "
-                          f"plans and searches tp layouts); give pipeline.schedule, pipeline.microbatches, "
-                          f"pipeline.recompute_granularity and model.sequence_parallel explicitly (e.g. "
-                          f"pipeline.schedule=1f1b pipeline.microbatches=4), {off}")
     # (the GPT under ZeRO-3 is refused above: its fused q/k/v; with sequence parallelism its
     # position table's gradient is also summed over tp by the engine)
     if zero == 3 and "replicated_with_grad_allreduce" in {

@@ -115,6 +115,18 @@ def _plan_for(cfg: Any, spec: Any, run_dir: Path, resume: Path | None) -> Any:
     return plan
 
 
+def _checked_choice(config: Config) -> Config:
+    """The planner's layout passes the checks an explicit one does (a 3-D search may choose a tp
+    the model or precision cannot run)."""
+    from experiments.config import validate_config
+
+    try:
+        return validate_config(config)
+    except ConfigError as e:
+        raise ConfigError(f"the planner chose a layout this run cannot use: {e}; or narrow the search "
+                          "(partitioner.search.tensor_parallel / zero_stages)") from None
+
+
 def _prepare(cfg: Config, run_dir: Path) -> Job:
     """Model, resume point, plan (printed and saved)."""
     from experiments.models import build_model
@@ -131,7 +143,7 @@ def _prepare(cfg: Config, run_dir: Path) -> Job:
         print(f"resuming from {resume}", flush=True)
     config = cfg
     if searches(cfg):
-        config = resolve_layout(cfg, plan)
+        config = _checked_choice(resolve_layout(cfg, plan))
         print(f"the planner chose {plan.schedule}, {plan.microbatches} microbatches"
               + (f", {plan.virtual_stages} chunks per rank" if plan.virtual_stages > 1 else "")
               + (f", max_inflight {plan.max_inflight}" if plan.max_inflight is not None else "")

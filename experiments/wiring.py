@@ -577,6 +577,8 @@ def make_plan(cfg: Any, spec: Any, prof: Any = None, *, method: str | None = Non
     import partitioner
 
     if searches(cfg):
+        if prof is None and int(as_config(cfg).pipeline.tensor_parallel) > 1:
+            spec = tp_model_spec(cfg)   # one tp rank's shapes; refused with the fix where there are none
         return search_layout(cfg, spec, prof, method=method).plan
     kwargs = partition_kwargs(cfg)
     whole = None

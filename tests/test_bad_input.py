@@ -197,8 +197,6 @@ def test_zero_stage_unsupported(base_cfg):
              "model.tie_embeddings=false"),
             (dict(pipeline__tensor_parallel=2, model__loss="chunked"), "model.loss=full"),
             (dict(pipeline__tensor_parallel=2, precision="bf16"), "precision=bf16-autocast"),
-            (dict(pipeline__tensor_parallel=2, pipeline__schedule="auto"), "does not search its layout under "
-             "tensor parallelism.*pipeline.schedule"),
             (dict(pipeline__tensor_parallel=2, optimizer__step_sync="post_validate"), "step_sync=post_validate is not "
              "built.*optimizer.step_sync=global"),
             (dict(pipeline__tensor_parallel=0), "at least 1"),

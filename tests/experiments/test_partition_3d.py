@@ -75,3 +75,15 @@ def test_search_chooses_tp_and_zero_stage(compose_cfg, tmp_path, capsys):
     tp, dp = plan["tensor_parallel"], plan["data_parallel"]
     assert f"layout: pp2 x dp{dp} x tp{tp} = 8 GPUs; ZeRO-{plan['zero_stage']}" in text
     assert "dp x tp" in text
+
+
+def test_a_searched_layout_the_run_cannot_use_is_refused_with_the_fix(compose_cfg):
+    """The training run checks the planner's layout as it checks an explicit one: a 3-D search
+    that chose tp = 2 under 16-bit weights is refused, naming both fixes."""
+    from experiments.config import ConfigError
+    from experiments.job import _checked_choice
+
+    ok = compose_cfg("pipeline.tensor_parallel=2")
+    assert _checked_choice(ok) is not None
+    with pytest.raises(ConfigError, match="planner chose a layout.*precision=bf16-autocast.*tensor_parallel / zero_stages"):
+        _checked_choice(compose_cfg("pipeline.tensor_parallel=2", "precision=bf16"))

@@ -64,12 +64,11 @@ def test_auto_plans_per_layer_recompute_where_only_it_fits(compose_cfg, tmp_path
             tmp_path / "chunk")
 
 
-def test_auto_values_are_checked_and_training_asks_for_them_under_tp(compose_cfg):
+def test_auto_values_are_checked(compose_cfg):
     validate_config(compose_cfg("model.sequence_parallel=auto", "pipeline.recompute_granularity=auto"))
+    validate_config(compose_cfg("pipeline.tensor_parallel=2", "model.sequence_parallel=auto"))  # training searches
     with pytest.raises(ConfigError, match="choose true"):
         validate_config(compose_cfg("model.sequence_parallel=sometimes"))
-    with pytest.raises(ConfigError, match="model.sequence_parallel explicitly"):
-        validate_config(compose_cfg("pipeline.tensor_parallel=2", "model.sequence_parallel=auto"))
     # phi3's plan cannot split the sequence: auto plans it without, true is refused
     phi3 = (*LLAMA, "model.arch=phi3")
     assert search_kwargs(compose_cfg(*phi3, "model.sequence_parallel=auto"))["sequence_parallel"] is False

@@ -6,6 +6,8 @@ sequence parallelism (`model.sequence_parallel=true`: norms and residual stream 
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from experiments.tracking import read_metrics
+from wandb_offline import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["experiment=smoke", "partitioner.method=uniform", "logger.progress=false", "logger.timeline=false",
@@ -54,3 +57,36 @@ def test_tensor_parallel_llama_trains_and_exports(tmp_path):
         assert sorted(got) == sorted(want)
         for name, t in want.items():
             torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-7, msg=lambda m, n=name, k=key: f"{k} {n}: {m}")
+
+
+AUTO = [*(a for a in BASE if a != "partitioner.method=uniform" and not a.startswith("model.layers=")),
+        "model.layers=4", "pipeline.tensor_parallel=2", "pipeline.schedule=auto", "pipeline.microbatches=auto",
+        "pipeline.activation_checkpointing=auto", "pipeline.recompute_granularity=auto", "model.sequence_parallel=auto",
+        "partitioner.profile=analytic", "partitioner.device_spec=h100"]
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_run_trains_the_layout_its_search_chose(tmp_path):
+    """`schedule`, `microbatches`, checkpointing, its granularity and sequence parallelism all
+    `auto` under tp = 2, with a memory limit at the sequence-parallel plan's peak: the run's
+    plan is the search's (analytic costs: deterministic), it is sequence parallel, the workers
+    ran that layout and trained."""
+    from experiments.config import compose_config
+    from experiments.wiring import search_layout
+
+    sp = search_layout(compose_config(*[a for a in AUTO if "sequence_parallel" not in a],
+                                      "model.sequence_parallel=true"), None).chosen.peak_memory_bytes
+    limit = [f"partitioner.memory_limit={sp}"]
+    want = search_layout(compose_config(*AUTO, *limit), None).plan
+    assert want.sequence_parallel and max(want.rank_memory_bytes) <= sp
+    run = tmp_path / "run"
+    out = _run("experiments.train", *AUTO, *limit, f"hydra.run.dir={run}", "logger.mode=offline")
+    plan = json.loads((run / "plan.json").read_text())
+    for key in ("schedule", "microbatches", "virtual_stages", "stage_recompute", "sequence_parallel",
+                "recompute_granularity"):
+        assert plan[key] == getattr(want, key), key
+    assert f"the planner chose {want.schedule}, {want.microbatches} microbatches" in out
+    wb = read_offline_run(run)  # what the workers ran: the chosen layout, written into the config
+    assert wb.config["pipeline"]["schedule"] == want.schedule and wb.config["model"]["sequence_parallel"] is True
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2] and all(math.isfinite(r["loss"]) for r in records)
