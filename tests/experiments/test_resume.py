@@ -99,7 +99,8 @@ def test_tensor_parallel_trains_and_resumes_across_layouts(runs, tmp_path):
     full, part = runs
     want = losses(full)
     tp_run = tmp_path / "tp"
-    train(tp_run, "train.steps=3", "pipeline.tensor_parallel=2")
+    analytic = ("partitioner.profile=analytic", "partitioner.device_spec=h100")  # the plan is not under test
+    train(tp_run, "train.steps=3", "pipeline.tensor_parallel=2", *analytic)
     got = losses(tp_run)
     assert [got[s] for s in (1, 2, 3)] == pytest.approx([want[s] for s in (1, 2, 3)], rel=1e-5)
     assert all(len(r["rank_forward_s"]) == 2 for r in read_metrics(tp_run))
@@ -108,7 +109,7 @@ def test_tensor_parallel_trains_and_resumes_across_layouts(runs, tmp_path):
     got = losses(tp_run)
     assert [got[s] for s in (4, 5, 6)] == pytest.approx([want[s] for s in (4, 5, 6)], rel=1e-5)
     run_dir = _copy_interrupted(part, tmp_path / "run")
-    out = train(run_dir, "train.steps=6", "pipeline.tensor_parallel=2")
+    out = train(run_dir, "train.steps=6", "pipeline.tensor_parallel=2", *analytic)
     assert "resuming from" in out
     got = losses(run_dir)
     assert [got[s] for s in (4, 5, 6)] == pytest.approx([want[s] for s in (4, 5, 6)], rel=1e-5)
