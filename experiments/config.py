@@ -175,7 +175,7 @@ class GPTConfig(ModelConfig):
     tie_embeddings: bool = False  # share the token embedding with the LM head (summed gradients)
     loss: LossKind = LossKind["full"]  # LM head + cross-entropy: full ([b, s, V] logits) | chunked (never materialises the fp32 logits)
     loss_chunk: int = 1024  # chunked loss: tokens per chunk of the fused head + cross-entropy
-    sequence_parallel: Union[bool, str] = False  # with pipeline.tensor_parallel > 1: LayerNorms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp); auto: the planner chooses (experiments.partition)
+    sequence_parallel: Union[bool, str] = False  # with pipeline.tensor_parallel > 1: LayerNorms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp); auto: the planner chooses (experiments.partition, and a training run's search)
 
 
 @dataclass
@@ -217,7 +217,7 @@ class HFModelConfig(ModelConfig):
     intermediate: Optional[int] = None  # MLP hidden size (not gpt2); None = 4 * dim
     loss: LossKind = LossKind["full"]  # LM head + cross-entropy: full ([b, s, V] logits) | chunked (never materialises the fp32 logits)
     loss_chunk: int = 1024  # chunked loss: tokens per chunk of the fused head + cross-entropy
-    sequence_parallel: Union[bool, str] = False  # with pipeline.tensor_parallel > 1 (llama, mistral, qwen2, qwen3): norms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp); auto: the planner chooses (experiments.partition)
+    sequence_parallel: Union[bool, str] = False  # with pipeline.tensor_parallel > 1 (llama, mistral, qwen2, qwen3): norms and the residual stream split on the sequence over the tp ranks (seq_len divisible by tp); auto: the planner chooses (experiments.partition, and a training run's search)
 
 
 # --------------------------------------------------------------------------- pipeline etc.

@@ -172,16 +172,23 @@ def _partly_recomputing(compose_cfg, base: list[str]) -> tuple[int, object, obje
     """A memory limit (bytes) under which `activation_checkpointing=auto` recomputes some chunks
     but not all, the plan it gives and the model (analytic costs: deterministic)."""
     spec = build_model(compose_cfg(*base).model)
+
+    def plan_at(limit: int) -> object:
+        return make_plan(compose_cfg(*base, "pipeline.activation_checkpointing=auto",
+                                     f"partitioner.memory_limit={limit}B"), spec)
+
     limit = max(make_plan(compose_cfg(*base), spec).rank_memory_bytes)
-    for _ in range(200):   # fine steps: the last rank's loss (issue 39) leaves a window of about 1%
-        limit = int(limit * 0.995)
-        try:
-            plan = make_plan(compose_cfg(*base, "pipeline.activation_checkpointing=auto",
-                                         f"partitioner.memory_limit={limit}B"), spec)
-        except partitioner.PartitionError:
-            break
-        if any(plan.stage_recompute) and not all(plan.stage_recompute):
-            return limit, plan, spec
+    for step in (0.96, 0.995):   # coarse while nothing recomputes, then fine: the last rank's loss
+        for _ in range(200):     # (issue 39) leaves a window of about 1%
+            try:
+                plan = plan_at(int(limit * step))
+            except partitioner.PartitionError:
+                break
+            if any(plan.stage_recompute) and not all(plan.stage_recompute):
+                return int(limit * step), plan, spec
+            if any(plan.stage_recompute):
+                break            # past the window: go on from the last limit in fine steps
+            limit = int(limit * step)
     pytest.fail("no memory limit made auto recompute some chunks but not all")
 
 
