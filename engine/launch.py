@@ -205,10 +205,7 @@ def _worker_main(fn: Callable, args: tuple, rank: int, world: int, port: int,
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         result = fn(*args)
         payload = pickle.dumps(result)
-        # No rank leaves while a peer may still be receiving from it. Met on the rendezvous
-        # store, not with a collective: a gloo receive that timed out closes its connection.
-        store.set(f"pipeshard-done-{rank}", "1")
-        store.wait([f"pipeshard-done-{r}" for r in range(world)])
+        _meet_on_store(store, rank, world)
         q.put(("result", rank, time.time(), payload))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the launcher
         code = 1
@@ -237,16 +234,15 @@ def _external(fn: Callable, args: tuple, env: Any, pg_timeout_s: float) -> list[
         init_process_group(backend, datetime.timedelta(seconds=pg_timeout_s))
     out: list[Any] = [None] * dist.get_world_size()
     out[dist.get_rank()] = fn(*args)
-    _meet_on_store(dist)
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    _meet_on_store(_get_default_store(), dist.get_rank(), dist.get_world_size())
     return out
 
 
-def _meet_on_store(dist: Any) -> None:
-    # The local workers' rule (_worker_main): no rank leaves while a peer may still be receiving
-    # from it; met on the rendezvous store, not with a collective.
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store, rank, world = _get_default_store(), dist.get_rank(), dist.get_world_size()
+def _meet_on_store(store: Any, rank: int, world: int) -> None:
+    # No rank leaves while a peer may still be receiving from it. Met on the rendezvous store,
+    # not with a collective: a gloo receive that timed out closes its connection.
     store.set(f"pipeshard-done-{rank}", "1")
     store.wait([f"pipeshard-done-{r}" for r in range(world)])
 

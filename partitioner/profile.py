@@ -234,7 +234,7 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
     if mode == "analytic":
         spec = get_device_spec(device_spec or "cpu")
         backend = attention or spec.attention
-        with _attention_mode(backend, gpu_dropout=spec.name != "cpu"):   # the measured CPU: its own dropout
+        with _attention_mode(backend, spec):
             prof = _profile_analytic(sources, example_input, tdtype, spec, cache)
         prof.meta.update(attention=backend, input_requires_grad=grad_in)
         return _loss_meta(_with_optimizer_costs(prof, spec), loss_fn)
@@ -719,7 +719,7 @@ def forward_op_times(factory: Callable, example_input: Any, *, device_spec: "str
     x = _prep_input(example_input, meta, tdtype, True)
     pdtype = next((p.dtype for p in layer.parameters() if p.is_floating_point()), None)
     mode = _roofline_mode(spec, _dtype_name(tdtype or pdtype, x))
-    with _attention_mode(attention or spec.attention, gpu_dropout=spec.name != "cpu"), mode:
+    with _attention_mode(attention or spec.attention, spec), mode:
         layer(x)
     return list(mode.ops)
 
@@ -733,14 +733,15 @@ def _no_kernel_ops() -> frozenset:
     return frozenset({a.empty, a.empty_like, a.new_empty, a.empty_strided, a.new_empty_strided, a._unsafe_view})
 
 
-def _attention_mode(backend: str | None, gpu_dropout: bool = False):
+def _attention_mode(backend: str | None, spec: DeviceSpec | None = None):
     """A TorchFunctionMode that runs ``F.scaled_dot_product_attention`` with ``backend``'s
     kernel, so that the meta device saves (and the roofline moves) what that kernel does:
     flash / efficient keep O(s) per head (output, log-sum-exp), math the s x s probabilities.
     ``None`` or "math": SDPA as dispatched (the meta device's math path).
 
-    ``gpu_dropout``: ``F.dropout`` runs as on a GPU, one fused ``native_dropout`` kernel (reads
-    the input, writes the output and a one-byte mask, which backward reads); the meta device
+    With a GPU ``spec`` (any but the measured ``cpu``), ``F.dropout`` runs as on a GPU, one fused
+    ``native_dropout`` kernel (reads the input, writes the output and a one-byte mask, which
+    backward reads); the meta device
     would take the CPU's path instead (``bernoulli_``, ``div_``, ``mul``: three kernels and a
     mask in the input's dtype), ATen's ``dropout`` choosing the fused kernel only for CUDA inputs.
     """
@@ -750,6 +751,7 @@ def _attention_mode(backend: str | None, gpu_dropout: bool = False):
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
+    gpu_dropout = spec is not None and spec.name != "cpu"
     if backend not in (None, *ATTENTION_BACKENDS):
         raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTENTION_BACKENDS}")
     sdpa = backend not in (None, "math")

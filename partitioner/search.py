@@ -560,10 +560,15 @@ def _with_sequence_parallel(profile_for: Callable[[int], tuple[Profile | None, s
     return get
 
 
+def _twin_key(c: Candidate) -> tuple:
+    """A layout but for sequence parallelism."""
+    return c.schedule, c.virtual_stages, c.microbatches, c.max_inflight, c.recompute_granularity
+
+
 def _missing_twin(c: Candidate, solved: dict[tuple, Candidate]) -> Candidate | None:
     """The sequence-parallel twin of ``c`` (without sequence parallelism) when it does not fit,
     so that ``c`` cannot: the twin's profile holds no more bytes on any layer."""
-    twin = solved.get((c.schedule, c.virtual_stages, c.microbatches, c.max_inflight, c.recompute_granularity))
+    twin = solved.get(_twin_key(c))
     return twin if not c.sequence_parallel and twin is not None and twin.status == "infeasible" else None
 
 
@@ -601,7 +606,7 @@ def _run(cands: list[Candidate], profile_for: Callable[[int, bool], tuple[Profil
             c.status, c.note = "skipped", ("no chunk recomputes: a plan of chunk checkpoints too (that twin is at "
                                            "least as fast)")
         if c.sequence_parallel:
-            sp_solved[(c.schedule, c.virtual_stages, c.microbatches, c.max_inflight, c.recompute_granularity)] = c
+            sp_solved[_twin_key(c)] = c
         if c.status == "ok":
             best.append(c.step_s)  # type: ignore[arg-type]
             best.sort()
