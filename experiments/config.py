@@ -1058,12 +1058,11 @@ def checkpointing_mode(value: Any) -> bool | str:
 def _check_checkpointing(cfg: Config) -> None:
     checkpointing_mode(cfg.pipeline.activation_checkpointing)
     sequence_parallel_setting(cfg.model)
-    if choice_text(cfg.pipeline.recompute_granularity) == AUTO:
-        return
-    try:
-        check_recompute_granularity(cfg.pipeline.recompute_granularity)
-    except ValueError as exc:
-        raise ConfigError(f"pipeline.{exc} (or auto: the planner chooses)") from None
+    if choice_text(cfg.pipeline.recompute_granularity) != AUTO:
+        try:
+            check_recompute_granularity(cfg.pipeline.recompute_granularity)
+        except ValueError as exc:
+            raise ConfigError(f"pipeline.{exc} (or auto: the planner chooses)") from None
     if int(cfg.train.memory_every or 0) < 0:
         raise ConfigError("train.memory_every must be >= 0 (0 turns the memory measurement off)")
 

@@ -102,6 +102,12 @@ def test_unknown_recompute_granularity_names_the_choices(base_cfg):
         partition(_uniform_profile(LAYERS), 2, microbatches=4, recompute_granularity="block")
 
 
+def test_a_negative_memory_interval_is_refused_whatever_the_granularity(base_cfg):
+    for granularity in ("chunk", "auto"):
+        with pytest.raises(ConfigError, match="train.memory_every must be >= 0"):
+            validate_config(_cfg(base_cfg, train__memory_every=-1, pipeline__recompute_granularity=granularity))
+
+
 def test_batch_not_divisible_by_replicas_times_microbatches(base_cfg):
     with pytest.raises(ConfigError, match=r"train.batch_size=18 .* multiple of 8 "
                                           r"\(e.g. train.batch_size=16\)"):
