@@ -30,6 +30,20 @@ almost nothing, and charged by the partitioner (``partitioner.FixedCosts``):
 - ``optimizer_s_per_byte``: seconds per parameter byte of each optimizer's update
   (``sgd`` with momentum, ``adam``, ``adamw``), timed on this process's CPU or device.
 
+The figures above are wall times on two ranks with a core each: on a machine whose ranks
+outnumber its cores, the CPU a rank spends off its compute is also load on the cores the others
+share. :func:`measure_cpu_costs` (its own cache) measures that CPU with thread CPU time (the
+main thread's ``time.thread_time``, every thread's ``/proc/self/task/*/schedstat``):
+
+- ``step_cpu_s``: per runtime mode, the main thread's CPU per step outside its actions (the
+  intercept of its CPU per step against the microbatch count on the compute-free pipeline);
+- ``message_cpu_byte_s`` and ``message_cpu_s``: the CPU of one message end (a send or a receive,
+  every thread of the process: gloo's transport thread does the copies) per byte and at zero
+  bytes (a least-squares line over ping-pongs of several sizes); ``message_busy_bytes``: the size
+  ``message_busy_s`` is measured at (its CPU is inside that figure already);
+- ``transport_s_per_step``: per mode and microbatch count, the other threads' CPU per step on the
+  compute-free pipeline (a record: what gloo's transport thread costs a step).
+
 Example::
 
     from engine.overhead import measure_fixed_costs
@@ -45,7 +59,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["measure_fixed_costs", "fit_action_cost", "cache_path", "measure_collectives"]
+__all__ = ["measure_fixed_costs", "fit_action_cost", "cache_path", "measure_collectives", "measure_cpu_costs",
+           "thread_cpu_s"]
 
 _SIZES = (256, 64 * 1024, 1024 * 1024)  # message sizes for the latency / rate line
 
@@ -64,15 +79,20 @@ _RUNTIME_VERSION = 11
 # on 2 ranks, one thread each; 2: and busy, 4 ranks on 2 cores between compute units).
 _COLLECTIVES_VERSION = 2
 _COLLECTIVE_SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)  # bytes: the whole tensor
+# Bump when the CPU measurement changes (1: main-thread CPU per step, CPU per message end and byte).
+_CPU_VERSION = 1
+_BUSY_BYTES = 16384   # the message size of the busy per-message cost (``_exchange_cost``)
+_CPU_SIZES = (256, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)   # ping-pong sizes of the per-byte CPU
 
 
 def cache_path(what: str = "fixed_costs") -> Path:
     """Where measured costs are kept (``PIPESHARD_CACHE_DIR``, default ~/.cache/pipeshard):
-    ``what`` is ``"fixed_costs"`` (:func:`measure_fixed_costs`) or ``"collectives"``
-    (:func:`measure_collectives`), each with its own version."""
+    ``what`` is ``"fixed_costs"`` (:func:`measure_fixed_costs`), ``"collectives"``
+    (:func:`measure_collectives`) or ``"cpu_costs"`` (:func:`measure_cpu_costs`), each with its
+    own version."""
     import torch
 
-    version = {"fixed_costs": _RUNTIME_VERSION, "collectives": _COLLECTIVES_VERSION}[what]
+    version = {"fixed_costs": _RUNTIME_VERSION, "collectives": _COLLECTIVES_VERSION, "cpu_costs": _CPU_VERSION}[what]
     root = Path(os.environ.get("PIPESHARD_CACHE_DIR", Path.home() / ".cache" / "pipeshard"))
     key = f"{platform.node()}-torch{torch.__version__}-{os.cpu_count()}cpu-v{version}"
     return root / f"{what}-{key}.json"
@@ -147,6 +167,63 @@ def measure_collectives(*, sizes: Sequence[int] = _COLLECTIVE_SIZES, repeats: in
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return json.loads(text)
+
+
+def measure_cpu_costs(*, microbatches: Sequence[int] = (8, 16, 24, 32), steps: int = 12,
+                      sizes: Sequence[int] = _CPU_SIZES, use_cache: bool = True,
+                      timeout_s: float = 300.0) -> dict[str, Any]:
+    """Measure (or read from the cache) the CPU a rank spends off its compute actions, on two
+    local gloo ranks, one thread each (the module docstring's list): ``step_cpu_s`` per runtime
+    mode, ``message_cpu_s`` and ``message_cpu_byte_s`` per message end, ``message_busy_bytes``.
+    ``steps``: timed steps per microbatch count and mode in each of three alternating rounds;
+    ``sizes``: the ping-pong message sizes (bytes). Returns a dict with those keys (the
+    ``partitioner.FixedCosts`` fields) and ``measured`` (the points)."""
+    path = cache_path("cpu_costs")
+    if use_cache and path.exists():
+        return json.loads(path.read_text())
+    from engine.launch import launch
+
+    results = launch(_cpu_worker, 2, tuple(int(m) for m in microbatches), int(steps), tuple(int(b) for b in sizes),
+                     timeout_s=timeout_s, backend="gloo", local=True)
+    main = {mode: [(int(m), statistics.fmean(r["main"][mode][m] for r in results)) for m in r0]
+            for mode, r0 in results[0]["main"].items()}
+    ends = [(b, statistics.fmean(r["message"][b] for r in results)) for b in results[0]["message"]]
+    per_end, per_byte = _line(ends)
+    costs = {"step_cpu_s": {mode: max(0.0, _line(pts)[0]) for mode, pts in main.items()},
+             "message_cpu_s": max(0.0, per_end), "message_cpu_byte_s": max(0.0, per_byte),
+             "message_busy_bytes": _BUSY_BYTES,
+             "measured": {"main_cpu_s_per_step": main, "message_end_cpu_s": ends,
+                          "transport_s_per_step": {mode: {m: statistics.fmean(r["transport"][mode][m] for r in results)
+                                                          for m in r0} for mode, r0 in results[0]["transport"].items()},
+                          "when": time.strftime("%Y-%m-%d %H:%M:%S")}}
+    text = json.dumps(costs, indent=1)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return json.loads(text)
+
+
+def thread_cpu_s() -> dict[int, float]:
+    """This process's threads' CPU seconds so far, by thread id (``/proc/self/task/*/schedstat``,
+    nanoseconds on the CPU; empty where the platform has no /proc)."""
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as fh:
+                out[int(tid)] = int(fh.read().split()[0]) * 1e-9
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _others_cpu_s(before: dict[int, float], main: int) -> float:
+    """CPU seconds of this process's threads other than ``main`` since ``before``
+    (:func:`thread_cpu_s`; a thread started since counts from zero)."""
+    return sum(s - before.get(tid, 0.0) for tid, s in thread_cpu_s().items() if tid != main)
 
 
 def _action_and_step(steps_s: dict[int, float], latency_s: float, schedule: str = "1f1b",
@@ -248,7 +325,7 @@ _MODES = {"step": ("1f1b", 1, "normal"), "compute": ("1f1b", 1, "batch"),
           "yield": ("interleaved-1f1b", 2, "batch")}
 
 
-def _exchange_cost(n: int, *, unit_s: float, blocks: int = 10, nbytes: int = 16384) -> float:
+def _exchange_cost(n: int, *, unit_s: float, blocks: int = 10, nbytes: int = _BUSY_BYTES) -> float:
     """This rank's extra seconds per message end when each of ``n`` compute units (a matmul loop
     of about ``unit_s``, the same count on both ranks; none for 0) runs while an exchange with the
     other rank is under way (a receive posted and a send issued before the unit, the receive
@@ -324,10 +401,12 @@ def _ping_pong(nbytes: int, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def _pipeline_steps(m: int, steps: int, send_wait: str = "step") -> list[float]:
+def _pipeline_steps(m: int, steps: int, send_wait: str = "step", cpu: bool = False) -> list[Any]:
     """Step times on 2 ranks over near-free layers (Linear(4, 4), one per chunk), after 3 warm-up
     steps, of the runtime mode ``send_wait`` on the schedule and with the transport thread policy
-    of ``_MODES``."""
+    of ``_MODES``; with ``cpu``, per step (main thread's CPU seconds, the other threads')."""
+    import threading
+
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -341,15 +420,70 @@ def _pipeline_steps(m: int, steps: int, send_wait: str = "step") -> list[float]:
                     virtual_stages=v, optimizer=OptimizerConfig(name="sgd", lr=1e-3),
                     send_wait=send_wait, transport_threads=threads)
     x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
-    times = []
+    times: list[Any] = []
+    me = threading.get_native_id()
     for k in range(steps + 3):
         dist.barrier()
-        t0 = time.perf_counter()
+        before = thread_cpu_s() if cpu else {}
+        t0, c0 = time.perf_counter(), time.thread_time()
         pipe.train_step(x, y, diagnose=False)
+        if cpu:
+            times.append((time.thread_time() - c0, _others_cpu_s(before, me)))
         dist.barrier()
-        if k >= 3:
+        if k >= 3 and not cpu:
             times.append(time.perf_counter() - t0)
-    return times
+    return times[3:] if cpu else times
+
+
+def _cpu_worker(microbatches: tuple[int, ...], steps: int, sizes: tuple[int, ...]) -> dict[str, Any]:
+    """Per runtime mode and microbatch count, the main thread's and the other threads' median CPU
+    per step on the compute-free pipeline; per message size, the process's CPU per message end
+    of a ping-pong (all threads): three alternating rounds, medians kept."""
+    import torch.distributed as dist
+
+    from engine.transport import set_transport_threads
+
+    main: dict[str, dict[int, list[float]]] = {w: {m: [] for m in microbatches} for w in _MODES}
+    others: dict[str, dict[int, list[float]]] = {w: {m: [] for m in microbatches} for w in _MODES}
+    message: dict[int, list[float]] = {b: [] for b in sizes}
+    for _ in range(3):
+        set_transport_threads("normal")
+        for b in sizes:
+            message[b].append(_message_cpu(b))
+        for m in microbatches:
+            for wait in _MODES:
+                cpu = _pipeline_steps(m, steps, wait, cpu=True)
+                main[wait][m] += [c for c, _ in cpu]
+                others[wait][m] += [o for _, o in cpu]
+    dist.barrier()
+    med = lambda d: {w: {m: statistics.median(v) for m, v in ts.items()} for w, ts in d.items()}  # noqa: E731
+    return {"main": med(main), "transport": med(others),
+            "message": {b: statistics.median(v) for b, v in message.items()}}
+
+
+def _message_cpu(nbytes: int, repeats: int = 20) -> float:
+    """This process's CPU seconds (every thread) per message end of a ping-pong of ``nbytes``
+    (each round trip: one send and one receive on each rank), after 3 untimed round trips."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    rank, me = dist.get_rank(), threading.get_native_id()
+    total = 0.0
+    for k in range(repeats + 3):
+        dist.barrier()
+        before, c0 = thread_cpu_s(), time.thread_time()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        if k >= 3:
+            total += time.thread_time() - c0 + _others_cpu_s(before, me)
+    return total / (2 * repeats)
 
 
 def _collectives_worker(sizes: tuple[int, ...], repeats: int) -> list[list[Any]]:

@@ -42,6 +42,7 @@ class SimResult:
     timeline: list[list[tuple[str, float, float]]]
     steps_s: list[float] = field(default_factory=list)   # per step (``simulate(steps=N)``)
     bubbles: list[float] = field(default_factory=list)   # per step
+    tails: list[list[tuple[float, float]]] = field(default_factory=list)   # per rank, per step (``tail_s``)
 
     def __post_init__(self) -> None:
         self.steps_s = self.steps_s or [self.step_s]
@@ -119,6 +120,7 @@ def simulate(
     comm_s: Cost = 0.0,
     steps: int = 1,
     cores: float | None = None,
+    tail_s: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate ``steps`` consecutive training steps of ``schedule``.
 
@@ -144,6 +146,11 @@ def simulate(
     the rank count: every rank has its own processor (the GPU case). A ``timeline`` entry then
     spans the action's wall time, stretched where it shared.
 
+    ``tail_s``: per rank, seconds of CPU work each rank runs after its last action of every step
+    (its optimizer update and the step's bookkeeping), time-shared like an action when the ranks
+    share ``cores``; a rank's step then ends at its tail's end (``tails[r][k]``: (start, end)
+    of rank r's tail in step k). None: no tail (a rank's step ends with its last action).
+
     >>> from engine.schedules import build_schedule
     >>> r = simulate(build_schedule("zb-h2", 4, 8), 1.0, 2.0, 1.0, steps=3)
     >>> r.steps_s, r.bubbles[-1]
@@ -166,23 +173,40 @@ def simulate(
     kinds = {(s, i + k * m): x for (s, i), x in schedule.backward_kind.items() for k in range(steps)}
     if cores is not None and cores <= 0:
         raise ValueError(f"cores must be > 0, got {cores!r}")
-    shared = cores is not None and cores < schedule.num_stages
-    timeline = (_run_shared(schedule, actions, kinds, cost, comm, float(cores)) if shared
-                else _run(schedule, actions, kinds, cost, comm))
     p = schedule.num_stages
-    busy = sum(e - b for row in timeline for _, b, e in row) / steps
     per_rank = [len(acts) for acts in schedule.actions]
-    ends = [[row[(k + 1) * per_rank[r] - 1][2] if per_rank[r] else 0.0 for k in range(steps)]
-            for r, row in enumerate(timeline)]
+    tail = [0.0] * p if tail_s is None else [float(x) for x in tail_s]
+    if len(tail) != p or any(x < 0 for x in tail):
+        raise ValueError(f"tail_s needs one seconds >= 0 per rank ({p}), got {tail_s!r}")
+    tails: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    shared = cores is not None and cores < schedule.num_stages
+    timeline = (_run_shared(schedule, actions, kinds, cost, comm, float(cores), (per_rank, tail, tails)) if shared
+                else _run(schedule, actions, kinds, cost, comm, (per_rank, tail, tails)))
+    busy = sum(e - b for row in timeline for _, b, e in row) / steps
+    ends = [[tails[r][k][1] if tail_s is not None and tails[r] else row[(k + 1) * per_rank[r] - 1][2] if per_rank[r] else 0.0
+             for k in range(steps)] for r, row in enumerate(timeline)]
     steps_s = [max(e[k] - (e[k - 1] if k else 0.0) for e in ends) for k in range(steps)]
     bubbles = [1.0 - busy / (p * t) if t > 0 else 0.0 for t in steps_s]
-    return SimResult(steps_s[-1], bubbles[-1], peak_inflight(schedule), timeline, steps_s, bubbles)
+    return SimResult(steps_s[-1], bubbles[-1], peak_inflight(schedule), timeline, steps_s, bubbles,
+                     tails if tail_s is not None else [])
+
+
+_Tails = tuple[list[int], list[float], list[list[tuple[float, float]]]]
+"""(actions per rank and step, tail seconds per rank, the tails' (start, end) per rank, filled in)."""
+
+
+def _ends_step(tails: _Tails, r: int, done: int) -> bool:
+    """Whether rank ``r``'s ``done``-th action (counting from 1) is its last of a step."""
+    per = tails[0][r]
+    return per > 0 and done % per == 0
 
 
 def _run(schedule: Schedule, actions: list[list[Action]], bwd_kind: dict[tuple[int, int], str],
-         cost: dict[str, list[float]], comm: list[float]) -> list[list[tuple[str, float, float]]]:
+         cost: dict[str, list[float]], comm: list[float], tails: _Tails
+         ) -> list[list[tuple[str, float, float]]]:
     """The event-driven run: each rank's actions in order, each as soon as its rank is free and
-    its inputs are there. Raises ``ValueError`` if some rank can never go on (a deadlock)."""
+    its inputs are there; after a step's last action the rank runs its tail (``tails``). Raises
+    ``ValueError`` if some rank can never go on (a deadlock)."""
     n, p = schedule.num_chunks, schedule.num_stages
     end: dict[tuple[str, int, int], float] = {}
     waiting: dict[tuple[str, int, int], list[int]] = {}
@@ -209,21 +233,24 @@ def _run(schedule: Schedule, actions: list[list[Action]], bwd_kind: dict[tuple[i
             timeline[r].append((str(a), start, finish))
             queue.extend(waiting.pop(key, []))
             ptr[r] += 1
+            if _ends_step(tails, r, ptr[r]):
+                free[r] = finish + tails[1][r]
+                tails[2][r].append((finish, free[r]))
     if any(ptr[r] < len(actions[r]) for r in range(p)):
         raise ValueError("the ranks' action lists deadlock when repeated over steps")
     return timeline
 
 
 def _run_shared(schedule: Schedule, actions: list[list[Action]], bwd_kind: dict[tuple[int, int], str],
-                cost: dict[str, list[float]], comm: list[float], cores: float
+                cost: dict[str, list[float]], comm: list[float], cores: float, tails: _Tails
                 ) -> list[list[tuple[str, float, float]]]:
     """:func:`_run` with the ranks sharing ``cores`` processors: a time-ordered (fluid) run in
-    which the computing ranks progress at ``min(1, cores / computing)`` each. Raises
-    ``ValueError`` on a deadlock, as :func:`_run`."""
+    which the computing ranks (an action or a step's tail under way) progress at
+    ``min(1, cores / computing)`` each. Raises ``ValueError`` on a deadlock, as :func:`_run`."""
     n, p = schedule.num_chunks, schedule.num_stages
     end: dict[tuple[str, int, int], float] = {}
     free, ptr = [0.0] * p, [0] * p
-    running: dict[int, list] = {}                   # rank -> [action, work left, start]
+    running: dict[int, list] = {}                   # rank -> [action (None: its tail), work left, start]
     timeline: list[list[tuple[str, float, float]]] = [[] for _ in range(p)]
     t = 0.0
     while True:
@@ -251,9 +278,18 @@ def _run_shared(schedule: Schedule, actions: list[list[Action]], bwd_kind: dict[
                 running[r][1] = left
                 continue
             del running[r]
-            end[(a.kind, a.stage, a.microbatch)] = free[r] = t
+            free[r] = t
+            if a is None:               # the step's tail
+                tails[2][r].append((start, t))
+                continue
+            end[(a.kind, a.stage, a.microbatch)] = t
             timeline[r].append((str(a), start, t))
             ptr[r] += 1
+            if _ends_step(tails, r, ptr[r]):
+                if tails[1][r] > 0:
+                    running[r] = [None, tails[1][r], t]
+                else:
+                    tails[2][r].append((t, t))
     if any(ptr[r] < len(actions[r]) for r in range(p)):
         raise ValueError("the ranks' action lists deadlock when repeated over steps")
     return timeline

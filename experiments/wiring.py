@@ -538,16 +538,19 @@ def with_fixed_costs(cfg: Any, prof: Any) -> Any:
     """``prof`` with the runtime's fixed costs on this machine (`engine.overhead`, cached per
     machine) when `partitioner.fixed_costs` is on and layers are measured here on the CPU (the
     costs are measured with gloo on the CPU; other devices get none), with the cores the local
-    ranks share."""
+    ranks share and, when the job's ranks outnumber them, the CPU a rank spends off its actions
+    (`engine.overhead.measure_cpu_costs`, cached per machine: load on the shared cores)."""
     import dataclasses
 
     from partitioner import FixedCosts
 
     if not measures_fixed_costs(cfg):
         return prof
-    from engine.overhead import measure_fixed_costs
+    from engine.overhead import measure_cpu_costs, measure_fixed_costs
 
-    return dataclasses.replace(prof, fixed=FixedCosts.from_dict({**measure_fixed_costs(), "cores": available_cores()}))
+    cores = available_cores()
+    cpu = measure_cpu_costs() if world_size(cfg) > cores else {}
+    return dataclasses.replace(prof, fixed=FixedCosts.from_dict({**measure_fixed_costs(), **cpu, "cores": cores}))
 
 
 def measures_fixed_costs(cfg: Any) -> bool:

@@ -194,6 +194,17 @@ class FixedCosts:
       on); the plan time-shares them when a pipeline has more ranks than cores. None: one
       processor per rank.
 
+    The CPU a rank spends off its compute, charged as load on the shared cores only when a
+    pipeline's ranks outnumber them (``engine.overhead.measure_cpu_costs``; the figures above are
+    wall times measured with a core per rank):
+
+    - ``step_cpu_s``: per runtime mode (``send_mode``), the main thread's CPU per step outside
+      its actions (the CPU part of the per-step cost);
+    - ``message_cpu_byte_s``: CPU seconds per byte of a message end (every thread: gloo's
+      transport thread copies), charged for the bytes beyond ``message_busy_bytes``, the size at
+      which ``message_busy_s`` (which holds the rest of a message's CPU) is measured;
+      ``message_cpu_s``: the same line's CPU at zero bytes (a record).
+    
     >>> FixedCosts(action_s=2e-4, optimizer_s_per_byte={"sgd": 3e-10}).optimizer_s("sgd", 4e6)
     0.0012
     """
@@ -209,6 +220,10 @@ class FixedCosts:
     action_s_yield: float | None = None
     step_s_yield: float | None = None
     cores: int | None = None
+    step_cpu_s: dict[str, float] = field(default_factory=dict)
+    message_cpu_s: float = 0.0
+    message_cpu_byte_s: float = 0.0
+    message_busy_bytes: int = 16384
 
     def runtime_costs(self, mode: str) -> tuple[float, float]:
         """(per action, per step) for a schedule the runtime runs in ``mode``
@@ -225,6 +240,18 @@ class FixedCosts:
         action, step = own[mode]
         return (self.action_s if action is None else action,
                 self.step_s if step is None else step)
+
+    def shared_cpu(self, mode: str, message_bytes: float) -> tuple[float, float]:
+        """(per step, per message end of ``message_bytes``) CPU seconds that a rank spends off its
+        actions and that its charged wall costs do not hold as load on shared cores, for a
+        schedule the runtime runs in ``mode``: the main thread's per-step CPU, and a message's
+        per-byte CPU beyond ``message_busy_bytes``.
+
+        >>> FixedCosts(step_cpu_s={"compute": 7e-4}, message_cpu_byte_s=2e-10).shared_cpu("compute", 16384 + 1e6)
+        (0.0007, 0.0002)
+        """
+        extra = max(0.0, float(message_bytes) - self.message_busy_bytes) * self.message_cpu_byte_s
+        return float(self.step_cpu_s.get(mode, 0.0)), extra
 
     def optimizer_s(self, optimizer: str, param_bytes: float) -> float:
         """Seconds of one ``optimizer`` update of ``param_bytes`` bytes of parameters."""

@@ -55,7 +55,12 @@ class Plan(JsonMixin):
     per-message latency, and ``step_fixed_s`` (per step) plus the slowest rank's optimizer update
     (``rank_optimizer_s``) are added to the simulated schedule. ``shared_cores``: the processors
     one pipeline's ranks share (``FixedCosts.cores`` over the replicas and tp ranks on the machine); when
-    fewer than its ranks, :meth:`simulate` time-shares them (None: a processor per rank). ``search``: when
+    fewer than its ranks, :meth:`simulate` time-shares them (None: a processor per rank) and
+    charges, as load on them, the CPU a rank spends off its actions that the wall costs above do
+    not hold (``FixedCosts.shared_cpu``): ``step_cpu_s``, the per-step CPU, and each rank's
+    optimizer update, run as the step's tail after its last action (``engine.simulate``'s
+    ``tail_s``); ``boundary_cpu_s``, per boundary, the per-byte CPU of one message end beyond
+    what ``message_busy_s`` holds. ``search``: when
     ``partitioner.search`` chose this plan's layout, its record (the choice, the alternatives
     with their predicted step and memory, every layout considered; see ``SearchResult.record``).
     ``split_search``: how the split was chosen: ``"exact"`` (the min-bottleneck split, or the
@@ -99,6 +104,8 @@ class Plan(JsonMixin):
     message_busy_s: float = 0.0
     step_fixed_s: float = 0.0
     shared_cores: float | None = None
+    step_cpu_s: float = 0.0   # charged only when shared_cores < num_stages
+    boundary_cpu_s: list[float] = field(default_factory=list)   # idem, per message end of each boundary
     rank_optimizer_s: list[float] = field(default_factory=list)
     rank_collective_s: list[float] = field(default_factory=list)   # the replicas' per-step collectives, exposed
     tensor_parallel: int = 1
@@ -177,8 +184,17 @@ class Plan(JsonMixin):
         from engine.simulate import simulate
 
         sched, f, b, w, comm = self._schedule_and_costs(forward_s, backward_s)
+        tail = None
+        if self.shares_cores:   # the step's CPU and each rank's update: load on the shared cores
+            opt = list(self.rank_optimizer_s) if len(self.rank_optimizer_s) == self.num_stages else [0.0] * self.num_stages
+            tail = [o + self.step_cpu_s for o in opt]
         return simulate(sched, f, b, weight_s=w, comm_s=comm, steps=self.steady_steps,
-                        cores=self.shared_cores)
+                        cores=self.shared_cores, tail_s=tail)
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether this pipeline's ranks outnumber the processors they share (``shared_cores``)."""
+        return self.shared_cores is not None and self.shared_cores < self.num_stages
 
     @property
     def steady_steps(self) -> int:
@@ -216,6 +232,9 @@ class Plan(JsonMixin):
         if self.message_busy_s and len(f) == len(b) == len(ends):  # else simulate names the misfit
             f = [x + self.message_busy_s * k for x, k in zip(f, ends)]
             b = [x + self.message_busy_s * k for x, k in zip(b, ends)]
+        if self.shares_cores and len(self.boundary_cpu_s) == len(f) - 1 == len(b) - 1:
+            extra = self._message_cpu(sched)
+            f, b = [x + e for x, e in zip(f, extra)], [x + e for x, e in zip(b, extra)]
         comm = self.boundary_comm_s if len(f) > 1 and self.boundary_comm_s else 0.0
         if self.schedule == "zb-auto" and len(f) == len(b) == len(w) == self.num_stages:
             built = build_schedule("zb-auto", self.num_stages, self.microbatches,
@@ -224,6 +243,14 @@ class Plan(JsonMixin):
             if self._within_memory(built):
                 sched = built
         return sched, f, b, w, comm
+
+    def _message_cpu(self, sched: Any) -> list[float]:
+        """Per chunk, the ``boundary_cpu_s`` of the cross-rank messages each of its F (and B or I)
+        actions sends or receives (``engine.schedules.message_ends``, boundary by boundary)."""
+        n, c = len(self.boundary_cpu_s) + 1, self.boundary_cpu_s
+        cross = [sched.rank_of(s) != sched.rank_of(s + 1) for s in range(n - 1)]
+        return [(c[s - 1] if s > 0 and cross[s - 1] else 0.0) + (c[s] if s < n - 1 and cross[s] else 0.0)
+                for s in range(n)]
 
     def _within_memory(self, schedule: Any) -> bool:
         """Whether every state of ``schedule`` holds and has pending no more microbatches per
@@ -275,6 +302,8 @@ class Plan(JsonMixin):
         ``end_r + update_r``, not at the schedule's end plus the slowest update. A steady-state
         simulation (several steps, ``step_sync="post_validate"``): its last step plus the
         slowest rank's update (each rank updates between its steps; an upper bound)."""
+        if sim.tails:   # shared cores: the updates and the step's CPU ran in the simulation
+            return self._shared_step_s(sim)
         ends = [row[-1][2] if row else 0.0 for row in sim.timeline]
         if len(self.rank_collective_s) == len(ends):   # the replicas' gradient sync (and gathers) after the schedule
             ends = [e + c for e, c in zip(ends, self.rank_collective_s)]
@@ -284,6 +313,16 @@ class Plan(JsonMixin):
         if len(opt) != len(ends):  # not per rank of this schedule: the slowest after the end
             return sim.step_s + self.step_fixed_s + max(opt)
         return max(e + o for e, o in zip(ends, opt)) + self.step_fixed_s
+
+    def _shared_step_s(self, sim: Any) -> float:
+        """:meth:`predicted_step_s` of a simulation with the ranks' tails (shared cores): the
+        latest tail's end (each rank's update and step CPU, time-shared), plus the replicas'
+        collectives after it, plus what the per-step wall cost holds beyond its CPU."""
+        rest = max(0.0, self.step_fixed_s - self.step_cpu_s)
+        coll = list(self.rank_collective_s) if len(self.rank_collective_s) == len(sim.tails) else [0.0] * len(sim.tails)
+        if len(sim.steps_s) > 1:
+            return sim.steps_s[-1] + max(coll, default=0.0) + rest
+        return max((t[-1][1] if t else 0.0) + c for t, c in zip(sim.tails, coll)) + rest
 
     # -- JSON -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -1094,8 +1094,10 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
     # the replicas' pipelines, and each pipeline rank's tp ranks, run on the machine's cores at
     # once (the local launcher): a simulated rank needs tensor_parallel of them
     cores = fixed.cores / (settings["data_parallel"] * settings.get("tensor_parallel", 1)) if fixed.cores else None
+    step_cpu = fixed.shared_cpu(send_mode(sched), 0.0)[0]
     return {"action_s": action, "message_busy_s": fixed.message_busy_s,
-            "step_fixed_s": step, "shared_cores": cores,
+            "step_fixed_s": step, "shared_cores": cores, "step_cpu_s": step_cpu,
+            "boundary_cpu_s": [fixed.shared_cpu("step", float(prob.out[e - 1]))[1] for _, e in bounds[:-1]],
             "rank_optimizer_s": [fixed.optimizer_s(settings["optimizer"], x) for x in per_rank]}
 
 

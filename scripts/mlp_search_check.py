@@ -13,7 +13,12 @@ Prints one table (layout, search rank, predicted ms, measured ms, error, rank by
 the issue's two checks:
 
 - the chosen layout's measured step is within 10% of its prediction;
-- it is no slower than the fastest measured layout of the five (chosen / fastest <= 1).
+- it is no slower than the fastest measured layout of the five (chosen / fastest <= 1), strictly
+  on the head-to-head medians, and at the measurement's resolution: the ratio's 95% interval
+  from a paired bootstrap over the head-to-head rounds (:func:`ratio_interval`: the same rounds
+  resampled for both layouts, then the steps within each). When that interval holds 1, the
+  chosen layout is not distinguishable from the fastest at this resolution; the strict verdict
+  is printed beside it either way.
 
 Timings need a quiet machine: on a shared one each 3-rank run gets a different share of the
 cores, and the check says nothing. Run::
@@ -28,9 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
+import random
+import statistics
+from typing import Any, Sequence
 
-__all__ = ["OVERRIDES", "check", "main", "overrides", "table_rows"]
+__all__ = ["OVERRIDES", "check", "main", "overrides", "ratio_interval", "table_rows"]
 
 OVERRIDES = ["experiment=mlp_profile", "model.depth=12", "model.dim=256", "model.width=1024", "model.profile=uniform",
              "data=synthetic", "pipeline.stages=3", "pipeline.microbatches=8", "train.batch_size=256",
@@ -66,6 +73,7 @@ def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"layout": r["layout"], "chosen": bool(r.get("chosen")), "search_rank": r.get("search_rank"),
                      "predicted_s": pred, "first_pass_s": r.get("step_s"), "measured_s": measured,
                      "measured_rounds_s": conf.get("step_s_rounds") or r.get("step_s_rounds"),
+                     "measured_steps_by_round": conf.get("step_s_by_round") or [],
                      "error": (measured / pred - 1) if measured and pred else None,
                      "stage_ranges": r.get("plan_stage_ranges"), "run_error": r.get("error")})
     ok = sorted((x for x in rows if x["measured_s"]), key=lambda x: x["measured_s"])
@@ -74,18 +82,69 @@ def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda x: x["search_rank"] or 0)
 
 
+def ratio_interval(a_rounds: Sequence[Sequence[float] | None], b_rounds: Sequence[Sequence[float] | None], *,
+                   level: float = 0.95, reps: int = 4000, seed: int = 0) -> tuple[float, float, float] | None:
+    """``median(a) / median(b)`` over every step of the rounds both ran, and its ``level``
+    percentile interval from a paired, two-level bootstrap: each replicate draws rounds with
+    replacement (the same rounds for a and b: round k of both ran minutes apart at most, under
+    the same spell of the machine), then each drawn round's steps with replacement. None
+    when no round has steps of both.
+
+    >>> ratio_interval([[2.0, 2.0], [2.0]], [[1.0], [1.0, 1.0]])
+    (2.0, 2.0, 2.0)
+    """
+    pairs = [(list(a), list(b)) for a, b in zip(a_rounds, b_rounds) if a and b]
+    if not pairs:
+        return None
+    ratio = statistics.median([t for a, _ in pairs for t in a]) / statistics.median([t for _, b in pairs for t in b])
+    rng = random.Random(seed)
+    out = []
+    for _ in range(reps):
+        drawn = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        a = [x for r, _ in drawn for x in rng.choices(r, k=len(r))]
+        b = [x for _, r in drawn for x in rng.choices(r, k=len(r))]
+        out.append(statistics.median(a) / statistics.median(b))
+    out.sort()
+    lo = out[int((1 - level) / 2 * (reps - 1))]
+    hi = out[int((1 + level) / 2 * (reps - 1) + 0.5)]
+    return ratio, lo, hi
+
+
 def check(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's two checks on :func:`table_rows` (None where the chosen layout did not run)."""
+    """The issue's two checks on :func:`table_rows` (None where the chosen layout did not run):
+    strictly on the medians, and chosen / fastest with its paired 95% interval
+    (:func:`ratio_interval`, over at least two paired rounds; ``not_distinguishable_from_best``:
+    the interval holds 1)."""
     chosen = next((x for x in rows if x["chosen"]), None)
     ok = [x for x in rows if x["measured_s"]]
     if chosen is None or not chosen["measured_s"] or not ok:
         return {"chosen": chosen and chosen["layout"], "within_tolerance": None, "no_slower_than_best": None}
     best = min(ok, key=lambda x: x["measured_s"])
+    paired = sum(1 for a, b in zip(chosen["measured_steps_by_round"], best["measured_steps_by_round"]) if a and b)
+    ci = ratio_interval(chosen["measured_steps_by_round"], best["measured_steps_by_round"]) if paired >= 2 else None
     return {"chosen": chosen["layout"], "predicted_s": chosen["predicted_s"], "measured_s": chosen["measured_s"],
             "error": chosen["error"], "within_tolerance": abs(chosen["error"]) <= TOLERANCE,
             "fastest": best["layout"], "fastest_s": best["measured_s"],
             "chosen_over_fastest": chosen["measured_s"] / best["measured_s"],
-            "no_slower_than_best": chosen["measured_s"] <= best["measured_s"]}
+            "no_slower_than_best": chosen["measured_s"] <= best["measured_s"],
+            "chosen_over_fastest_95": None if ci is None else [ci[1], ci[2]],
+            "not_distinguishable_from_best": None if ci is None else ci[1] <= 1.0}
+
+
+def _verdict(v: dict[str, Any]) -> str:
+    """The checks in words: the strict verdict first, then the one at the measurement's resolution."""
+    if v.get("within_tolerance") is None:
+        return "the chosen layout did not run: no verdict"
+    lines = [f"prediction: {v['error']:+.1%} off ({'within' if v['within_tolerance'] else 'NOT within'} "
+             f"{TOLERANCE:.0%})",
+             f"strictly: chosen / fastest ({v['fastest']}) = {v['chosen_over_fastest']:.3f}: "
+             + ("no slower than the fastest" if v["no_slower_than_best"] else "SLOWER than the fastest")]
+    ci = v.get("chosen_over_fastest_95")
+    if ci is not None and not v["no_slower_than_best"]:
+        lines.append(f"at this resolution: 95% interval {ci[0]:.3f}-{ci[1]:.3f} (paired bootstrap over the rounds): "
+                     + ("not distinguishable from the fastest" if v["not_distinguishable_from_best"]
+                        else "slower than the fastest"))
+    return "\n".join(lines)
 
 
 def _format(rows: list[dict[str, Any]]) -> str:
@@ -125,6 +184,7 @@ def main() -> None:
           f"head to head; * = chosen; error = measured / predicted - 1):")
     print(_format(rows))
     print("\n" + json.dumps(verdict, indent=1))
+    print(_verdict(verdict))
     print(f"load average start {load0[0]:.1f} end {os.getloadavg()[0]:.1f} (2 shared cores: timings under load "
           "measure the neighbours too)")
     if args.json:

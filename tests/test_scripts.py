@@ -135,6 +135,44 @@ def test_mlp_search_check_reads_the_head_to_head_medians_and_judges_the_choice()
     conf["layouts"][0]["step_s"] = 0.0899   # 10.1% under its prediction
     assert not mod.check(mod.table_rows(result))["within_tolerance"]
     assert "bench.sweep_max=5" in mod.overrides() and "model.depth=12" in mod.overrides()
+    assert verdict["chosen_over_fastest_95"] is None   # no per-round steps: no interval
+
+
+def test_mlp_search_check_ratio_interval_is_paired_over_rounds():
+    """The paired bootstrap: constant steps give the exact ratio; two layouts whose rounds share a
+    slow spell (round 2 is 30% slower for both) but differ by 5% within every round (1% spread)
+    are told apart, though their step ranges overlap; equal layouts are not; unpaired rounds are
+    left out, and none paired gives None."""
+    mod = _script("mlp_search_check")
+    assert mod.ratio_interval([[3.0, 3.0]], [[2.0], [5.0]]) == (1.5, 1.5, 1.5)
+    assert mod.ratio_interval([None, [1.0]], [[1.0], None]) is None
+    base = [[1.00, 1.01, 0.99, 1.00], [1.30, 1.31, 1.29, 1.30], [1.05, 1.04, 1.06, 1.05]]
+    slower = [[x * 1.05 for x in r] for r in base]
+    assert max(map(max, base)) > min(map(min, slower))
+    ratio, lo, hi = mod.ratio_interval(slower, base)
+    assert ratio == pytest.approx(1.05) and 1.0 < lo <= ratio <= hi
+    ratio, lo, hi = mod.ratio_interval(base, [r[::-1] for r in base])
+    assert ratio == 1.0 and lo <= 1.0 <= hi
+    noisy = [[1.00, 1.10, 0.90, 1.05], [0.95, 1.08, 1.02, 0.97], [1.04, 0.93, 1.06, 1.00]]
+    ratio, lo, hi = mod.ratio_interval([[x * 1.01 for x in r] for r in noisy], noisy[::-1])
+    assert lo < 1.0 < hi   # 1% within 10% noise, rounds not aligned: not distinguishable
+
+
+def test_mlp_search_check_states_both_verdicts():
+    """check(): the strict verdict on the medians and the one at the measurement's resolution."""
+    mod = _script("mlp_search_check")
+    noisy = [[1.00, 1.10, 0.90, 1.05], [0.95, 1.08, 1.02, 0.97], [1.04, 0.93, 1.06, 1.00]]
+    rows = [{"layout": "a", "chosen": True, "measured_s": 1.02, "predicted_s": 1.0, "error": 0.02,
+             "measured_steps_by_round": [[x * 1.02 for x in r] for r in noisy]},
+            {"layout": "b", "chosen": False, "measured_s": 1.0, "predicted_s": 1.0, "error": 0.0,
+             "measured_steps_by_round": noisy}]
+    v = mod.check(rows)
+    assert not v["no_slower_than_best"] and v["not_distinguishable_from_best"]
+    text = mod._verdict(v)
+    assert "SLOWER than the fastest" in text and "not distinguishable from the fastest" in text
+    rows[0]["measured_steps_by_round"] = [[x * 1.5 for x in r] for r in noisy]
+    v = mod.check(rows)
+    assert v["not_distinguishable_from_best"] is False and v["chosen_over_fastest_95"][0] > 1.0
 
 
 def test_gen_bench_model_builds_the_generation_workload(tmp_path):

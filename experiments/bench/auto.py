@@ -212,7 +212,8 @@ def confirm_layouts(entries: list[tuple], combined: dict[tuple, dict[str, Any]],
             + ", ".join(labels[k] for k in keys))
     again = run_jobs({k: jobs[k] for k in keys}, spec, rounds=rounds, log=log)
     layouts = [{"layout": labels[k], "auto": k == auto_key, "step_s": again[k].get("step_s"),
-                "step_s_rounds": again[k].get("step_s_rounds", []), "first_step_s": combined[k].get("step_s"),
+                "step_s_rounds": again[k].get("step_s_rounds", []),
+                "step_s_by_round": again[k].get("step_s_by_round", []), "first_step_s": combined[k].get("step_s"),
                 "error": again[k].get("error")} for k in keys]
     ok = [x for x in layouts if x["step_s"]]
     best = min(ok, key=lambda x: x["step_s"]) if ok else None

@@ -136,7 +136,8 @@ def run_jobs(jobs: dict[tuple, Job], spec: BenchSpec, *, rounds: int = 1,
 
 def combine_rounds(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One row from the same job run in several rounds: ``step_s`` is the median of every timed
-    step of every round, ``step_s_rounds`` each round's median, memory the maximum; the other
+    step of every round, ``step_s_rounds`` each round's median, ``step_s_by_round`` each
+    round's timed steps in round order (None for a failed round), memory the maximum; the other
     fields come from the round whose median is the middle one. A failed round makes the row
     an error row only if every round failed."""
     ok = [r for r in runs if r.get("step_s")]
@@ -148,6 +149,7 @@ def combine_rounds(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     row["step_s_all"] = steps
     row["step_s"] = statistics.median(steps)
     row["step_s_rounds"] = [r["step_s"] for r in ok]
+    row["step_s_by_round"] = [list(r["step_s_all"]) if r.get("step_s") else None for r in runs]
     row["samples_per_s"] = mid["samples_per_s"] * mid["step_s"] / row["step_s"]
     row["peak_rss_bytes"] = [max(v) for v in zip(*(r["peak_rss_bytes"] for r in ok))]
     row["rounds"] = len(ok)

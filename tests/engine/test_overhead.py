@@ -66,3 +66,18 @@ def test_measure_collectives_runs_and_caches(tmp_path, monkeypatch):
     assert all(n == 2 and t > 0 for _, n, _, t in got["points"])
     assert all(math.isfinite(t) and t >= 0 for *_, t in got["busy_points"])
     assert measure_collectives(sizes=(4096,), repeats=1) == got   # read back from the cache
+
+
+@pytest.mark.slow
+def test_measure_cpu_costs_runs_and_caches(tmp_path, monkeypatch):
+    """The CPU off the actions on two ranks: a per-step CPU per runtime mode, a per-byte CPU of a
+    message end (>= 0), the per-step transport CPU recorded; cached, read back."""
+    from engine.overhead import measure_cpu_costs
+
+    monkeypatch.setenv("PIPESHARD_CACHE_DIR", str(tmp_path))
+    costs = measure_cpu_costs(microbatches=(2, 4), steps=3, sizes=(256, 1 << 20))
+    assert set(costs["step_cpu_s"]) == {"step", "compute", "yield"}
+    assert all(v >= 0 for v in costs["step_cpu_s"].values())
+    assert costs["message_cpu_byte_s"] >= 0 and costs["message_busy_bytes"] == 16384
+    assert all(v > 0 for v in dict(costs["measured"]["main_cpu_s_per_step"]["compute"]).values())
+    assert measure_cpu_costs(microbatches=(2, 4), steps=3, sizes=(256, 1 << 20)) == costs

@@ -240,3 +240,23 @@ def test_shared_cores_bounds(name):
     assert two >= alone.step_s - 1e-9 and two >= total / 2 - 1e-9
     with pytest.raises(ValueError, match="cores"):
         simulate(s, f, b, w, cores=0)
+
+
+def test_a_steps_tail_is_time_shared_work():
+    """1f1b, p = 3, m = 1, F = 1, B = 2, a tail of 1 per rank. On its own processor each rank
+    ends at its last B + 1: rank 0's B ends at 9, so 10. On one core: F0 F1 F2 B2 run alone
+    (0-5); rank 2's tail and B1 then share the core from 5: the tail (1 of work) ends at 7, B1
+    at 8; rank 1's tail and B0 share it from 8: 10 and 11; rank 0's tail alone 11-12 (the total
+    work, 12, serially). Without ``tail_s`` nothing changes."""
+    s = build_schedule("1f1b", 3, 1)
+    own = simulate(s, 1.0, 2.0, tail_s=[1.0] * 3)
+    one = simulate(s, 1.0, 2.0, cores=1, tail_s=[1.0] * 3)
+    assert own.step_s == 10.0 and own.tails == [[(9.0, 10.0)], [(7.0, 8.0)], [(5.0, 6.0)]]
+    assert one.step_s == pytest.approx(12.0)
+    assert [t[0] for t in one.tails] == [pytest.approx((11.0, 12.0)), pytest.approx((8.0, 10.0)),
+                                         pytest.approx((5.0, 7.0))]
+    assert simulate(s, 1.0, 2.0, cores=1).step_s == pytest.approx(9.0) and simulate(s, 1.0, 2.0).tails == []
+    three = simulate(s, 1.0, 2.0, steps=2, cores=1, tail_s=[1.0] * 3)
+    assert three.steps_s == [pytest.approx(12.0)] * 2
+    with pytest.raises(ValueError, match="tail_s"):
+        simulate(s, 1.0, 2.0, tail_s=[1.0])

@@ -111,3 +111,59 @@ def test_an_update_inside_a_ranks_slack_costs_nothing_and_beyond_it_the_excess()
     assert plan.predicted_step_s(sim) == pytest.approx(sim.step_s + FIXED.step_s + 1e-3)
     plan.rank_optimizer_s = [2e-3, 0.0]          # rank 0 ends last: all of its update counts
     assert plan.predicted_step_s(sim) == pytest.approx(sim.step_s + FIXED.step_s + 2e-3)
+
+
+def _shared_plan(cores):
+    """1f1b, 3 ranks, 1 microbatch, F = 1, B = 2 per chunk, no transfer time; a step CPU of 0.5
+    in a per-step cost of 0.75, an update of 0.5 per rank, 0.25 of message CPU per end."""
+    from partitioner import Plan
+
+    return Plan(stage_ranges=[(0, 1), (1, 2), (2, 3)], stage_time_s=[3.0] * 3, stage_memory_bytes=[0] * 3,
+                bottleneck_s=3.0, step_s=0.0, bubble_fraction=0.0, lower_bound_s=0.0, schedule="1f1b",
+                num_stages=3, microbatches=1, stage_forward_s=[1.0] * 3, stage_backward_s=[2.0] * 3,
+                stage_weight_s=[1.0] * 3, boundary_comm_s=[0.0, 0.0], step_fixed_s=0.75, step_cpu_s=0.5,
+                rank_optimizer_s=[0.5] * 3, boundary_cpu_s=[0.25, 0.25], shared_cores=cores)
+
+
+def test_shared_cores_charge_the_cpu_off_the_actions_as_load():
+    """On one core for three ranks, each message end costs 0.25 more work (chunk 1 has two ends:
+    F = 1.25, 1.5, 1.25 and B = 2.25, 2.5, 2.25) and each rank's update and step CPU (1.0) run
+    after its last action, time-shared: F0 F1 F2 B2 alone until 6.25; rank 2's tail and B1 share
+    the core (tail ends 8.25, B1 9.75); rank 1's tail and B0 (11.75, 13.0); rank 0's tail 14.0,
+    the whole work serially; plus the per-step cost beyond its CPU, 0.25: 14.25. With a processor
+    per rank (None, or as many cores as ranks) nothing of it is charged: rank 0 ends at 9, plus
+    its update and the per-step cost, 10.25."""
+    shared = _shared_plan(1.0)
+    sim = shared.simulate()
+    assert [t[0][1] for t in sim.tails] == [pytest.approx(14.0), pytest.approx(11.75), pytest.approx(8.25)]
+    assert shared.predicted_step_s(sim) == pytest.approx(14.25)
+    for cores in (None, 3.0):
+        own = _shared_plan(cores)
+        res = own.simulate()
+        assert res.tails == [] and own.predicted_step_s(res) == pytest.approx(10.25)
+
+
+def test_shared_cpu_of_a_message_is_its_bytes_beyond_the_busy_measurement():
+    fc = FixedCosts(step_cpu_s={"compute": 7e-4, "step": 1e-3}, message_cpu_byte_s=2e-10, message_busy_bytes=1000)
+    assert fc.shared_cpu("step", 500.0) == (1e-3, 0.0)             # smaller: inside message_busy_s
+    assert fc.shared_cpu("compute", 1_001_000.0) == pytest.approx((7e-4, 2e-4))
+    assert fc.shared_cpu("yield", 0.0)[0] == 0.0                   # not measured: nothing
+
+
+def test_planner_books_the_cpu_figures_and_charges_them_only_when_ranks_share_cores():
+    """The planner's plan carries the step CPU of its runtime mode and each boundary's message
+    CPU; with a core per rank its prediction is the same as without the CPU figures."""
+    import dataclasses
+
+    cpu = dataclasses.replace(FIXED, step_cpu_s={"compute": 1e-3}, message_cpu_byte_s=1e-9, message_busy_bytes=0)
+    prof = Profile([LAYER] * 6, fixed=dataclasses.replace(cpu, cores=3))
+    plan = partition(prof, 3, schedule="1f1b", microbatches=4, optimizer="sgd")
+    assert plan.step_cpu_s == 1e-3 and plan.boundary_cpu_s == [pytest.approx(1e-4)] * 2
+    base = partition(Profile([LAYER] * 6, fixed=dataclasses.replace(FIXED, cores=3)), 3, schedule="1f1b",
+                     microbatches=4, optimizer="sgd")
+    assert plan.step_s == base.step_s
+    two = partition(Profile([LAYER] * 6, fixed=dataclasses.replace(cpu, cores=2)), 3, schedule="1f1b",
+                    microbatches=4, optimizer="sgd")
+    two_base = partition(Profile([LAYER] * 6, fixed=dataclasses.replace(FIXED, cores=2)), 3, schedule="1f1b",
+                         microbatches=4, optimizer="sgd")
+    assert two.step_s > two_base.step_s
