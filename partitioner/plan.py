@@ -191,6 +191,20 @@ class Plan(JsonMixin):
         return simulate(sched, f, b, weight_s=w, comm_s=comm, steps=self.steady_steps,
                         cores=self.shared_cores, tail_s=tail)
 
+    def step_without_cpu_load_s(self) -> float:
+        """The step :meth:`simulate` and :meth:`predicted_step_s` predict without the CPU off the
+        actions charged as load on shared cores (no ``step_cpu_s`` tail, no ``boundary_cpu_s``:
+        the model before they were measured), for comparison; the same as ``step_s`` when the
+        ranks do not share cores."""
+        from dataclasses import replace
+
+        from engine.simulate import simulate
+
+        plain = replace(self, step_cpu_s=0.0, boundary_cpu_s=[])
+        sched, f, b, w, comm = plain._schedule_and_costs(None, None)
+        res = simulate(sched, f, b, weight_s=w, comm_s=comm, steps=plain.steady_steps, cores=plain.shared_cores)
+        return plain.predicted_step_s(res)
+
     @property
     def shares_cores(self) -> bool:
         """Whether this pipeline's ranks outnumber the processors they share (``shared_cores``)."""

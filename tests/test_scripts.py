@@ -173,6 +173,9 @@ def test_mlp_search_check_states_both_verdicts():
     rows[0]["measured_steps_by_round"] = [[x * 1.5 for x in r] for r in noisy]
     v = mod.check(rows)
     assert v["not_distinguishable_from_best"] is False and v["chosen_over_fastest_95"][0] > 1.0
+    rows[0]["measured_s"] = 0.9   # the fastest: the interval is against the next one (b)
+    v = mod.check(rows)
+    assert v["no_slower_than_best"] and v["interval_against"] == "b" and "next fastest (b)" in mod._verdict(v)
 
 
 def test_gen_bench_model_builds_the_generation_workload(tmp_path):

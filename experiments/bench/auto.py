@@ -111,6 +111,7 @@ def layout_runs(result: Any, spec: BenchSpec, *, sweep: bool = False, sweep_max:
         extra = {"section": section, "layout": cand.label, "max_inflight": cand.max_inflight,
                  "search_rank": result.candidates.index(cand) + 1, "chosen": cand is result.chosen,
                  "predicted_step_s": cand.step_s, "recompute": list(cand.recompute),
+                 "predicted_without_cpu_load_s": cand.plan.step_without_cpu_load_s() if cand.plan.shares_cores else None,
                  "plan_stage_ranges": [list(r) for r in cand.plan.stage_ranges]}
         entries.append((extra, pipeshard_key(*run), None))
     return runs, entries

@@ -137,6 +137,7 @@ def test_shared_cores_charge_the_cpu_off_the_actions_as_load():
     sim = shared.simulate()
     assert [t[0][1] for t in sim.tails] == [pytest.approx(14.0), pytest.approx(11.75), pytest.approx(8.25)]
     assert shared.predicted_step_s(sim) == pytest.approx(14.25)
+    assert shared.step_without_cpu_load_s() == pytest.approx(10.25)   # F, B only, serially; + update + step
     for cores in (None, 3.0):
         own = _shared_plan(cores)
         res = own.simulate()
