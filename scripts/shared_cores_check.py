@@ -10,7 +10,10 @@ machine biases no variant. Printed per variant: the median step (the maximum ove
 step between two barriers), the median over blocks of its block median over the first
 variant's, and per rank and action kind (F, B, I, W) the mean thread CPU time and wall time of
 an action (``engine.stage.Chunk`` calls), from which ``Plan.simulate(forward_s=, backward_s=)``
-can be re-run on what the pipeline itself computed.
+can be re-run on what the pipeline itself computed, and per rank the CPU of a step off its
+actions: the main thread's (``off_actions_cpu_s``: its step CPU less its actions') and the
+other threads' (``transport_cpu_s``: gloo's transport thread), thread CPU time
+(``engine.overhead.thread_cpu_s``).
 
 Run (timings need the shared lock and a quiet machine)::
 
@@ -62,8 +65,11 @@ def _timed_chunks(acc: dict, current: dict) -> None:
 
 
 def _worker(spec: Any, blocks: int, per: int, variants: list[tuple[str, str, str]]) -> dict[str, Any]:
+    import threading
+
     import torch.distributed as dist
 
+    from engine.overhead import thread_cpu_s
     from engine.transport import set_transport_threads
     from experiments.bench.pipeshard_pp import build_pipeline
 
@@ -73,6 +79,8 @@ def _worker(spec: Any, blocks: int, per: int, variants: list[tuple[str, str, str
     extra = {"zb-h2": {"max_inflight": 4}}
     pipes = {s: build_pipeline(spec, s, virtual_stages=1, **extra.get(s, {})) for s, _, _ in variants}
     times: dict[int, list[float]] = {i: [] for i in range(len(variants))}
+    cpu: dict = collections.defaultdict(lambda: [0.0, 0.0, 0])   # variant -> main, others, steps
+    me = threading.get_native_id()
     step = 0
     for b in range(blocks + 1):
         order = list(range(len(variants)))[::1 if b % 2 == 0 else -1]
@@ -87,13 +95,20 @@ def _worker(spec: Any, blocks: int, per: int, variants: list[tuple[str, str, str
                 step += 1
                 current["variant"] = i if b else None
                 dist.barrier()
+                before, c0 = thread_cpu_s(), time.thread_time()
                 t0 = time.perf_counter()
                 pipe.train_step(x, y)
+                c1, after = time.thread_time(), thread_cpu_s()
                 dist.barrier()
                 if b:
                     times[i].append(time.perf_counter() - t0)
+                    e = cpu[i]
+                    e[0] += c1 - c0
+                    e[1] += sum(v - before.get(t, 0.0) for t, v in after.items() if t != me)
+                    e[2] += 1
                 current["variant"] = None
-    return {"times": times, "actions": {f"{i}|{k}": v for (i, k), v in acc.items()}}
+    return {"times": times, "actions": {f"{i}|{k}": v for (i, k), v in acc.items()},
+            "cpu": {str(i): v for i, v in cpu.items()}}
 
 
 def summary(results: list[dict[str, Any]], variants: list[tuple[str, str, str]], per: int
@@ -111,8 +126,13 @@ def summary(results: list[dict[str, Any]], variants: list[tuple[str, str, str]],
         ratios = [a / b for a, b in zip(blocks(steps[i]), blocks(steps[0]))]
         actions = [{k.split("|")[1]: {"cpu_s": c / max(cnt, 1), "wall_s": w / max(cnt, 1)}
                     for k, (c, w, cnt) in r["actions"].items() if k.split("|")[0] == str(i)} for r in results]
+        off = []
+        for r in results:   # per rank and step: main thread's CPU less its actions', the other threads'
+            main, others, n_steps = r.get("cpu", {}).get(str(i), [0.0, 0.0, 0])
+            acted = sum(c for k, (c, _, _) in r["actions"].items() if k.split("|")[0] == str(i))
+            off.append({"off_actions_cpu_s": (main - acted) / max(n_steps, 1), "transport_cpu_s": others / max(n_steps, 1)})
         out.append({"variant": list(v), "step_s": statistics.median(steps[i]), "block_ratio": statistics.median(ratios),
-                    "block_ratio_range": [min(ratios), max(ratios)], "actions": actions})
+                    "block_ratio_range": [min(ratios), max(ratios)], "actions": actions, "off_actions": off})
     return out
 
 
@@ -137,8 +157,11 @@ def main() -> None:
         print(f"{'/'.join(r['variant']):22s} step {r['step_s'] * 1e3:6.1f} ms  / first {r['block_ratio']:.3f} "
               f"({lo:.3f}-{hi:.3f})")
         for rank, acts in enumerate(r["actions"]):
+            off = r["off_actions"][rank]
             print(f"    rank {rank}: " + "  ".join(f"{k} cpu {a['cpu_s'] * 1e3:.2f} wall {a['wall_s'] * 1e3:.2f} ms"
-                                                for k, a in sorted(acts.items())))
+                                                for k, a in sorted(acts.items()))
+                  + f"  | per step off the actions: main {off['off_actions_cpu_s'] * 1e3:.2f} ms, "
+                    f"other threads {off['transport_cpu_s'] * 1e3:.2f} ms")
     print(f"load average start {load0:.1f} end {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as fh:
