@@ -1094,10 +1094,11 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
     # the replicas' pipelines, and each pipeline rank's tp ranks, run on the machine's cores at
     # once (the local launcher): a simulated rank needs tensor_parallel of them
     cores = fixed.cores / (settings["data_parallel"] * settings.get("tensor_parallel", 1)) if fixed.cores else None
-    step_cpu = fixed.shared_cpu(send_mode(sched), 0.0)[0]
+    # the CPU off the actions, charged only when the ranks outnumber the cores (Plan.shares_cores)
+    shared = [fixed.shared_cpu(send_mode(sched), float(prob.out[e - 1])) for _, e in bounds[:-1]]
     return {"action_s": action, "message_busy_s": fixed.message_busy_s,
-            "step_fixed_s": step, "shared_cores": cores, "step_cpu_s": step_cpu,
-            "boundary_cpu_s": [fixed.shared_cpu("step", float(prob.out[e - 1]))[1] for _, e in bounds[:-1]],
+            "step_fixed_s": step, "shared_cores": cores,
+            "step_cpu_s": fixed.shared_cpu(send_mode(sched), 0.0)[0], "boundary_cpu_s": [x for _, x in shared],
             "rank_optimizer_s": [fixed.optimizer_s(settings["optimizer"], x) for x in per_rank]}
 
 
