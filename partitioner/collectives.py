@@ -37,8 +37,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Links", "megatron_allreduces", "ring_factor", "fit_links", "measured_links", "pipeline_hops", "COLLECTIVES",
-           "HOPS"]
+__all__ = ["Links", "megatron_allreduces", "ring_factor", "fit_links", "measured_links", "pipeline_hops",
+           "node_crossings", "COLLECTIVES", "HOPS"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 HOPS = ("intra", "inter", "local")   # a pipeline boundary: within a node, across nodes, on one rank
@@ -116,21 +116,15 @@ class Links:
         return asdict(self)
 
 
-def pipeline_hops(chunk_ranks: Sequence[int], num_stages: int, data_parallel: int, tensor_parallel: int,
-                  gpus_per_node: int) -> list[str]:
-    """Per boundary between chunk ``c`` and ``c + 1`` (``chunk_ranks``: each chunk's pipeline
-    rank, the schedule's placement), the link its transfers take: ``"local"`` when both chunks
-    run on one rank, ``"intra"`` when the two ranks share a node for every replica and tp rank,
-    ``"inter"`` when they do not for some (the slowest replica sets the step; the replicas sync
-    at their gradient reduction). Nodes are consecutive global ranks, ``gpus_per_node`` each, in
-    the engine's rank order (``engine.ranks.mesh_rank``: tp innermost, then pp, dp outermost).
+def node_crossings(chunk_ranks: Sequence[int], num_stages: int, data_parallel: int, tensor_parallel: int,
+                   gpus_per_node: int) -> np.ndarray:
+    """Per boundary between chunk ``c`` and ``c + 1`` (rows) and replica (columns), whether some
+    tp rank's two neighbouring pipeline ranks sit on different nodes: nodes are consecutive
+    global ranks, ``gpus_per_node`` each, in the engine's rank order (``engine.ranks.mesh_rank``:
+    tp innermost, then pp, dp outermost).
 
-    >>> pipeline_hops([0, 1, 2, 3], 4, 1, 1, 2)             # ranks 0-1 | 2-3: the middle boundary crosses
-    ['intra', 'inter', 'intra']
-    >>> pipeline_hops([0, 1, 1, 0], 2, 1, 1, 8)             # zbv: the V's turn stays on rank 1
-    ['intra', 'local', 'intra']
-    >>> pipeline_hops([0, 1, 2], 3, 2, 1, 4)                # replica 1 is ranks 3 | 4, 5
-    ['inter', 'intra']
+    >>> node_crossings([0, 1, 2], 3, 2, 1, 4).tolist()      # replica 1 is ranks 3 | 4, 5
+    [[False, True], [False, False]]
     """
     from engine.ranks import mesh_rank
 
@@ -139,7 +133,25 @@ def pipeline_hops(chunk_ranks: Sequence[int], num_stages: int, data_parallel: in
     dst = np.asarray(chunk_ranks[1:], dtype=np.int64)[:, None, None]
     d = np.arange(int(data_parallel), dtype=np.int64)[None, :, None]
     q = np.arange(t, dtype=np.int64)[None, None, :]
-    apart = (mesh_rank(d, src, q, p, t) // g != mesh_rank(d, dst, q, p, t) // g).any(axis=(1, 2))
+    return (mesh_rank(d, src, q, p, t) // g != mesh_rank(d, dst, q, p, t) // g).any(axis=2)
+
+
+def pipeline_hops(chunk_ranks: Sequence[int], num_stages: int, data_parallel: int, tensor_parallel: int,
+                  gpus_per_node: int) -> list[str]:
+    """Per boundary between chunk ``c`` and ``c + 1`` (``chunk_ranks``: each chunk's pipeline
+    rank, the schedule's placement), the link its transfers take: ``"local"`` when both chunks
+    run on one rank, ``"intra"`` when the two ranks share a node for every replica and tp rank,
+    ``"inter"`` when they do not for some (:func:`node_crossings`; the slowest replica sets the
+    step, the replicas sync at their gradient reduction).
+
+    >>> pipeline_hops([0, 1, 2, 3], 4, 1, 1, 2)             # ranks 0-1 | 2-3: the middle boundary crosses
+    ['intra', 'inter', 'intra']
+    >>> pipeline_hops([0, 1, 1, 0], 2, 1, 1, 8)             # zbv: the V's turn stays on rank 1
+    ['intra', 'local', 'intra']
+    >>> pipeline_hops([0, 1, 2], 3, 2, 1, 4)                # replica 1 is ranks 3 | 4, 5
+    ['inter', 'intra']
+    """
+    apart = node_crossings(chunk_ranks, num_stages, data_parallel, tensor_parallel, gpus_per_node).any(axis=1)
     return ["local" if a == b else "inter" if x else "intra"
             for a, b, x in zip(chunk_ranks[:-1], chunk_ranks[1:], apart.tolist())]
 

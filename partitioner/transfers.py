@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .collectives import Links, pipeline_hops
+from .collectives import Links, node_crossings, pipeline_hops
 from .costs import FixedCosts
 
 __all__ = ["Transfers", "transfer_model", "LINK_SOURCES"]
@@ -54,6 +54,7 @@ class Transfers:
     latency_s: float = 0.0
     hops: tuple[str, ...] | None = None
     links: Links | None = None
+    mixed: bool = False   # the replicas cross nodes at different boundaries (each boundary: its worst)
 
     def rows(self, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, row_of)``: the distinct per-layer transfer times (seconds of one message
@@ -97,10 +98,12 @@ class Transfers:
             return f"pipeline transfers: {what}{rate}{lat}"
         lk = self.links
         inter = [i for i, h in enumerate(self.hops) if h == "inter"]
+        mixed = ("; the replicas cross nodes at different boundaries, each boundary is charged at its worst "
+                 "replica's link (an upper bound on the step)" if self.mixed else "")
         return (f"pipeline transfers: device spec links, {lk.gpus_per_node} GPUs per node in the engine's rank order; "
                 f"boundaries {inter or 'none'} cross nodes (NIC {lk.inter_bytes_per_s / 1e9:.3g} GB/s + "
                 f"{lk.inter_latency_s * 1e6:.3g} us), the others within a node (NVLink {lk.intra_bytes_per_s / 1e9:.3g} "
-                f"GB/s + {lk.intra_latency_s * 1e6:.3g} us) or on one rank")
+                f"GB/s + {lk.intra_latency_s * 1e6:.3g} us) or on one rank{mixed}")
 
 
 def transfer_model(fixed: FixedCosts | None, link_bytes_per_s: float | None, links: Links | None,
@@ -119,5 +122,7 @@ def transfer_model(fixed: FixedCosts | None, link_bytes_per_s: float | None, lin
         return Transfers("measured", float(fixed.link_bytes_per_s), latency)
     if links is not None and links.gpus_per_node is not None and len(chunk_ranks) > 1:
         hops = pipeline_hops(chunk_ranks, num_stages, data_parallel, tensor_parallel, links.gpus_per_node)
-        return Transfers("device_spec", None, 0.0, tuple(hops), links)
+        cross = node_crossings(chunk_ranks, num_stages, data_parallel, tensor_parallel, links.gpus_per_node)
+        mixed = bool((cross != cross[:, :1]).any())
+        return Transfers("device_spec", None, 0.0, tuple(hops), links, mixed)
     return Transfers("free", None, latency)

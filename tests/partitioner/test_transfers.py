@@ -116,3 +116,36 @@ def test_the_exact_split_with_a_cut_time_per_stage_is_the_brute_force_optimum(se
     bounds, b = optimal_split(time, k, cut_time=cut, static=static, caps=cap)
     assert b == pytest.approx(_brute_force(time, k, cut, static, cap), rel=1e-12)
     assert max(time[s:e].sum() + cut[j][e] for j, (s, e) in enumerate(bounds)) == pytest.approx(b, rel=1e-12)
+
+
+def test_replicas_that_cross_at_different_boundaries_are_charged_at_the_worst_and_the_plan_says_so():
+    # 3 stages x 2 replicas on nodes of 4: replica 0 is ranks 0, 1, 2 (one node), replica 1 is 3 | 4, 5
+    plan = partition(_profile(12), 3, microbatches=6, data_parallel=2, links=_links(gpus_per_node=4))
+    assert plan.boundary_links == ["device_spec inter-node", "device_spec intra-node"]
+    assert any("an upper bound on the step" in n for n in plan.notes)
+    even = partition(_profile(12), 4, microbatches=6, data_parallel=2, links=_links(gpus_per_node=4))
+    assert not any("an upper bound" in n for n in even.notes)
+
+
+def _v_brute_force(time, p, cut_rows):  # noqa: ANN001, ANN202
+    n, k = len(time), 2 * p
+    best = np.inf
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        edges = (0, *cuts, n)
+        t = [time[s:e].sum() + (0.0 if j == p - 1 else cut_rows[j][e])   # the V's turn stays on its rank
+             for j, (s, e) in enumerate(zip(edges[:-1], edges[1:]))]
+        best = min(best, max(t[r] + t[k - 1 - r] for r in range(p)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_exact_v_split_with_a_cut_time_per_chunk_is_the_brute_force_optimum(seed):
+    from partitioner.vsplit import optimal_v_split
+
+    rng = np.random.default_rng(seed)
+    n, p = 9, 2
+    time = rng.uniform(1.0, 3.0, n)
+    cheap = np.concatenate([[0.0], rng.uniform(0.0, 0.3, n - 1), [0.0]])
+    cut = np.stack([cheap * 10, np.zeros(n + 1), cheap, np.zeros(n + 1)])   # chunk 0's link is the slow one
+    _, b = optimal_v_split(time, p, cut_time=cut)
+    assert b == pytest.approx(_v_brute_force(time, p, cut), rel=1e-12)
