@@ -42,7 +42,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Mesh", "AXES"]
+from .ranks import mesh_rank
+
+__all__ = ["Mesh", "AXES", "mesh_rank"]
 
 AXES = ("pp", "dp", "tp")
 
@@ -98,7 +100,7 @@ class Mesh:
             p, t = self.num_stages, self.tensor_parallel
             for r in range(self.data_parallel):
                 for k in range(t):
-                    ranks = [(r * p + j) * t + k for j in range(p)]
+                    ranks = [mesh_rank(r, j, k, p, t) for j in range(p)]
                     fwd, bwd = (dist.new_group(ranks) for _ in range(2))
                     if (r, k) == (self.replica, self.tp_rank):
                         self._p2p = (fwd, bwd)
@@ -168,8 +170,8 @@ class Mesh:
         """Global rank of ``pipeline_rank`` in ``replica`` (default: this rank's replica), at
         this rank's tp rank."""
         rep = self.replica if replica is None else replica
-        return ((rep * self.num_stages + pipeline_rank % self.num_stages) * self.tensor_parallel
-                + self.tp_rank)
+        return mesh_rank(rep, pipeline_rank % self.num_stages, self.tp_rank, self.num_stages,
+                         self.tensor_parallel)
 
     @property
     def last_rank(self) -> int:

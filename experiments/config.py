@@ -262,7 +262,7 @@ class PartitionerConfig:
     sweeps: int = 3  # measure: profile the model this many times, median per layer (a slow spell of the machine hits one sweep)
     device_spec: Optional[str] = None  # analytic: device preset (partitioner.DEVICE_PRESETS, e.g. h100); null = this CPU
     attention: Optional[AttentionBackend] = None  # analytic: SDPA kernel attention is costed through: flash | efficient | math | unfused (Megatron legacy core attention); null = the device spec's (flash)
-    link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs; null = free transfers
+    link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs, every boundary (wins over the others); null = the link measured with the fixed costs, else the device spec's NVLink / NIC by whether neighbouring ranks share a node (analytic GPU presets, 8 GPUs per node), else free
     calibrate: bool = False  # analytic: time a fixed kernel set on the device at hand, fit the device model, cache it per device name
     fixed_costs: bool = True  # measure: charge the runtime's fixed costs (per action, message, step) measured on this machine (cached; CPU runs)
     search: SearchConfig = field(default_factory=SearchConfig)  # pipeline.schedule=auto / microbatches=auto

@@ -5,7 +5,12 @@ tensor-parallel group are neighbours, inside one node (NVLink), while a data-par
 spans nodes (one NIC per GPU, InfiniBand / RoCE). :class:`Links` holds both links' per-GPU
 bandwidth (one direction), a latency per collective and the fraction of the bandwidth a
 collective reaches (``efficiency``); the GPU presets (``partitioner.devices``) carry their
-datasheet figures (docs/device-model.md sources each one).
+datasheet figures (docs/device-model.md sources each one), and the GPUs one node holds
+(``gpus_per_node``: which pipeline neighbours share a node, :func:`pipeline_hops`).
+
+A pipeline transfer (one point-to-point message of ``B`` bytes between neighbouring stages) costs
+``latency + B / bandwidth`` on its link (:meth:`Links.p2p`): NVLink when the two ranks share a
+node, the sending GPU's NIC when they do not, nothing between two chunks on one rank.
 
 Ring-algorithm costs over ``n`` ranks for a message of ``B`` bytes (the whole tensor), the
 alpha-beta model NCCL's own tuning uses::
@@ -32,22 +37,27 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Links", "megatron_allreduces", "ring_factor", "fit_links", "measured_links", "COLLECTIVES"]
+__all__ = ["Links", "megatron_allreduces", "ring_factor", "fit_links", "measured_links", "pipeline_hops",
+           "node_crossings", "COLLECTIVES", "HOPS"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+HOPS = ("intra", "inter", "local")   # a pipeline boundary: within a node, across nodes, on one rank
 
 
 @dataclass(frozen=True)
 class Links:
     """Per-GPU link rates (bytes/s, one direction), a latency per collective (s) and the
     fraction of the rate a ring collective reaches: ``intra`` inside a node (tensor parallel),
-    ``inter`` between nodes (data parallel)."""
+    ``inter`` between nodes (data parallel). ``gpus_per_node``: the ranks one node holds (None:
+    not known, e.g. the local gloo ranks of one machine; pipeline transfers are then not priced
+    from these links)."""
 
     intra_bytes_per_s: float
     inter_bytes_per_s: float
     intra_latency_s: float = 0.0
     inter_latency_s: float = 0.0
     efficiency: float = 1.0
+    gpus_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.intra_bytes_per_s <= 0 or self.inter_bytes_per_s <= 0:
@@ -56,6 +66,8 @@ class Links:
             raise ValueError(f"Links.efficiency={self.efficiency!r}; use a fraction in (0, 1]")
         if self.intra_latency_s < 0 or self.inter_latency_s < 0:
             raise ValueError("Links: latencies must be >= 0 s")
+        if self.gpus_per_node is not None and int(self.gpus_per_node) < 1:
+            raise ValueError(f"Links.gpus_per_node={self.gpus_per_node!r}; use a count >= 1 (or None: not known)")
 
     def _rate(self, link: str) -> tuple[float, float]:
         if link == "intra":
@@ -84,8 +96,64 @@ class Links:
         """Seconds of a ring reduce-scatter of an ``nbytes``-byte tensor (each rank keeps 1/ranks)."""
         return self.time("reduce_scatter", nbytes, ranks, link)
 
+    def p2p(self, nbytes: Any, hop: str) -> Any:
+        """Seconds of one point-to-point message of ``nbytes`` on ``hop`` (one of :data:`HOPS`):
+        ``latency + nbytes / rate`` at the link's full rate (``efficiency`` is a ring collective's
+        figure, not a send's), 0 for ``"local"`` (two chunks on one rank).
+
+        >>> Links(100e9, 10e9, 1e-6, 2e-6).p2p(1e9, "intra"), Links(100e9, 10e9).p2p(1e9, "local")
+        (0.010001, 0.0)
+        """
+        if hop == "local":
+            return 0.0
+        if hop == "intra":   # (nbytes may be a numpy array: one message per element)
+            return self.intra_latency_s + nbytes / self.intra_bytes_per_s
+        if hop == "inter":
+            return self.inter_latency_s + nbytes / self.inter_bytes_per_s
+        raise ValueError(f"hop={hop!r}; use one of {HOPS}")
+
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def node_crossings(chunk_ranks: Sequence[int], num_stages: int, data_parallel: int, tensor_parallel: int,
+                   gpus_per_node: int) -> np.ndarray:
+    """Per boundary between chunk ``c`` and ``c + 1`` (rows) and replica (columns), whether some
+    tp rank's two neighbouring pipeline ranks sit on different nodes: nodes are consecutive
+    global ranks, ``gpus_per_node`` each, in the engine's rank order (``engine.ranks.mesh_rank``:
+    tp innermost, then pp, dp outermost).
+
+    >>> node_crossings([0, 1, 2], 3, 2, 1, 4).tolist()      # replica 1 is ranks 3 | 4, 5
+    [[False, True], [False, False]]
+    """
+    from engine.ranks import mesh_rank
+
+    g, p, t = int(gpus_per_node), int(num_stages), int(tensor_parallel)
+    src = np.asarray(chunk_ranks[:-1], dtype=np.int64)[:, None, None]
+    dst = np.asarray(chunk_ranks[1:], dtype=np.int64)[:, None, None]
+    d = np.arange(int(data_parallel), dtype=np.int64)[None, :, None]
+    q = np.arange(t, dtype=np.int64)[None, None, :]
+    return (mesh_rank(d, src, q, p, t) // g != mesh_rank(d, dst, q, p, t) // g).any(axis=2)
+
+
+def pipeline_hops(chunk_ranks: Sequence[int], num_stages: int, data_parallel: int, tensor_parallel: int,
+                  gpus_per_node: int) -> list[str]:
+    """Per boundary between chunk ``c`` and ``c + 1`` (``chunk_ranks``: each chunk's pipeline
+    rank, the schedule's placement), the link its transfers take: ``"local"`` when both chunks
+    run on one rank, ``"intra"`` when the two ranks share a node for every replica and tp rank,
+    ``"inter"`` when they do not for some (:func:`node_crossings`; the slowest replica sets the
+    step, the replicas sync at their gradient reduction).
+
+    >>> pipeline_hops([0, 1, 2, 3], 4, 1, 1, 2)             # ranks 0-1 | 2-3: the middle boundary crosses
+    ['intra', 'inter', 'intra']
+    >>> pipeline_hops([0, 1, 1, 0], 2, 1, 1, 8)             # zbv: the V's turn stays on rank 1
+    ['intra', 'local', 'intra']
+    >>> pipeline_hops([0, 1, 2], 3, 2, 1, 4)                # replica 1 is ranks 3 | 4, 5
+    ['inter', 'intra']
+    """
+    apart = node_crossings(chunk_ranks, num_stages, data_parallel, tensor_parallel, gpus_per_node).any(axis=1)
+    return ["local" if a == b else "inter" if x else "intra"
+            for a, b, x in zip(chunk_ranks[:-1], chunk_ranks[1:], apart.tolist())]
 
 
 def megatron_allreduces(num_layers: int) -> list[tuple[int, int]]:

@@ -44,7 +44,7 @@ class DeviceSpec:
     peak_flops: dict[str, float]          # dtype name -> FLOP/s
     memory_bandwidth: float               # bytes/s
     memory_bytes: int = 0
-    link_bytes_per_s: float | None = None  # to the next pipeline stage
+    link_bytes_per_s: float | None = None  # the next GPU of a node (not read by the planner: it prices pipeline transfers from links)
     efficiency: float = 1.0               # fraction of peak reached in practice
     overhead_s: float = 0.0               # per-op launch/dispatch overhead
     notes: str = ""
@@ -56,6 +56,7 @@ class DeviceSpec:
     intra_node_latency_s: float = 0.0             # per collective
     inter_node_latency_s: float = 0.0
     collective_efficiency: float = 1.0            # fraction of the rate a ring collective reaches
+    gpus_per_node: int | None = None              # GPUs per node (NVLink domain): which pipeline neighbours share a node
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_BACKENDS:
@@ -87,7 +88,7 @@ class DeviceSpec:
         if self.intra_node_bytes_per_s is None or self.inter_node_bytes_per_s is None:
             return None
         return Links(self.intra_node_bytes_per_s, self.inter_node_bytes_per_s, self.intra_node_latency_s,
-                     self.inter_node_latency_s, self.collective_efficiency)
+                     self.inter_node_latency_s, self.collective_efficiency, self.gpus_per_node)
 
     def charger(self, dtype: str = "float32") -> OpCharger | None:
         """An :class:`OpCharger` for ``dtype`` ops under :attr:`kernels` (None: flat roofline)."""
@@ -100,8 +101,11 @@ class DeviceSpec:
 # for matmuls on these GPUs. Collectives ("Collectives" in docs/device-model.md): NVLink per GPU, one
 # direction (half the datasheet's bidirectional figure); the NIC per GPU of a DGX/HGX node
 # (A100: ConnectX-6 HDR 200 Gb/s; H100/H200: ConnectX-7 NDR 400 Gb/s); efficiency and latencies
-# are from S3 (NCCL all-reduce on 8 H100s) or assumed, each stated in docs/device-model.md.
-_COLLECTIVES = dict(intra_node_latency_s=25e-6, inter_node_latency_s=30e-6, collective_efficiency=0.8)
+# are from S3 (NCCL all-reduce on 8 H100s) or assumed, each stated in docs/device-model.md. A node is
+# a DGX / HGX board of 8 GPUs on one NVLink switch (S8); pipeline neighbours on two nodes talk
+# through the sender's NIC (partitioner.collectives.pipeline_hops).
+_COLLECTIVES = dict(intra_node_latency_s=25e-6, inter_node_latency_s=30e-6, collective_efficiency=0.8,
+                    gpus_per_node=8)
 _FLAT: dict[str, DeviceSpec] = {
     "a100": DeviceSpec("a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
                        2.039e12, 80 * 2**30, 300e9, efficiency=0.7, overhead_s=5e-6,

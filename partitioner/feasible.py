@@ -5,11 +5,12 @@ gradients, optimizer state), ``act`` bytes (saved per microbatch) and ``out`` by
 crosses a cut after the layer), cut into ``k`` contiguous non-empty stages. Stage ``j``
 covering ``[s, e)`` in variant ``v`` (plain, or recomputing its activations) costs::
 
-    time_j = PT_v[e] - PT_v[s] + cut_time[e]            # cut_time[n] = 0
+    time_j = PT_v[e] - PT_v[s] + cut_time[e]            # cut_time[n] = 0 (or cut_time[j][e]: per stage)
     mem_j  = static(s, e) + alpha_j * act(s, e) + delta_j * pend(s, e) + beta_j * out[s-1]
              + gamma_j * shared[s] + out[e-1]            # boundary terms only at real cuts
 
-(``pend``: the gradients a microbatch keeps between its I and its W under a split-backward
+(``cut_time`` may be one row per stage, ``(k, n + 1)``: stage j's outgoing transfer on its own
+link, e.g. NVLink or a NIC; the distinct rows are kept once. ``pend``: the gradients a microbatch keeps between its I and its W under a split-backward
 schedule, ``delta_j`` the microbatches stage j has pending at its peak; a recomputing stage
 runs I and W as one full backward, so its ``delta`` is 0.) A recomputing stage holds per
 in-flight microbatch its input (``beta_j = inflight_j + 1``, with the receive buffer) and one
@@ -103,12 +104,8 @@ class Problem:
         self.inflight = np.ones(k) if inflight is None else np.asarray(inflight, dtype=np.float64)
         if self.inflight.shape != (k,):
             raise ValueError(f"inflight must have length {k}")
-        ct = np.zeros(n + 1) if cut_time is None else np.array(cut_time, dtype=np.float64)
-        if ct.shape != (n + 1,):
-            raise ValueError(f"cut_time must have length n + 1 = {n + 1}")
-        ct[n] = 0.0
-        ct[0] = 0.0
-        self.cut_time = ct
+        ct, self.cut_row = _cut_rows(cut_time, n, k)
+        self.cut_time = ct   # (rows, n + 1): the distinct cut-time rows; stage j's is ct[cut_row[j]]
         self.PS = np.concatenate([[0.0], np.cumsum(self.static)])
         self.PA = np.concatenate([[0.0], np.cumsum(self.act)])
         self.PG = np.concatenate([[0.0], np.cumsum(_arr(pend, n, "pend"))])
@@ -130,16 +127,24 @@ class Problem:
         self.variants = []
         if checkpointing in ("off", "auto"):
             PT = np.concatenate([[0.0], np.cumsum(self.time)])
-            self.variants.append(("plain", PT, PT + ct, self.inflight, np.ones(k), self.inflight))
+            self.variants.append(("plain", PT, PT[None, :] + ct, self.inflight, np.ones(k), self.inflight))
         if checkpointing in ("on", "auto"):
             rt = _arr(recompute_time, n, "recompute_time")
             PT = np.concatenate([[0.0], np.cumsum(self.time + rt)])
             # the stage input is kept anyway (the checkpoint): shared adds nothing
             if self.layer_recompute:   # every layer's input per held microbatch (PR)
-                self.variants.append(("recompute", PT, PT + ct, self.inflight, np.ones(k), np.zeros(k)))
+                self.variants.append(("recompute", PT, PT[None, :] + ct, self.inflight, np.ones(k), np.zeros(k)))
             else:
-                self.variants.append(("recompute", PT, PT + ct, np.ones(k), self.inflight + 1, np.zeros(k)))
+                self.variants.append(("recompute", PT, PT[None, :] + ct, np.ones(k), self.inflight + 1, np.zeros(k)))
         self._tables: tuple | None = None
+
+    def end_cost(self, EC: np.ndarray, j: int) -> np.ndarray:
+        """Stage j's end cost (``PT + cut_time``) of a variant's rows ``EC``."""
+        return EC[self.cut_row[j]]
+
+    def cut_of(self, j: int) -> np.ndarray:
+        """Stage j's cut-time row (length n + 1)."""
+        return self.cut_time[self.cut_row[j]]
 
     def prefix(self, name: str) -> np.ndarray:
         """The prefix sums the held microbatches of variant ``name`` multiply: ``act``'s, or
@@ -156,7 +161,7 @@ class Problem:
         m = np.empty(len(bounds))
         for j in range(len(bounds)):
             name, PT, EC, al, be, ga = self.variants[vi[j]]
-            t[j] = EC[e[j]] - PT[s[j]]
+            t[j] = self.end_cost(EC, j)[e[j]] - PT[s[j]]
             a, d = self.coefs(name, al, j)
             PA = self.prefix(name)
             m[j] = (self.PS[e[j]] - self.PS[s[j]] + a * (PA[e[j]] - PA[s[j]])
@@ -179,7 +184,7 @@ class Problem:
         name, PT, EC, al, be, ga = self.variants[v]
         ok = np.ones(s.shape, dtype=bool)
         if np.isfinite(B):
-            ok &= PT[s] >= EC[e] - B - time_tol(B)
+            ok &= PT[s] >= self.end_cost(EC, j)[e] - B - time_tol(B)
         if caps is not None:
             u = be[j] * self.inbuf[s] + ga[j] * self.shared[s] - self.PS[s] - self.held(name, al, j, s)
             rhs = caps[j] - self.PS[e] - self.held(name, al, j, e) - self.outbuf[e]
@@ -225,7 +230,7 @@ class Problem:
         S = np.arange(s0, s1 + 1)
         for name, PT, EC, al, be, ga in self.variants:
             if np.isfinite(B):
-                lo = np.searchsorted(PT, EC[E] - B - time_tol(B), side="left")
+                lo = np.searchsorted(PT, self.end_cost(EC, j)[E] - B - time_tol(B), side="left")
             else:
                 lo = np.zeros(E.size, dtype=np.int64)
             lo = np.maximum(lo, s0) - s0
@@ -254,8 +259,9 @@ class Problem:
                 if np.any(np.diff(PT) < 0):
                     per = None   # no monotone start cost: the sweep decides everything
                     break
-                opt = np.minimum.accumulate(EC[::-1])[::-1]
-                pess = np.maximum.accumulate(EC)
+                # per-stage cut rows: the cheapest bounds every stage from below, the dearest from above
+                opt = np.minimum.accumulate(EC.min(axis=0)[::-1])[::-1]
+                pess = np.maximum.accumulate(EC.max(axis=0))
                 bmax = be * float(self.inbuf.max()) + ga * float(self.shared.max())
                 dl = self.pending if name == "plain" else np.zeros(self.k)
                 per.append((PT.tolist(), opt.tolist(), pess.tolist(), al, bmax, dl, self.prefix(name).tolist()))
@@ -321,7 +327,7 @@ class Problem:
         """A split feasible at B: (bounds, variant index per stage). Among the feasible splits:
         with transfer times or several variants, the smallest sum of stage times; otherwise,
         from the last stage backwards, each stage starts as early as feasible."""
-        if np.any(self.cut_time[1:-1] > 0) or len(self.variants) > 1:
+        if np.any(self.cut_time[:, 1:-1] > 0) or len(self.variants) > 1:
             return self._min_sum(rows, B, caps)
         bounds, var = [], []
         e = self.n
@@ -352,7 +358,7 @@ class Problem:
                     s = s_all[self.stage_ok(j, s_all, int(e), B, caps, v)]
                     if s.size == 0:
                         continue
-                    val = dp[s] + EC[e] - PT[s]
+                    val = dp[s] + self.end_cost(EC, j)[e] - PT[s]
                     i = int(np.argmin(val))
                     if val[i] < new[e] * (1 - 1e-12) or not np.isfinite(new[e]):
                         new[e] = val[i]
@@ -378,20 +384,47 @@ class Problem:
         E = self.E[1:]
         pieces = []
         total = 0
-        for _, PT, EC, _, _, _ in self.variants:
-            a = np.searchsorted(PT, EC[E] - hi_w, side="left")
-            b = np.minimum(np.searchsorted(PT, EC[E] - lo_w, side="right"), E)
-            cnt = np.maximum(b - a, 0)
-            total += int(cnt.sum())
-            if total > limit:
-                return None
-            ends = np.repeat(E, cnt)
-            starts = np.repeat(a, cnt) + (np.arange(ends.size) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-            pieces.append(EC[ends] - PT[starts])
+        for _, PT, ECs, _, _, _ in self.variants:
+            for EC in ECs:   # every stage's cut row (a superset of each stage's candidates)
+                a = np.searchsorted(PT, EC[E] - hi_w, side="left")
+                b = np.minimum(np.searchsorted(PT, EC[E] - lo_w, side="right"), E)
+                cnt = np.maximum(b - a, 0)
+                total += int(cnt.sum())
+                if total > limit:
+                    return None
+                ends = np.repeat(E, cnt)
+                starts = np.repeat(a, cnt) + (np.arange(ends.size) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+                pieces.append(EC[ends] - PT[starts])
         return np.unique(np.concatenate(pieces)) if pieces else np.zeros(0)
 
     def max_time(self) -> float:
         return max(float(np.max(EC)) for _, _, EC, _, _, _ in self.variants)
+
+
+def _cut_rows(cut_time, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct cut-time rows ``(rows, n + 1)`` (ends 0 and n cost nothing) and each stage's
+    row: ``cut_time`` None, one row (every stage) or one per stage ``(k, n + 1)``."""
+    if cut_time is None:
+        return np.zeros((1, n + 1)), np.zeros(k, dtype=np.int64)
+    ct = np.array(cut_time, dtype=np.float64)
+    if ct.shape == (n + 1,):
+        ct = ct[None, :]
+    elif ct.shape != (k, n + 1):
+        raise ValueError(f"cut_time must have length n + 1 = {n + 1}, or shape (stages, n + 1) = ({k}, {n + 1})")
+    ct[:, n] = 0.0
+    ct[:, 0] = 0.0
+    if ct.shape[0] == 1:
+        return ct, np.zeros(k, dtype=np.int64)
+    seen: dict[bytes, int] = {}   # a row's bytes -> its index among the distinct rows
+    firsts: list[int] = []        # the first stage of each distinct row
+    idx = np.empty(k, dtype=np.int64)
+    for j, row in enumerate(ct):
+        key = row.tobytes()
+        if key not in seen:
+            seen[key] = len(firsts)
+            firsts.append(j)
+        idx[j] = seen[key]
+    return ct[firsts], idx
 
 
 def _range_min(a: np.ndarray, lo: np.ndarray, hi: np.ndarray, ok: np.ndarray) -> np.ndarray:

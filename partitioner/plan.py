@@ -63,6 +63,12 @@ class Plan(JsonMixin):
     what ``message_busy_s`` holds. ``search``: when
     ``partitioner.search`` chose this plan's layout, its record (the choice, the alternatives
     with their predicted step and memory, every layout considered; see ``SearchResult.record``).
+    Pipeline transfers (``boundary_comm_s``: one message's seconds per boundary, each way) come
+    from ``link_source`` (:mod:`partitioner.transfers`): ``"config"`` (the ``link_bytes_per_s``
+    given), ``"measured"`` (the fixed costs' link), ``"device_spec"`` (the device's NVLink or NIC
+    by whether the boundary's two ranks share a node: ``boundary_links``, per boundary
+    ``"device_spec intra-node"``, ``"device_spec inter-node"`` or ``"on rank"``;
+    ``link_bytes_per_s`` is then the slowest of them) or ``"free"`` (none given).
     ``split_search``: how the split was chosen: ``"exact"`` (the min-bottleneck split, or the
     fastest predicted step over every split), ``"local search"`` (the min-bottleneck split refined
     by a hill climb on the predicted step over a bounded number of splits: not proven fastest), or
@@ -87,6 +93,8 @@ class Plan(JsonMixin):
     fits: bool = True
     memory_limit_bytes: list[int] | None = None
     link_bytes_per_s: float | None = None
+    link_source: str | None = None   # where transfer costs come from: config | measured | device_spec | free
+    boundary_links: list[str] = field(default_factory=list)   # device_spec: per boundary, its link
     max_inflight: int | None = None
     bottleneck_lower_bound_s: float = 0.0
     closed_form_step_s: float = 0.0

@@ -10,7 +10,9 @@ Example::
 How it decides (``method="optimal"``): the exact min-bottleneck contiguous split
 (:func:`partitioner.solve.optimal_split`) where a stage's time is forward + backward (+ one
 more forward when it recomputes) + twice its outgoing boundary transfer (activation forward,
-gradient back) when ``link_bytes_per_s`` is given, and a stage's memory is its static state
+gradient back) on its boundary's link (:mod:`partitioner.transfers`: the rate given, the one
+measured with the fixed costs, or the device spec's NVLink / NIC by whether the two ranks share a
+node; each stage's cut time its own), and a stage's memory is its static state
 plus in-flight activations for the schedule plus boundary buffers (see ``memory.py``). The
 plan's ``step_s`` and ``bubble_fraction`` then come from ``engine.simulate`` on the same
 costs (:meth:`Plan.simulate`). Many splits tie or nearly tie on the bottleneck while the
@@ -50,6 +52,7 @@ from .memory import (BREAKDOWN_KEYS, SCHEDULES, ChunkBytes, MemorySettings, Rank
                      inflight_per_chunk, kept_output_bytes, layer_transient, peak_state, program_peaks, rank_breakdown,
                      rank_totals, schedule_states)
 from .plan import PartitionError, Plan
+from .transfers import Transfers, transfer_model
 from .solve import (Infeasible, fits_any, greedy_split, min_memory_scale, optimal_split, parameter_split,
                     pipeline_lower_bound, split_costs, uniform_split)
 from .vsplit import min_v_memory_scale, optimal_v_split
@@ -128,7 +131,7 @@ class _Problem:
     schedule: str
     max_inflight: int | None                  # zb-h2's memory knob (None: its default)
     ckpt: str                                 # "off" | "on" | "auto"
-    link: float | None
+    link: float | None                        # the plan's link figure (Transfers.link_bytes_per_s)
     f: np.ndarray                             # forward seconds per layer
     b: np.ndarray                             # backward seconds per layer (split: I + W)
     w: np.ndarray                             # weight-gradient seconds per layer
@@ -137,7 +140,8 @@ class _Problem:
     act: np.ndarray
     out: np.ndarray
     shared: np.ndarray
-    comm_layer: np.ndarray                    # transfer seconds of a cut after each layer
+    comm_layer: np.ndarray                    # (rows, n): transfer seconds of a cut after each layer, per link
+    comm_of: np.ndarray                       # per boundary (k - 1), its row of comm_layer
     inflight: list[int]                       # microbatches held per chunk (the search's view)
     pend: np.ndarray                          # per layer: gradients kept from I to W (0: no split)
     pending: list[int]                        # microbatches pending (I done, W not) per chunk
@@ -164,6 +168,7 @@ class _Problem:
     granularity: str = "chunk"                # a recomputing chunk's checkpoints: the chunk, or each layer
     act_layer: np.ndarray | None = None       # per layer, checkpointed on its own: what it keeps (its input)
     ws_layer: np.ndarray | None = None        # ... and its backward's transient (recompute + workspace)
+    xfer: Transfers = Transfers("free")       # where the transfer costs come from
 
     @property
     def n(self) -> int:
@@ -191,9 +196,20 @@ class _Problem:
     def k(self) -> int:
         return self.p * self.v
 
-    @property
+    @functools.cached_property
     def cut_time(self) -> np.ndarray:
-        return np.concatenate([[0.0], 2 * self.comm_layer[:-1], [0.0]])
+        """Per cut position (n + 1), a stage's outgoing transfers (activation forward, gradient
+        back): one row for every stage, or one per stage (``(k, n + 1)``) when boundaries differ."""
+        rows = np.zeros((len(self.comm_layer), self.n + 1))
+        rows[:, 1:-1] = 2 * self.comm_layer[:, :-1]
+        if len(rows) == 1:
+            return rows[0]
+        return np.vstack([rows[self.comm_of], np.zeros((1, self.n + 1))])
+
+    def boundary_comm(self, cuts: np.ndarray) -> np.ndarray:
+        """Transfer seconds per boundary (rows) of splits whose cut positions are the columns of
+        ``cuts`` (``(k - 1, splits)``)."""
+        return self.comm_layer[self.comm_of[:, None], np.asarray(cuts, dtype=np.int64) - 1]
 
     @property
     def rank_caps(self) -> list[float] | None:
@@ -259,8 +275,6 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
     ckpt, granularity = _check_arguments(profile, p, m, v, schedule, method, link_bytes_per_s,
                                          activation_checkpointing, max_inflight, recompute_granularity)
     _check_parallel(profile, int(tensor_parallel), int(zero_stage), reshard_after_forward)
-    if link_bytes_per_s is None and profile.fixed is not None:
-        link_bytes_per_s = profile.fixed.link_bytes_per_s
     if int(zero_stage) == 3 and reshard_after_forward is None:   # the planner's choice
         try:
             with without_stage_advice():   # a failure here is not reported
@@ -283,7 +297,9 @@ def partition(profile: Profile, num_stages: int, *, schedule: str = "1f1b", micr
                             int(zero_stage), int(data_parallel), grad_accum_dtype, backend,
                             bool(overlap_grad_reduce), float(grad_bucket_mb), str(step_sync), bool(grad_clip),
                             reshard_after_forward=bool(reshard_after_forward) and int(zero_stage) == 3)
-    prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, link_bytes_per_s, memory,
+    xfer = transfer_model(profile.fixed, link_bytes_per_s, links, chunk_ranks(schedule, p, v), p,
+                          int(data_parallel), int(tensor_parallel))
+    prob = _problem(profile, p, m, v, schedule, max_inflight, ckpt, xfer, memory,
                     _rank_caps(memory_limit_bytes, p), simulate, notes,
                     _Parallel(int(tensor_parallel), links), granularity)
     bounds, recompute = _search(method, prob, notes)
@@ -417,7 +433,7 @@ def _rank_caps(memory_limit_bytes: "float | Sequence[float] | None", p: int) -> 
 
 
 def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflight: int | None, ckpt: str,
-             link: float | None, memory: MemorySettings, limits: list[float] | None, simulate: bool,
+             xfer: Transfers, memory: MemorySettings, limits: list[float] | None, simulate: bool,
              notes: list[str], par: _Parallel = _Parallel(), granularity: str = "chunk") -> _Problem:
     """The profile as arrays, with the schedule's in-flight microbatches per chunk (and, under
     per-layer recompute, each layer's checkpointed costs)."""
@@ -444,8 +460,11 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
     reserve = [memory.largest_param_bytes(float(largest.max())) + (float(workspace.max()) if r == last_rank else rest)
                for r in range(p)]
     out = np.array([c.output_bytes for c in L], dtype=np.float64)
-    latency = profile.fixed.message_latency_s if profile.fixed is not None else 0.0
-    comm_layer = (out / link if link else np.zeros(len(L))) + latency
+    comm_layer, comm_of = xfer.rows(out)
+    if not comm_of.size:
+        comm_of = np.zeros(max(p * v - 1, 0), dtype=np.int64)
+    if p * v > 1:
+        notes.append(xfer.note())
     act = np.array([c.activation_bytes for c in L], dtype=np.float64)
     pend = np.zeros(len(L))
     inflight, pending, states = _counts(profile, schedule, p, m, v, max_inflight, memory, simulate, act, pend)
@@ -468,16 +487,16 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
     else:
         b = whole
     return _Problem(
-        p=p, m=m, v=v, schedule=schedule, max_inflight=max_inflight, ckpt=ckpt, link=link,
+        p=p, m=m, v=v, schedule=schedule, max_inflight=max_inflight, ckpt=ckpt, link=xfer.link_bytes_per_s,
         f=fwd, b=b, b_whole=whole, ag=ag, rs=rs,
         w=np.array([c.weight_s for c in L]),
         static=numel * per_param, act=act, out=out, pend=pend, pending=pending, states=states,
         input_grad=bool(profile.meta.get("input_requires_grad", True)),
         shared=np.array([c.shared_input_bytes for c in L], dtype=np.float64),
-        comm_layer=comm_layer, inflight=inflight, limits=limits, names=[c.name for c in L],
+        comm_layer=comm_layer, comm_of=comm_of, xfer=xfer, inflight=inflight, limits=limits, names=[c.name for c in L],
         param=np.array([c.param_bytes for c in L], dtype=np.float64), fixed=profile.fixed, memory=memory,
         numel=numel, largest=largest, workspace=workspace, reserve=reserve,
-        loss_variants={name: (lambda prof=prof: _problem(prof, p, m, v, schedule, max_inflight, ckpt, link, memory,
+        loss_variants={name: (lambda prof=prof: _problem(prof, p, m, v, schedule, max_inflight, ckpt, xfer, memory,
                                                           limits, simulate, [], par, granularity))
                        for name, prof in _loss_variant_profiles(profile).items()},
         out_saved=np.array([c.output_saved_bytes or 0 for c in L], dtype=np.float64),
@@ -804,7 +823,8 @@ def _optimal(prob: _Problem, notes: list[str]) -> tuple[list[tuple[int, int]], l
             raise PartitionError(str(e)) from None
         raise PartitionError(_infeasible_message(e, prob) + _other_loss_fits(prob)) from None
     recompute = [bool(x) for x in var] if prob.ckpt == "auto" else [prob.ckpt == "on"] * prob.k
-    tie_break = ("; among equal bottlenecks, the smallest sum of stage times" if prob.link or prob.ckpt == "auto"
+    tie_break = ("; among equal bottlenecks, the smallest sum of stage times"
+                 if np.any(prob.comm_layer > 0) or prob.ckpt == "auto"
                  else "; among equal bottlenecks, later stages take as many layers as allowed")
     notes.append("optimal: exact min-bottleneck contiguous split"
                  + (" under the memory limits" if prob.rank_caps else " (no memory limit given)") + tie_break)
@@ -864,7 +884,7 @@ class _Pricer:
         b, w = (b + 2 * a, w + a) if self.splits else (b + a, w + a)
         if self.busy:
             f, b = f + self.busy * self.ends, b + self.busy * self.ends
-        comm = prob.comm_layer[np.array(splits, dtype=np.int64).T - 1]
+        comm = prob.boundary_comm(np.array(splits, dtype=np.int64).T)
         ends = simulate_many(self.graph, f, b, w, comm)
         if prob.rs is not None and prob.rs.any():
             for j, c in enumerate(splits):
@@ -1008,7 +1028,7 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
     f_c, b_c, w_c = _chunk_times(prob, bounds, recompute)
     held, pending = _chunk_counts(prob, bounds, recompute)
     act_c = [_held_activation_bytes(prob, a, e, held[c], recompute[c]) for c, (a, e) in enumerate(bounds)]
-    comm_b = [float(prob.comm_layer[e - 1]) for _, e in bounds[:-1]]
+    comm_b = [float(prob.comm_layer[prob.comm_of[j], e - 1]) for j, (_, e) in enumerate(bounds[:-1])]
     breakdown = _rank_memory(prob, bounds, recompute)
     rank_mem = [sum(d.values()) for d in breakdown]
     mem_stage = _chunk_shares(prob, bounds, act_c, breakdown)
@@ -1028,7 +1048,8 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
         step_s=closed, bubble_fraction=0.0, lower_bound_s=float(lower), schedule=prob.schedule,
         num_stages=p, microbatches=prob.m, virtual_stages=prob.v, fits=all(rank_fits),
         memory_limit_bytes=None if caps is None else [int(x) for x in caps],
-        link_bytes_per_s=prob.link, bottleneck_lower_bound_s=lb_b, closed_form_step_s=closed,
+        link_bytes_per_s=prob.link, link_source=prob.xfer.source, boundary_links=prob.xfer.labels(),
+        bottleneck_lower_bound_s=lb_b, closed_form_step_s=closed,
         predicted_by="closed form", stage_activation_bytes=[int(math.ceil(x)) for x in act_c],
         stage_inflight=held, stage_pending=pending, stage_recompute=list(recompute), stage_forward_s=f_c,
         stage_backward_s=b_c, stage_weight_s=w_c, boundary_comm_s=comm_b,

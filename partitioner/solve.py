@@ -175,7 +175,7 @@ def pipeline_lower_bound(time, k: int, m: int, carried=None) -> float:
     P = Problem(t, k)
     PT = np.concatenate([[0.0], np.cumsum(t)])
     PC = np.concatenate([[0.0], np.cumsum(c)])
-    P.variants = [("bound", m * PT - PC, m * PT, P.inflight, np.ones(k), np.zeros(k))]
+    P.variants = [("bound", m * PT - PC, (m * PT)[None, :], P.inflight, np.ones(k), np.zeros(k))]
     lo = max(m * float(np.max(t)), m * float(PT[-1]) / k) * (1 - 1e-9)
     hi = P.max_time() * (1 + 1e-9) + 1e-300
     if P.feasible(lo, None):

@@ -59,7 +59,7 @@ def _chunk_tables(P: Problem, j: int, local_end: bool = False, counts: list | No
     bad = s >= e
     out = []
     for name, PT, EC, al, be, ga in P.variants:
-        end = (EC - P.cut_time) if local_end else EC
+        end = P.end_cost(EC, j) - P.cut_of(j) if local_end else P.end_cost(EC, j)
         t = end[e] - PT[s]
         ms = []
         for count in counts or [None]:
@@ -238,7 +238,7 @@ def v_split_costs(P: Problem, bounds: Sequence[tuple[int, int]], variant: Sequen
     p = k // 2
     t, m = P.costs(bounds, variant)
     t = t.copy()
-    t[p - 1] -= P.cut_time[bounds[p - 1][1]]
+    t[p - 1] -= P.cut_of(p - 1)[bounds[p - 1][1]]
     mem = m[:p] + m[::-1][:p]
     if states is not None:
         vi = [0] * k if variant is None else list(variant)

@@ -10,6 +10,10 @@ at the commit they ran), and costed twice: "flat" (``a100-flat`` / ``h100-flat``
    - Table 4: throughput (samples per GPU per second) of 1F1B and ZB-1p at three microbatch
      counts each (24 rows). ZB-1p is planned as zb-h1: Table 5 gives ZB-1p and ZB-H1 the same
      bubble rate in all 12 settings.
+   - The pipeline transfers are charged on the a100 preset's links (``partitioner.transfers``):
+     8 GPUs per node, as on the paper's cluster, so a boundary between two nodes goes through the
+     preset's HDR 200 Gb/s NIC per GPU and the others over NVLink. The paper's nodes are
+     "interconnected by a RoCE RDMA network" of unstated rate; nothing is fitted to these rows.
    - Table 6: the profiled per-stage T_F, T_B, T_W of each setting (a stage of the middle, which
      holds (layers + 2) / p blocks: "both the initial and final pipeline stages possess one fewer
      transformer layer", Section 5.1). This checks the kernels without the schedule.

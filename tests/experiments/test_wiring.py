@@ -295,3 +295,14 @@ def test_a_measured_tensor_parallel_profile_is_timed_as_dtensor_with_the_plain_s
     assert all(c.forward_s > 0 and c.backward_s > 0 for c in prof.layers)
     analytic = profile_model(compose_cfg(*base, "partitioner.profile=analytic"), spec)
     assert analytic.meta["tp_time"] == "shapes"
+
+
+def test_an_analytic_gpu_plan_charges_its_transfers_on_the_device_links_unless_a_link_is_given(compose_cfg):
+    base = ("experiment=smoke", "partitioner.profile=analytic", "partitioner.device_spec=a100")
+    spec = build_model(compose_cfg(*base).model)
+    plan = make_plan(compose_cfg(*base), spec)
+    assert plan.link_source == "device_spec" and plan.boundary_links == ["device_spec intra-node"]
+    assert plan.boundary_comm_s[0] > 0
+    given = make_plan(compose_cfg(*base, "partitioner.link_bytes_per_s=1e6"), spec)
+    assert given.link_source == "config" and given.link_bytes_per_s == 1e6
+    assert given.boundary_comm_s[0] > 100 * plan.boundary_comm_s[0]

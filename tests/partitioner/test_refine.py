@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 import partitioner.planner as planner
+from engine.schedules import chunk_ranks
 from partitioner import FixedCosts, LayerCost, Profile, partition
+from partitioner.transfers import transfer_model
 
 FIXED = FixedCosts(action_s=2e-4, message_latency_s=1e-4, link_bytes_per_s=4e9, step_s=1e-2,
                    optimizer_s_per_byte={"sgd": 1.5e-10})
@@ -32,7 +34,8 @@ def _every_split(prof: Profile, p: int, **kw) -> list[tuple[float, list[tuple[in
     plan0 = partition(prof, p, **kw)
     n, k = len(prof.layers), p * plan0.virtual_stages
     prob = planner._problem(prof, p, kw["microbatches"], plan0.virtual_stages, kw["schedule"], None, "off",
-                            FIXED.link_bytes_per_s, planner.MemorySettings("fp32", "sgd", 0.0, 0, 1, "fp32", "auto",
+                            transfer_model(FIXED, None, None, chunk_ranks(kw["schedule"], p, plan0.virtual_stages), p, 1, 1),
+                            planner.MemorySettings("fp32", "sgd", 0.0, 0, 1, "fp32", "auto",
                                                                            True, planner.GRAD_BUCKET_MB),
                             plan0.memory_limit_bytes, True, [])
     out = []
