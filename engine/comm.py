@@ -24,7 +24,7 @@ it for the step's verdict (loss and non-finite flags), which rides the last micr
 down the pipeline and back instead of needing a collective.
 
 Sends are non-blocking and waited by :meth:`P2P.wait_sends` (at the end of the step, or before
-each compute: ``engine.runtime.default_send_wait``). Receives
+each compute: ``engine.policy.default_send_wait``). Receives
 are posted ahead (:meth:`P2P.post`) and waited when the data is needed (:meth:`Recv.wait`), so
 compute overlaps the transfer. With ``hold`` set (the executor sets it for a step; NCCL always
 holds), operations are queued and issued back to back by :meth:`P2P.flush` (or the first wait
@@ -490,7 +490,7 @@ class P2P:
     def yield_to_sends(self) -> None:
         """Give up this thread's core once if a send of this step is not known complete (issued
         before its receive was known, the data leaves from gloo's transport thread, which under
-        SCHED_BATCH waits for a free core: ``engine.runtime.default_send_wait``). Never blocks.
+        SCHED_BATCH waits for a free core: ``engine.policy.default_send_wait``). Never blocks.
         gloo's point-to-point works report completion only once waited, so on gloo this yields
         before every compute after the step's first send, until the step's end waits them."""
         self.flush()

@@ -9,7 +9,7 @@ both (posted one by one, with Python between them, it woke twice; docs/performan
 Hand-offs between two chunks of the same rank stay in memory. Sends are waited at the end of the
 step, or, with ``send_wait="compute"``, before the next compute (as torch's 1F1B runtime does);
 with ``send_wait="yield"`` the rank gives up its core once before a compute while a send of the
-step is not yet waited (``engine.runtime.default_send_wait`` says which, when).
+step is not yet waited (``engine.policy.default_send_wait`` says which, when).
 
 What runs on every step is only what a step needs: the compute and the transfers. The step's
 **verdict** (the mean loss and, per chunk, whether its forward output was non-finite: a float64
@@ -172,7 +172,7 @@ class _Step:
         compute = it.kind in _COMPUTE
         if compute:
             self.ex.p2p.flush()  # the transfers before this compute leave now, back to back
-            if self.ex.wait_before_compute:  # see engine.runtime.default_send_wait
+            if self.ex.wait_before_compute:  # see engine.policy.default_send_wait
                 self.ex.p2p.wait_sends()
             elif self.ex.yield_before_compute:
                 self.ex.p2p.yield_to_sends()

@@ -802,7 +802,7 @@ def sends_can_block(schedule: Schedule) -> bool:
 
 def sends_waited_before_compute(schedule: Schedule) -> bool:
     """Whether pipeshard's gloo runtime has each rank wait for its sends before its next compute,
-    with gloo's transport thread under SCHED_BATCH (``engine.runtime.default_send_wait``): for a
+    with gloo's transport thread under SCHED_BATCH (``engine.policy.default_send_wait``): for a
     schedule without split backwards (a blocking send would give back the bubble a W fills) that
     :func:`sends_can_block` allows. The planner charges this mode's measured fixed costs to it.
 
@@ -817,7 +817,7 @@ SendMode = Literal["compute", "yield", "step"]
 
 
 def send_mode(schedule: Schedule) -> SendMode:
-    """How pipeshard's gloo runtime treats a schedule's sends (``engine.runtime.default_send_wait``),
+    """How pipeshard's gloo runtime treats a schedule's sends (``engine.policy.default_send_wait``),
     and so which measured fixed costs the planner charges it (``partitioner.FixedCosts``):
 
     - ``"compute"``: waited before each compute (:func:`sends_waited_before_compute`: gpipe, 1f1b);
@@ -827,7 +827,7 @@ def send_mode(schedule: Schedule) -> SendMode:
     - ``"step"``: waited at the end of the step (the zero-bubble schedules).
 
     The first two run with gloo's transport thread under SCHED_BATCH, the last under the default
-    policy (``engine.runtime.default_transport_threads``).
+    policy (``engine.policy.default_transport_threads``).
 
     >>> [send_mode(build_schedule(n, 2, 4, v)) for n, v in
     ...  (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))]

@@ -537,10 +537,10 @@ def _loss_variant_profiles(profile: Profile) -> dict[str, Profile]:
 
 def _transfers(profile: Profile, schedule: str, p: int, m: int, v: int, max_inflight: int | None
                ) -> tuple[int, str]:
-    """The receive lookahead and send wait the runtime will use (``engine.runtime``'s defaults)
+    """The receive lookahead and send wait the runtime will use (``engine.policy``'s defaults)
     on the backend of the profiled device: NCCL for a CUDA measurement or a GPU preset, gloo
     for the CPU."""
-    from engine.runtime import default_recv_lookahead, default_send_wait, default_transport_threads
+    from engine.policy import default_recv_lookahead, default_send_wait, default_transport_threads
 
     device = str(profile.meta.get("device", "")) if profile.meta.get("mode") == "measure" else \
         str(profile.meta.get("device_spec", "cpu"))

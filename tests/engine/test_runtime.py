@@ -175,7 +175,7 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     cases += [dict(schedule="interleaved-1f1b", p=2, v=2, m=4, lookahead=0),
               dict(schedule="zbv", p=2, v=2, m=4, lookahead=0)]
     # sends waited at the end of the step with gloo's default thread policy (the others on gloo
-    # wait them before each compute where the schedule allows it: engine.runtime.default_send_wait)
+    # wait them before each compute where the schedule allows it: engine.policy.default_send_wait)
     cases += [dict(schedule=s, p=2, m=4, transport="normal") for s in SCHEDS]
     cases += [dict(schedule="interleaved-1f1b", p=2, v=2, m=4, transport="normal")]
     cases += [dict(schedule="zb-h1", p=2, m=4, send_wait="compute")]   # allowed, not the default
@@ -194,7 +194,7 @@ def test_parity_two_stages_every_schedule_and_checkpointing():
     assert {w for s, t, w in waits if s == "interleaved-1f1b" and t is None} == {"yield"}
     assert ("interleaved-1f1b", "normal", "step") in waits
     # gloo's transport thread runs under SCHED_BATCH where sends are waited or yielded to before
-    # each compute (engine/transport.py, engine.runtime.default_transport_threads), else the
+    # each compute (engine/transport.py, engine.policy.default_transport_threads), else the
     # kernel's default
     for k, c in enumerate(cases):
         batch = c.get("transport") is None and c["schedule"] in ("gpipe", "1f1b", "interleaved-1f1b")

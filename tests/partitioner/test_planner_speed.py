@@ -129,3 +129,22 @@ def test_pruning_changes_no_choice_and_every_bound_is_below_its_step(seed):
     head = [(c.label, c.step_s) for c in full.candidates if c.status == "ok"][:4]
     assert [(c.label, c.step_s) for c in fast.candidates if c.status == "ok"][:4] == head
     assert fast.count("pruned") > 0, "nothing pruned: the comparison checks nothing"
+
+
+def test_partition_and_search_import_no_torch():
+    """The planner answers without importing torch (about a second of a fresh process's first
+    ``partition()``): a plain-numbers profile, planned and searched in a child process, leaves
+    torch out of ``sys.modules``. Importing the engine's runtime from the planner would fail this."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from partitioner import LayerCost, Profile, partition, search\n"
+            "prof = Profile([LayerCost(1e-3, 2e-3, 10**6, 10**6, 10**5, name=f'l{i}') for i in range(12)])\n"
+            "plan = partition(prof, 3, microbatches=4, schedule='1f1b', link_bytes_per_s=1e9)\n"
+            "search(prof, 3, 8, profile_microbatch=2)\n"
+            "assert plan.step_s > 0\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
