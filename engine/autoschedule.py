@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Sequence
 
 from engine.schedules import Action, Schedule, _split_backward, register_cost_builder
@@ -251,11 +252,11 @@ def build_auto(p: int, m: int, cap: int | Sequence[int], f: Sequence[float], b: 
     """
     i = [x - y for x, y in zip(b, w)]
 
-    def score(actions: list[list[Action]]) -> float:
+    def score(actions: list[list[Action]], validated: bool = False) -> float:
         s = Schedule("zb-auto", p, m, 1, actions, "loop", max(caps))
-        try:
-            return simulate(s, f, b, w, c, steps=steps).step_s
-        except ValueError:   # an order the validator rejects (a move that would deadlock)
+        try:   # a local-search move only moves a W, so a validated seed's moves need no validator
+            return simulate(s, f, b, w, c, steps=steps, validate_schedule=not validated).step_s
+        except ValueError:   # an order the validator rejects, or one that deadlocks over steps
             return _INF
 
     caps = _caps(cap, p)
@@ -274,8 +275,8 @@ def build_auto(p: int, m: int, cap: int | Sequence[int], f: Sequence[float], b: 
     seeds = [a for a in seeds if all(_inflight_ok(acts, k, hold, g) for acts, k, g in zip(a, caps, pend))]
     scored = sorted(((score(a), n, a) for n, a in enumerate(seeds)), key=lambda t: t[:2])
     best = scored[0][2]
-    if moves > 0 and p * m <= 512:
-        best, _ = _local_search(best, caps, score, moves, hold, pend)
+    if moves > 0 and p * m <= 512 and scored[0][0] < _INF:
+        best, _ = _local_search(best, caps, partial(score, validated=True), moves, hold, pend)
     return best
 
 
