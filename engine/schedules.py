@@ -726,22 +726,23 @@ def _dualpipev(p: int, m: int) -> list[list[Action]]:
 def _lower_indexed(schedule: Schedule) -> list[list[tuple[Action | Comm, int]]]:
     """Like :func:`lower`, each op paired with the index of its compute action."""
     last = schedule.num_chunks - 1
+    owner = [schedule.rank_of(s) for s in range(schedule.num_chunks)]
     out = []
     for r, acts in enumerate(schedule.actions):
         ops: list[tuple[Action | Comm, int]] = []
         for j, a in enumerate(acts):
             s, i = a.stage, a.microbatch
-            prev_remote = s > 0 and schedule.rank_of(s - 1) != r
-            next_remote = s < last and schedule.rank_of(s + 1) != r
+            prev_remote = s > 0 and owner[s - 1] != r
+            next_remote = s < last and owner[s + 1] != r
             if a.kind == "F" and prev_remote:
-                ops.append((Comm("RECV_F", s, i, schedule.rank_of(s - 1)), j))
+                ops.append((Comm("RECV_F", s, i, owner[s - 1]), j))
             elif a.kind in ("B", "I") and next_remote:
-                ops.append((Comm("RECV_B", s, i, schedule.rank_of(s + 1)), j))
+                ops.append((Comm("RECV_B", s, i, owner[s + 1]), j))
             ops.append((a, j))
             if a.kind == "F" and next_remote:
-                ops.append((Comm("SEND_F", s, i, schedule.rank_of(s + 1)), j))
+                ops.append((Comm("SEND_F", s, i, owner[s + 1]), j))
             elif a.kind in ("B", "I") and prev_remote:
-                ops.append((Comm("SEND_B", s, i, schedule.rank_of(s - 1)), j))
+                ops.append((Comm("SEND_B", s, i, owner[s - 1]), j))
         out.append(ops)
     return out
 

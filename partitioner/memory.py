@@ -555,7 +555,9 @@ def _walk_rank(mine: list[int], ops: list, chunks: list[ChunkBytes], lookahead: 
     freed: set[tuple[int, int]] = set()      # (chunk, microbatch) whose state was freed
     posted: dict[tuple[str, int, int], float] = {}   # receive buffers posted or arrived
     ahead: set[tuple[str, int, int]] = set()          # posted, their RECV not reached yet
-    sends: list[tuple[str, int, int, float]] = []    # not yet waited
+    # sends not yet waited: their bytes held, SEND_B's at once, a SEND_F's once its state is freed
+    unwaited_b, unwaited_freed = 0.0, 0.0
+    unwaited_f: dict[tuple[int, int], float] = {}     # (chunk, microbatch) -> SEND_F bytes not yet freed
     recv_at = [k for k, op in enumerate(ops) if op.kind.startswith("RECV")]
     recv_index = {k: n for n, k in enumerate(recv_at)}
     nxt, best = 0, [RankPeak(tuple(held.values()), tuple(pend.values()), 0.0, -1.0)] * 8
@@ -573,17 +575,23 @@ def _walk_rank(mine: list[int], ops: list, chunks: list[ChunkBytes], lookahead: 
             nxt = max(nxt, recv_index[k] + 1)
             continue
         if op.kind.startswith("SEND"):
-            sends.append((*key, size(op.kind, op.stage)))
+            nbytes = size(op.kind, op.stage)
+            if op.kind == "SEND_B":
+                unwaited_b += nbytes
+            elif (op.stage, op.microbatch) in freed:
+                unwaited_freed += nbytes
+            else:
+                unwaited_f[(op.stage, op.microbatch)] = unwaited_f.get((op.stage, op.microbatch), 0.0) + nbytes
             continue
         if wait_each:
-            sends.clear()
+            unwaited_b, unwaited_freed = 0.0, 0.0
+            unwaited_f.clear()
         c, i = op.stage, op.microbatch
         made = chunks[c].input if op.kind in ("B", "I") else 0.0   # the input gradient it makes
         if op.kind == "F":
             posted.pop(("RECV_F", c, i), None)   # the input is held by the chunk from now on
             held[c] += 1
-        comm = sum(posted.values()) + made + sum(
-            b for kind, s, j, b in sends if kind == "SEND_B" or (s, j) in freed)
+        comm = sum(posted.values()) + made + unwaited_b + unwaited_freed
         total = comm + sum(held[s] * chunks[s].held + pend[s] * chunks[s].pending for s in mine)
         slot = slots[op.kind][phase]
         if total > best[slot].total:
@@ -596,6 +604,7 @@ def _walk_rank(mine: list[int], ops: list, chunks: list[ChunkBytes], lookahead: 
             held[c] -= 1
             pend[c] -= op.kind == "W"
             freed.add((c, i))
+            unwaited_freed += unwaited_f.pop((c, i), 0.0)
         phase = max(phase, int(op.kind in ("B", "W")))
         while nxt < len(recv_at) and len(ahead) < lookahead:   # posted after compute
             r = ops[recv_at[nxt]]
