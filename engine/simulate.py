@@ -152,21 +152,15 @@ def simulate(
     share ``cores``; a rank's step then ends at its tail's end (``tails[r][k]``: (start, end)
     of rank r's tail in step k). None: no tail (a rank's step ends with its last action).
 
-    ``validate_schedule=False`` skips the validator (:func:`engine.schedules.validate`) for a
-    caller that validated this schedule, or one that differs from it only in where its W's sit
-    on their ranks, each after its I (a W sends and receives nothing, so the lowered messages
-    and the validator's verdict are the same): ``engine.autoschedule``'s local search. A
-    dependency deadlock still raises.
+    ``validate_schedule=False``: the caller validated it, or a schedule that differs only in where
+    its W's sit (a W sends nothing; ``engine.autoschedule``); a deadlock still raises.
 
     >>> from engine.schedules import build_schedule
     >>> r = simulate(build_schedule("zb-h2", 4, 8), 1.0, 2.0, 1.0, steps=3)
     >>> r.steps_s, r.bubbles[-1]
     ([27.0, 24.0, 24.0], 0.0)
     """
-    if validate_schedule:
-        validate(schedule)
-    if int(steps) != steps or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    _check_steps_and_cores(schedule, steps, cores, validate_schedule)
     n = schedule.num_chunks
     fwd = _per_chunk(forward_s, n, "forward_s")
     bwd = _per_chunk(backward_s, n, "backward_s")
@@ -179,8 +173,6 @@ def simulate(
     actions = [[Action(a.kind, a.stage, a.microbatch + k * m) for k in range(steps) for a in acts]
                for acts in schedule.actions] if steps > 1 else schedule.actions
     kinds = {(s, i + k * m): x for (s, i), x in schedule.backward_kind.items() for k in range(steps)}
-    if cores is not None and cores <= 0:
-        raise ValueError(f"cores must be > 0, got {cores!r}")
     p = schedule.num_stages
     per_rank = [len(acts) for acts in schedule.actions]
     tail = [0.0] * p if tail_s is None else [float(x) for x in tail_s]
@@ -197,6 +189,16 @@ def simulate(
     bubbles = [1.0 - busy / (p * t) if t > 0 else 0.0 for t in steps_s]
     return SimResult(steps_s[-1], bubbles[-1], peak_inflight(schedule), timeline, steps_s, bubbles,
                      tails if tail_s is not None else [])
+
+
+def _check_steps_and_cores(schedule: Schedule, steps: int, cores: float | None, validate_schedule: bool) -> None:
+    """:func:`simulate`'s argument checks (the schedule's validator unless told it ran)."""
+    if validate_schedule:
+        validate(schedule)
+    if int(steps) != steps or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if cores is not None and cores <= 0:
+        raise ValueError(f"cores must be > 0, got {cores!r}")
 
 
 _Tails = tuple[list[int], list[float], list[list[tuple[float, float]]]]
