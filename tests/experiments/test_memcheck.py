@@ -12,7 +12,8 @@ TOLERANCE = 0.10   # issue 11: every rank's predicted peak within 10% of the mea
 
 
 def test_plan_matches_memtracker_on_several_layouts():
-    names = (layout("interleaved-1f1b").name, layout(optimizer="sgd").name, layout(precision="bf16", zero=1).name)
+    # interleaved-1f1b is in the small grid (fp32, recomputing) below
+    names = (layout(optimizer="sgd").name, layout(precision="bf16", zero=1).name)
     rows = measure_layouts([lay for lay in GRID if lay.name in names], steps=2)
     assert {r["layout"] for r in rows} == set(names) and len(rows) == 2 * len(names)
     for r in rows:
@@ -23,9 +24,9 @@ def test_plan_matches_memtracker_on_several_layouts():
     for r in rows:
         got, pred = r["breakdown"]["optimizer_state"], r["predicted_breakdown"]["optimizer_state"]
         assert got == pytest.approx(pred, rel=0.01), r["layout"]
-        if r["layout"] == names[1]:
+        if r["layout"] == names[0]:
             assert got == 4 * r["numel"]
-        if r["layout"] == names[2]:   # bf16 weights, (8 + 4) / 2 state
+        if r["layout"] == names[1]:   # bf16 weights, (8 + 4) / 2 state
             assert r["breakdown"]["parameters"] == pytest.approx(2 * r["numel"], rel=0.01)
             assert got == pytest.approx(6 * r["numel"], rel=0.01)
 

@@ -78,6 +78,7 @@ def test_interrupted_plus_resumed_equals_uninterrupted(runs, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long   # in the default run: tp -> dp2 and tp1 -> tp2 below, other splits in tests/engine/test_checkpoint.py
 @pytest.mark.parametrize("layout", [["pipeline.stages=3"], ["pipeline.data_parallel=2"]],
                          ids=["2-to-3-stages", "dp1-to-dp2"])
 def test_resume_resplits_to_another_layout(runs, tmp_path, layout):
