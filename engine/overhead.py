@@ -390,12 +390,7 @@ def _ping_pong(nbytes: int, repeats: int = 30) -> float:
     for k in range(repeats + 3):
         dist.barrier()
         t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        else:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
+        _round_trip(buf, rank)
         if k >= 3:
             times.append((time.perf_counter() - t0) / 2)
     return statistics.median(times)
@@ -461,6 +456,18 @@ def _cpu_worker(microbatches: tuple[int, ...], steps: int, sizes: tuple[int, ...
             "message": {b: statistics.median(v) for b, v in message.items()}}
 
 
+def _round_trip(buf: Any, rank: int) -> None:
+    """One ping-pong of ``buf`` between ranks 0 and 1 (rank 0 sends first)."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    else:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
 def _message_cpu(nbytes: int, repeats: int = 20) -> float:
     """This process's CPU seconds (every thread) per message end of a ping-pong of ``nbytes``
     (each round trip: one send and one receive on each rank), after 3 untimed round trips."""
@@ -475,12 +482,7 @@ def _message_cpu(nbytes: int, repeats: int = 20) -> float:
     for k in range(repeats + 3):
         dist.barrier()
         before, c0 = thread_cpu_s(), time.thread_time()
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        else:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
+        _round_trip(buf, rank)
         if k >= 3:
             total += time.thread_time() - c0 + _others_cpu_s(before, me)
     return total / (2 * repeats)
