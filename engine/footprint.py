@@ -34,9 +34,12 @@ Example::
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
-__all__ = ["zero_bucket_elements", "BUCKET_ELEMENTS", "GRAD_BUCKET_MB", "TORCH_BUCKET_BYTES", "Footprint",
+__all__ = ["zero_bucket_elements", "zero_partition_overlap", "BUCKET_ELEMENTS", "GRAD_BUCKET_MB", "TORCH_BUCKET_BYTES", "Footprint",
            "state_footprint", "optimizer_state_bytes_per_param", "backend_of"]
 
 # DeepSpeed's default reduce / all-gather bucket, in elements.
@@ -58,6 +61,37 @@ def zero_bucket_elements(numel: int, data_parallel: int) -> int:
     """
     part = -(-int(numel) // max(1, int(data_parallel)))
     return max(2, min(BUCKET_ELEMENTS, part + part % 2))
+
+
+def zero_partition_overlap(numels: Sequence[int], data_parallel: int) -> int:
+    """The elements of whole parameters overlapping a rank's ZeRO partition, the largest over
+    the ``data_parallel`` ranks: what DeepSpeed 0.19's ZeRO-2 gradient buffer holds when it
+    keeps gradients in the weight dtype (``grads_in_partition``: each parameter that overlaps
+    the partition is copied whole). ``numels``: the rank's parameter tensors in the order
+    DeepSpeed flattens them (``module.parameters()``); the flat group is padded to a multiple
+    of ``2 * data_parallel`` elements and cut into equal partitions.
+
+    >>> zero_partition_overlap([100, 1000, 100], 2)   # the 1000 straddles the cut at 600
+    1100
+    >>> zero_partition_overlap([300, 300], 2), zero_partition_overlap([300, 300], 1)
+    (300, 600)
+    """
+    sizes = [int(n) for n in numels if int(n) > 0]
+    if not sizes:
+        return 0
+    d = max(1, int(data_parallel))
+    starts = list(itertools.accumulate(sizes, initial=0))   # starts[i]: where tensor i begins; starts[-1]: total
+    total = starts[-1]
+    part = (-(-total // (2 * d)) * 2 * d) // d   # padded to a multiple of 2 d, cut in d
+    best = 0
+    for pid in range(d):
+        lo, hi = pid * part, min((pid + 1) * part, total)
+        if lo >= hi:
+            continue
+        first = bisect.bisect_right(starts, lo) - 1           # the tensor holding the first element
+        last = bisect.bisect_left(starts, hi) - 1             # the tensor holding the last element
+        best = max(best, starts[last + 1] - starts[first])
+    return best
 
 
 def optimizer_state_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
@@ -106,6 +140,11 @@ class Footprint:
     # work; held through forward / backward, freed before the step. (Its snapshot of parameters
     # and optimizer state, held through both phases, is part of ``optimizer_state``.)
     rollback_gradients: float = 0.0
+    # ZeRO-2 with gradients in the weight dtype: the next backward's gradient buffer, alive
+    # beside the previous one from a backward's first reduce to its end, from the step's second
+    # backward on (the step frees the previous one). Part of ``backward_temporary`` and
+    # ``reduce_temporary``.
+    second_buffer: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -115,11 +154,13 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
                     momentum: float = 0.0, zero_stage: int = 0, data_parallel: int = 1,
                     grad_accum_dtype: str = "fp32", backend: str = "auto", overlap_grad_reduce: bool = True,
                     grad_bucket_mb: float = GRAD_BUCKET_MB, step_sync: str = "global",
-                    grad_clip: bool = True) -> Footprint:
+                    grad_clip: bool = True, zero_overlap: float | None = None) -> Footprint:
     """What a rank holding ``numel`` parameters (largest tensor ``largest`` elements) keeps
     (``overlap_grad_reduce`` / ``grad_bucket_mb``: the torch backend's data-parallel reduction;
     ``step_sync="post_validate"``: the rollback snapshot, weights and optimizer state, in
-    ``optimizer_state``, and with ``grad_clip`` the kept gradients, ``rollback_gradients``).
+    ``optimizer_state``, and with ``grad_clip`` the kept gradients, ``rollback_gradients``;
+    ``zero_overlap``: under ZeRO-2 with gradients in the weight dtype, the elements of
+    :func:`zero_partition_overlap`; None, the tensors unknown: the partition's own elements).
 
     >>> f = state_footprint(1000, 100, optimizer="adamw", zero_stage=0, step_sync="post_validate")
     >>> f.optimizer_state, f.rollback_gradients   # 8 + (4 + 8) bytes per parameter; 4
@@ -157,14 +198,31 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
         # DeepSpeed's BF16_Optimizer: one flat fp32 gradient buffer, filled by hooks
         return Footprint(w * n, 4 * n, state, (w + 4) * big, 4 * n, 0.0)
     if zero_stage == 2:
-        # reduce at every backward: the bucket (weight dtype; grads are copied into it, no
-        # flattened copy: MemTracker at the peak of experiments.memcheck's zero2 rows), the cast to the
-        # communication (= accumulation) dtype; the partition accumulates in `a`
-        cast = a * bucket if a != w else 0.0
-        return Footprint(w * n, a * part, state, w * bucket + cast, 0.0, after,
-                         reduce_temporary=cast, reduce_after=min(1.0, bucket / max(n, 1.0)))
+        return _zero2_footprint(n, d, w, a, state, after, bucket, zero_overlap)
     # ZeRO-1 (and 16-bit ZeRO-0): full gradients until the step's reduce
     separate = a != w                         # 16-bit gradients moved into fp32 grad_accum
     bw = (w * n + 4 * big) if separate else w * big
     own = a * n if zero_stage == 0 and d > 1 else 0.0   # engine.zero's own all-reduce copy
     return Footprint(w * n, a * n, state, bw, a * n, max(a * bucket, own, after - a * n))
+
+
+def _zero2_footprint(n: float, d: int, w: int, a: int, state: float, after: float, bucket: float,
+                     overlap: float | None) -> Footprint:
+    """ZeRO-2 (DeepSpeed 0.19, ``contiguous_gradients``, reduced at every backward): the reduce
+    bucket in the weight dtype (gradients are copied into it, no flattened copy). With an fp32
+    accumulation of 16-bit weights the partition accumulates in one fp32 buffer of the
+    partition's size, and the bucket is cast to fp32 while it is reduced. Otherwise (gradients
+    kept in the weight dtype) each backward's first reduce allocates a new buffer of every
+    parameter overlapping the partition, whole (:func:`zero_partition_overlap`), while the
+    parameters' gradients still view the previous backward's: two exist from that reduce to the
+    end of the backward, from the step's second backward on (``second_buffer``; the step's
+    ``zero_grad`` frees the last one). Seen in experiments.memcheck's fp32 zero2 rows: two such
+    buffers alive at the last rank's peak."""
+    part, after_share = n / d, min(1.0, bucket / max(n, 1.0))
+    if a != w:
+        cast = a * bucket
+        return Footprint(w * n, a * part, state, w * bucket + cast, 0.0, after,
+                         reduce_temporary=cast, reduce_after=after_share)
+    held = min(n, float(overlap) if overlap is not None else part)
+    return Footprint(w * n, w * held, state, w * bucket + w * held, 0.0, after,
+                     reduce_temporary=w * held, reduce_after=after_share, second_buffer=w * held)

@@ -66,6 +66,9 @@ class LayerCost:
       layer and its loss are two segments: the layer's output is kept as its segment's root
       and, from I to W, with its gradient, while the loss's graph and saved tensors are freed
       at I (:meth:`partitioner.memory.MemorySettings.loss_cut_bytes`). None: unknown (0).
+    - ``param_numels``: the elements of each of the layer's trainable parameter tensors, in
+      ``parameters()`` order (what a ZeRO backend flattens and partitions:
+      :func:`engine.footprint.zero_partition_overlap`). None: unknown.
     """
 
     forward_s: float
@@ -85,8 +88,11 @@ class LayerCost:
     output_saved_bytes: int | None = None
     loss_input_bytes: int | None = None
     loss_saved_bytes: int | None = None
+    param_numels: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.param_numels is not None:   # a JSON round trip gives a list
+            object.__setattr__(self, "param_numels", tuple(int(n) for n in self.param_numels))
         for f in ("forward_s", "backward_s", "param_bytes", "activation_bytes", "output_bytes"):
             v = getattr(self, f)
             if v is None or v < 0:

@@ -111,9 +111,10 @@ class MemorySettings:
 
         return float(min(weight_bytes(self.precision), 4))
 
-    def footprint(self, numel: float, largest: float = 0) -> Footprint:
+    def footprint(self, numel: float, largest: float = 0, zero_overlap: float | None = None) -> Footprint:
         """The optimizer backend's bytes for a rank of ``numel`` parameters (ZeRO-3: every layer
-        gathered, :func:`partitioner.zero3.zero3_footprint`)."""
+        gathered, :func:`partitioner.zero3.zero3_footprint`; ``zero_overlap``: ZeRO-2's
+        :func:`engine.footprint.zero_partition_overlap`, None: bounded)."""
         if self.zero3:
             from .zero3 import zero3_footprint
 
@@ -124,7 +125,7 @@ class MemorySettings:
                                zero_stage=self.zero_stage, data_parallel=self.data_parallel,
                                grad_accum_dtype=self.grad_accum_dtype, backend=self.backend,
                                overlap_grad_reduce=self.overlap_grad_reduce, grad_bucket_mb=self.grad_bucket_mb,
-                               step_sync=self.step_sync, grad_clip=self.grad_clip)
+                               step_sync=self.step_sync, grad_clip=self.grad_clip, zero_overlap=zero_overlap)
 
     def per_param_bytes(self, numel: float = _REF_NUMEL) -> float:
         """Forward/backward-phase bytes per parameter of a rank holding ``numel`` parameters
@@ -189,7 +190,8 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
                    microbatch_activations: float = 0.0, in_backward: bool = True,
                    gradients_made: bool = True,
                    layer_transient: tuple[float, float] | None = None,
-                   weight_grads: bool = True, gathered: float | None = None) -> dict[str, float]:
+                   weight_grads: bool = True, gathered: float | None = None,
+                   zero_overlap: float | None = None) -> dict[str, float]:
     """The rank's memory at its peak, by :data:`BREAKDOWN_KEYS` (bytes; they sum to the peak;
     under ZeRO-3 ``parameters`` are the fp32 shards and ``gathered_parameters``, after it, the
     unsharded copies in the compute dtype of the ``gathered`` elements held then, None: all):
@@ -209,22 +211,29 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     :func:`layer_transient`); None: the rank's largest parameter's transient plus
     ``workspace``, as if they met the microbatch's activations all held. ``weight_grads``: the
     moment makes weight gradients (False: a split backward's I, where the backend's gradient
-    transients, its buckets and copies, do not exist; ``layer_transient`` is then I's own)."""
-    f = settings.footprint(numel, largest)
+    transients, its buckets and copies, do not exist; ``layer_transient`` is then I's own).
+    ``zero_overlap``: ZeRO-2's whole-parameter elements of the rank's partition
+    (:func:`engine.footprint.zero_partition_overlap`; None: the partition's own)."""
+    f = settings.footprint(numel, largest, zero_overlap)
     fresh = not gradients_made and f.gradients_from_first_backward
+    unmade = 0.0 if gradients_made else f.second_buffer   # no previous buffer at the first backward
     if layer_transient is None:
-        transient = (0.0 if fresh else f.backward_temporary) + workspace
+        transient = (0.0 if fresh else f.backward_temporary - unmade) + workspace
     else:   # what does not follow one layer's parameters (buckets, flat copies) stays whole
-        transient = (0.0 if fresh or not weight_grads else settings.footprint(numel, 0).backward_temporary) \
+        transient = (0.0 if fresh or not weight_grads
+                     else settings.footprint(numel, 0, zero_overlap).backward_temporary - unmade) \
             + layer_transient[1 if fresh else 0]
     transient = transient if in_backward else 0.0
     backward = {"parameters": f.parameters,
                 "gradients": (0.0 if fresh else f.gradients) + f.rollback_gradients,
                 "optimizer_state": f.optimizer_state, "activations": activations,
                 "communication": communication, "temporary": transient + pending}
-    if in_backward and weight_grads and not fresh and f.reduce_temporary > 0 and microbatch_activations > 0:
+    at_reduce_only = f.reduce_temporary - unmade
+    if in_backward and weight_grads and not fresh and at_reduce_only > 0 and microbatch_activations > 0:
         at_reduce = dict(backward, activations=max(0.0, activations - f.reduce_after * microbatch_activations))
-        before = dict(backward, temporary=backward["temporary"] - f.reduce_temporary)
+        before = dict(backward, temporary=backward["temporary"] - at_reduce_only)
+        if f.second_buffer > 0:   # a reduce runs after its gradients' layers are done: no layer workspace then
+            at_reduce["temporary"] = settings.footprint(numel, 0, zero_overlap).backward_temporary - unmade + pending
         backward = max(at_reduce, before, key=lambda d: sum(d.values()))
     step = {"parameters": f.parameters, "gradients": f.step_gradients,
             "optimizer_state": f.optimizer_state, "activations": 0.0, "communication": 0.0,

@@ -42,7 +42,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from engine.choices import check_recompute_granularity
-from engine.footprint import GRAD_BUCKET_MB
+from engine.footprint import GRAD_BUCKET_MB, zero_partition_overlap
 from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message_ends, peak_inflight, send_mode
 
 from .batchsim import compile_schedule, simulate_many
@@ -164,6 +164,7 @@ class _Problem:
     loss_cut: tuple[float, float] = (0.0, 0.0)  # per-layer cut: the loss input kept, the loss's saved freed at I
     explain: bool = True                      # an infeasible search says why (and what would fit)
     ag: np.ndarray | None = None              # per layer: ZeRO-3's all-gather of its weights, seconds
+    param_numels: list | None = None          # per layer: its parameter tensors' elements (None: unknown)
     rs: np.ndarray | None = None              # per layer: ZeRO-3's reduce-scatter of its gradients, seconds
     granularity: str = "chunk"                # a recomputing chunk's checkpoints: the chunk, or each layer
     act_layer: np.ndarray | None = None       # per layer, checkpointed on its own: what it keeps (its input)
@@ -496,6 +497,7 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
         comm_layer=comm_layer, comm_of=comm_of, xfer=xfer, inflight=inflight, limits=limits, names=[c.name for c in L],
         param=np.array([c.param_bytes for c in L], dtype=np.float64), fixed=profile.fixed, memory=memory,
         numel=numel, largest=largest, workspace=workspace, reserve=reserve,
+        param_numels=[c.param_numels for c in L] if all(c.param_numels is not None for c in L) else None,
         loss_variants={name: (lambda prof=prof: _problem(prof, p, m, v, schedule, max_inflight, ckpt, xfer, memory,
                                                           limits, simulate, [], par, granularity))
                        for name, prof in _loss_variant_profiles(profile).items()},
@@ -638,6 +640,7 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
         mine = [c for c, rank in enumerate(ranks) if rank == r]
         layers = [i for c in mine for i in range(*bounds[c])]
         transients = _transients(prob, bounds, recompute, mine)
+        overlap = _zero_overlap(prob, layers)
         best = None
         for kind, made, pk in peaks.moments():
             held = dict(zip(mine, pk.held))
@@ -658,7 +661,7 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
                 pending=float(sum(pend[c] * _pending_bytes(prob, *bounds[c], recompute[c]) for c in mine)),
                 microbatch_activations=float(per_mb), in_backward=in_backward, gradients_made=made,
                 layer_transient=transients[kind], weight_grads=kind != "I" or any(recompute[c] for c in mine),
-                gathered=_gathered(prob, bounds, mine, pk.pending))
+                gathered=_gathered(prob, bounds, mine, pk.pending), zero_overlap=overlap)
             if best is None or sum(d.values()) > sum(best[0].values()):
                 best = (d, [held[c] for c in mine], [pend[c] for c in mine])
         if _resharding(prob) and len(mine) > 1:   # the step's last backward: every chunk gathered
@@ -667,6 +670,19 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
                 best = (d, [int(c == mine[0]) for c in mine], [0] * len(mine))
         out.append(best)
     return out
+
+
+def _zero_overlap(prob: _Problem, layers: list[int]) -> float | None:
+    """ZeRO-2's whole-parameter elements of the rank's partition (the rank's ``layers`` in
+    order, :func:`engine.footprint.zero_partition_overlap`); None without ZeRO-2, without the
+    profile's tensor sizes, or where they do not add up to the rank's parameters (a sharded
+    profile)."""
+    if prob.memory.zero_stage != 2 or prob.param_numels is None:
+        return None
+    numels = [n for i in layers for n in prob.param_numels[i]]
+    if sum(numels) != round(float(prob.numel[layers].sum())):
+        return None
+    return float(zero_partition_overlap(numels, prob.memory.data_parallel))
 
 
 def _rank_collective_s(prob: _Problem, bounds: list[tuple[int, int]]) -> list[float]:

@@ -131,6 +131,11 @@ def _prep_input(x: Any, device, dtype, requires_grad: bool) -> Any:
     return _map(f, x)
 
 
+def _param_numels(layer: Any) -> tuple[int, ...]:
+    """The elements of each trainable parameter tensor, in ``parameters()`` order."""
+    return tuple(int(p.numel()) for p in layer.parameters() if p.requires_grad)
+
+
 def _largest_param_bytes(layer: Any) -> int:
     """Bytes of the layer's largest parameter tensor (0 without parameters)."""
     return max((p.numel() * p.element_size() for p in layer.parameters()), default=0)
@@ -474,7 +479,7 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
                                activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
                                weight_grad_s=w_s, input_grad_s=i_s, name=name,
                                shared_input_bytes=int(shared_bytes), output_saved_bytes=out_saved,
-                               largest_param_bytes=_largest_param_bytes(layer), pending_grad_bytes=pending))
+                               largest_param_bytes=_largest_param_bytes(layer), param_numels=_param_numels(layer), pending_grad_bytes=pending))
         if isinstance(src, LayerWithLoss):
             costs[-1] = _with_loss_costs(costs[-1], src, layer, x, variants, lambda v: _profile_measure(
                 [v], x, dev, dtype, repeats, warmup, weight_grad, min_time_s, input_grad=True).layers[0])
@@ -910,7 +915,7 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
                                weight_grad_s=min(w_s, bwd.time_s), forward_flops=float(fc_f.get_total_flops()),
                                shared_input_bytes=int(shared_bytes), backward_flops=float(fc_b.get_total_flops()),
                                output_saved_bytes=_output_saved_bytes(out_tensors, saved_keys),
-                               largest_param_bytes=_largest_param_bytes(layer), pending_grad_bytes=int(wops.bytes)))
+                               largest_param_bytes=_largest_param_bytes(layer), param_numels=_param_numels(layer), pending_grad_bytes=int(wops.bytes)))
         if isinstance(src, LayerWithLoss):
             costs[-1] = _with_loss_costs(costs[-1], src, layer, x, variants, lambda v: _profile_analytic(
                 [v], x, dtype, spec, False, input_grad=True).layers[0])

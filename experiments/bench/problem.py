@@ -102,7 +102,7 @@ def _profile_worker(cfg: Any, repeats: int, warmup: int, sweeps: int = 1) -> Any
         forward_s=last.forward_s + loss.forward_s, backward_s=last.backward_s + loss.backward_s,
         param_bytes=last.param_bytes, activation_bytes=last.activation_bytes + loss.activation_bytes,
         output_bytes=last.output_bytes, weight_grad_s=last.weight_grad_s, name=last.name,
-        largest_param_bytes=last.largest_param_bytes,
+        largest_param_bytes=last.largest_param_bytes, param_numels=last.param_numels,
         input_grad_s=None if last.input_grad_s is None else last.input_grad_s + loss.input_s,
         shared_input_bytes=last.shared_input_bytes, pending_grad_bytes=last.pending_grad_bytes)
     meta = dict(prof.meta, loss_folded_into_last_layer=True, microbatch=mb)

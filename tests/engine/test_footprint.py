@@ -66,3 +66,49 @@ def test_torch_backend_reduction_temporaries():
     assert overlap.step_temporary == 4 * n
     assert plain.step_temporary == 10 * 2**20 + 4 * big
     assert alone.step_temporary == 0
+
+
+class _Sized:
+    """A stand-in tensor for DeepSpeed's partition bookkeeping (it reads ``numel()`` only)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_zero_partition_overlap_is_deepspeeds_partition(seed):
+    """zero_partition_overlap against DeepSpeed 0.19's own ``get_partition_info`` (the parameters
+    its ZeRO-2 copies whole into ``grads_in_partition``), partitions cut as DeepSpeed cuts them:
+    the flat group padded to a multiple of 2 x dp."""
+    import random
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from engine.footprint import zero_partition_overlap
+
+    rng = random.Random(seed)
+    for _ in range(60):
+        numels = [rng.choice([1, 3, 64, 128, 1000, 4096, 65536]) for _ in range(rng.randint(1, 12))]
+        d = rng.randint(1, 8)
+        total = sum(numels)
+        part = -(-total // (2 * d)) * 2
+        tensors = [_Sized(n) for n in numels]
+        want = max(sum(t.numel() for t in DeepSpeedZeroOptimizer.get_partition_info(None, tensors, part, pid)[0])
+                   for pid in range(d))
+        assert zero_partition_overlap(numels, d) == want, (numels, d)
+
+
+def test_zero2_keeps_weight_dtype_gradients_of_whole_parameters():
+    """ZeRO-2 with gradients in the weight dtype (fp32): the whole parameters overlapping the
+    partition, and the next backward's buffer beside it; 16-bit weights with fp32 accumulation
+    keep the compact fp32 partition and no second buffer."""
+    fp32 = state_footprint(1000, 600, zero_stage=2, data_parallel=2, zero_overlap=700)
+    assert fp32.gradients == 4 * 700 and fp32.second_buffer == 4 * 700 == fp32.reduce_temporary
+    assert fp32.backward_temporary == 4 * 500 + 4 * 700           # the bucket (one partition) + the buffer
+    unknown = state_footprint(1000, 600, zero_stage=2, data_parallel=2)
+    assert unknown.gradients == 4 * 500                              # without tensor sizes: the partition
+    bf16 = state_footprint(1000, 600, precision="bf16", zero_stage=2, data_parallel=2, zero_overlap=700)
+    assert bf16.gradients == 4 * 500 and bf16.second_buffer == 0.0

@@ -168,3 +168,16 @@ def test_a_first_layer_fed_token_ids_has_no_backward_workspace():
     assert unknown.stage_ranges == [(0, 1), (1, 3)]
     assert unknown.rank_memory_breakdown == zero.rank_memory_breakdown
     assert estimate.rank_memory_bytes[0] > unknown.rank_memory_bytes[0]
+
+
+def test_zero2_second_buffer_only_after_the_first_backward():
+    """The previous backward's gradient buffer exists from the step's second backward on: a
+    rank's first backward holds one ZeRO-2 buffer, a later one two (at the reduce)."""
+    from partitioner.memory import MemorySettings, rank_breakdown
+
+    s = MemorySettings("fp32", "adamw", zero_stage=2, data_parallel=2)
+    kw = dict(numel=1000.0, largest=100.0, activations=0.0, communication=0.0, workspace=0.0,
+              microbatch_activations=1.0, zero_overlap=700.0)
+    first = rank_breakdown(s, gradients_made=False, **kw)
+    later = rank_breakdown(s, gradients_made=True, **kw)
+    assert sum(later.values()) - sum(first.values()) == 4 * 700

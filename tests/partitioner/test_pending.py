@@ -217,9 +217,9 @@ def test_zero2_reduce_cast_meets_the_activations_a_backward_has_freed() -> None:
     small = rank_breakdown(mem, activations=act, microbatch_activations=1e3, **kw)
     before = sum(plain.values()) - f.reduce_temporary
     assert sum(small.values()) == pytest.approx(max(before, sum(plain.values()) - 1e3 / d))
-    # fp32 ZeRO-2 (no cast) and bf16 ZeRO-1 are unchanged
-    for other in (MemorySettings(precision="fp32", optimizer="adamw", zero_stage=2, data_parallel=d),
-                  MemorySettings(precision="bf16", optimizer="adamw", zero_stage=1, data_parallel=d)):
-        assert other.footprint(n, n // 10).reduce_temporary == 0.0
-        assert rank_breakdown(other, activations=act, microbatch_activations=mb, **kw) == \
-            rank_breakdown(other, activations=act, **kw)
+    # bf16 ZeRO-1 is unchanged (fp32 ZeRO-2's reduce holds its second gradient buffer instead:
+    # tests/partitioner/test_memory_terms.py)
+    other = MemorySettings(precision="bf16", optimizer="adamw", zero_stage=1, data_parallel=d)
+    assert other.footprint(n, n // 10).reduce_temporary == 0.0
+    assert rank_breakdown(other, activations=act, microbatch_activations=mb, **kw) == \
+        rank_breakdown(other, activations=act, **kw)
