@@ -262,7 +262,8 @@ class PartitionerConfig:
     sweeps: int = 3  # measure: profile the model this many times, median per layer (a slow spell of the machine hits one sweep)
     device_spec: Optional[str] = None  # analytic: device preset (partitioner.DEVICE_PRESETS, e.g. h100); null = this CPU
     attention: Optional[AttentionBackend] = None  # analytic: SDPA kernel attention is costed through: flash | efficient | math | unfused (Megatron legacy core attention); null = the device spec's (flash)
-    link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs, every boundary (wins over the others); null = the link measured with the fixed costs, else the device spec's NVLink / NIC by whether neighbouring ranks share a node (analytic GPU presets, 8 GPUs per node), else free
+    link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs, every boundary (wins over the others); null = the link measured with the fixed costs, else the device spec's NVLink / NIC by whether neighbouring ranks share a node (analytic GPU presets, partitioner.gpus_per_node per node), else free
+    gpus_per_node: Optional[int] = None  # analytic on a GPU preset: GPUs per node (its NVLink domain; nodes are consecutive ranks in the engine's order), which decides whether each tp group, dp group and pipeline boundary runs on NVLink or the NIC; null = the device spec's own (8 on the GPU presets); refused where the plan has no device-spec links to apply it to (a measured profile, the CPU)
     calibrate: bool = False  # analytic: time a fixed kernel set on the device at hand, fit the device model, cache it per device name
     fixed_costs: bool = True  # measure: charge the runtime's fixed costs (per action, message, step) measured on this machine (cached; CPU runs)
     search: SearchConfig = field(default_factory=SearchConfig)  # pipeline.schedule=auto / microbatches=auto
@@ -720,6 +721,7 @@ def validate_config(cfg: Any) -> Config:
     _check_layers(cfg)
     _check_precision(cfg)
     _check_memory_limit(cfg)
+    _check_node_size(cfg)
     _check_optimizer(cfg)
     _check_checkpointing(cfg)
     _check_model_and_data(cfg)
@@ -1001,6 +1003,31 @@ def _check_memory_limit(cfg: Config) -> None:
             f"partitioner.memory_limit gives {len(limit)} per-stage sizes for pipeline.stages={stages}; "
             f"give one size for all stages or exactly {stages} comma-separated sizes"
         )
+
+
+def _check_node_size(cfg: Config) -> None:
+    """`partitioner.gpus_per_node`: a count >= 1, set only where the plan prices its collectives and
+    transfers on a GPU preset's links (`experiments.wiring.device_links`): elsewhere it would
+    change nothing, so it is refused rather than ignored."""
+    part = cfg.partitioner
+    value = part.gpus_per_node
+    if value is None:
+        return
+    if isinstance(value, bool) or int(value) < 1:
+        raise ConfigError(f"partitioner.gpus_per_node={value!r}; give the GPUs one node holds (e.g. "
+                          "partitioner.gpus_per_node=8), or null for the device spec's own (8 on the GPU presets)")
+    from partitioner.devices import DEVICE_PRESETS
+
+    mode, name = choice_text(part.profile), part.device_spec
+    spec = DEVICE_PRESETS.get(str(name).lower()) if name is not None else None
+    if mode != "analytic" or spec is None or spec.links is None:
+        why = (f"partitioner.profile={mode} (measured layers: no device-spec links)" if mode != "analytic" else
+               "partitioner.device_spec=null (this CPU, measured: no links)" if name is None else
+               f"partitioner.device_spec={name} has no links (the presets with links: "
+               f"{', '.join(k for k, v in DEVICE_PRESETS.items() if v.links is not None)})")
+        raise ConfigError(f"partitioner.gpus_per_node={value} sets the node size of a GPU preset's links, but {why}, "
+                          "so it would change nothing; set partitioner.gpus_per_node=null, or plan on a GPU preset "
+                          "(partitioner.profile=analytic partitioner.device_spec=h100)")
 
 
 def _check_optimizer(cfg: Config) -> None:

@@ -171,7 +171,8 @@ def reshard_choice(cfg: Any) -> bool | None:
 
 def device_links(cfg: Any) -> Any:
     """The collectives' links (`partitioner.collectives.Links`) the plan charges its tensor- and
-    data-parallel collectives on: the analytic profile's device spec's (`partitioner.device_spec`);
+    data-parallel collectives on: the analytic profile's device spec's (`partitioner.device_spec`,
+    with `partitioner.gpus_per_node` GPUs per node when set, else the spec's own);
     for layers measured here on the CPU with `partitioner.fixed_costs` on and more than one tp or
     dp rank, gloo's collectives measured on this machine (`engine.overhead.measure_collectives`,
     cached per machine like the fixed costs, fitted by `partitioner.collectives.measured_links`):
@@ -193,7 +194,8 @@ def device_links(cfg: Any) -> Any:
         return None
     from partitioner import get_device_spec
 
-    return get_device_spec(str(part.device_spec)).links
+    node = {} if part.gpus_per_node is None else {"gpus_per_node": int(part.gpus_per_node)}
+    return get_device_spec(str(part.device_spec), **node).links
 
 
 def partition_kwargs(cfg: Any) -> dict[str, Any]:

@@ -1,12 +1,15 @@
 """Collective times of the 3-D layout (pp x dp x tp): the links they run on and what they cost.
 
-The mesh is ``(pp, dp, tp)`` with tp innermost (``engine.mesh``): the ``t`` ranks of a
-tensor-parallel group are neighbours, inside one node (NVLink), while a data-parallel group
-spans nodes (one NIC per GPU, InfiniBand / RoCE). :class:`Links` holds both links' per-GPU
-bandwidth (one direction), a latency per collective and the fraction of the bandwidth a
-collective reaches (``efficiency``); the GPU presets (``partitioner.devices``) carry their
-datasheet figures (docs/device-model.md sources each one), and the GPUs one node holds
-(``gpus_per_node``: which pipeline neighbours share a node, :func:`pipeline_hops`).
+The mesh is ``(pp, dp, tp)`` with tp innermost (``engine.ranks.mesh_rank``): the ``t`` ranks of
+a tensor-parallel group are neighbours, a data-parallel group (the replicas of one pipeline rank
+and tp rank) is ``stages x tp`` ranks apart. A node holds ``gpus_per_node`` consecutive ranks;
+a group inside one node runs on its NVLink (``"intra"``), a group spanning nodes on each GPU's
+own NIC (``"inter"``: InfiniBand / RoCE; a ring is as fast as its slowest link), which
+:func:`group_link` decides per layout. :class:`Links` holds both links' per-GPU bandwidth (one
+direction), a latency per collective and the fraction of the bandwidth a collective reaches
+(``efficiency``); the GPU presets (``partitioner.devices``) carry their datasheet figures
+(docs/device-model.md sources each one), and the GPUs one node holds (``gpus_per_node``: which
+groups and which pipeline neighbours share a node, :func:`group_link`, :func:`pipeline_hops`).
 
 A pipeline transfer (one point-to-point message of ``B`` bytes between neighbouring stages) costs
 ``latency + B / bandwidth`` on its link (:meth:`Links.p2p`): NVLink when the two ranks share a
@@ -32,25 +35,29 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 __all__ = ["Links", "megatron_allreduces", "ring_factor", "fit_links", "measured_links", "pipeline_hops",
-           "node_crossings", "COLLECTIVES", "HOPS"]
+           "node_crossings", "group_link", "COLLECTIVES", "HOPS", "GROUPS"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 HOPS = ("intra", "inter", "local")   # a pipeline boundary: within a node, across nodes, on one rank
+GROUPS = ("tp", "dp")   # the collectives' groups of the 3-D layout: tensor parallel, data parallel (replicas)
 
 
 @dataclass(frozen=True)
 class Links:
     """Per-GPU link rates (bytes/s, one direction), a latency per collective (s) and the
-    fraction of the rate a ring collective reaches: ``intra`` inside a node (tensor parallel),
-    ``inter`` between nodes (data parallel). ``gpus_per_node``: the ranks one node holds (None:
-    not known, e.g. the local gloo ranks of one machine; pipeline transfers are then not priced
-    from these links)."""
+    fraction of the rate a ring collective reaches: ``intra`` inside a node (NVLink), ``inter``
+    between nodes (the GPU's NIC). ``gpus_per_node``: the ranks one node holds, which decides
+    the link of each group (:func:`group_link`) and pipeline boundary (:func:`pipeline_hops`);
+    None: not known (e.g. the local gloo ranks of one machine): tensor parallel is taken as
+    intra-node, data parallel as inter-node, and pipeline transfers are not priced from these
+    links."""
 
     intra_bytes_per_s: float
     inter_bytes_per_s: float
@@ -74,7 +81,7 @@ class Links:
             return self.intra_bytes_per_s * self.efficiency, self.intra_latency_s
         if link == "inter":
             return self.inter_bytes_per_s * self.efficiency, self.inter_latency_s
-        raise ValueError(f"link={link!r}; use 'intra' (tensor parallel) or 'inter' (data parallel)")
+        raise ValueError(f"link={link!r}; use 'intra' (within a node) or 'inter' (across nodes)")
 
     def time(self, kind: str, nbytes: float, ranks: int, link: str) -> float:
         """Seconds of a ring collective ``kind`` (one of :data:`COLLECTIVES`) of ``nbytes`` over
@@ -134,6 +141,48 @@ def node_crossings(chunk_ranks: Sequence[int], num_stages: int, data_parallel: i
     d = np.arange(int(data_parallel), dtype=np.int64)[None, :, None]
     q = np.arange(t, dtype=np.int64)[None, None, :]
     return (mesh_rank(d, src, q, p, t) // g != mesh_rank(d, dst, q, p, t) // g).any(axis=2)
+
+
+def group_link(kind: str, num_stages: int, data_parallel: int, tensor_parallel: int,
+               gpus_per_node: int | None) -> str:
+    """The link the collectives of ``kind`` (one of :data:`GROUPS`) run on in the layout
+    ``num_stages x data_parallel x tensor_parallel``: ``"intra"`` when every such group lies
+    within one node, ``"inter"`` when some group spans nodes (a ring is as fast as its slowest
+    link, and the groups sync at the step). A ``"tp"`` group is the ``tensor_parallel`` ranks of
+    one replica and pipeline rank, a ``"dp"`` group the ``data_parallel`` replicas of one
+    pipeline rank and tp rank; nodes are blocks of ``gpus_per_node`` consecutive global ranks in
+    the engine's order (``engine.ranks.mesh_rank``: tp innermost, then pp, dp outermost).
+    ``gpus_per_node=None`` (not known): ``"intra"`` for tp, ``"inter"`` for dp.
+
+    >>> group_link("tp", 2, 4, 8, 8), group_link("tp", 1, 1, 16, 8)    # tp 8 is one node; tp 16 is two
+    ('intra', 'inter')
+    >>> group_link("dp", 2, 4, 1, 8), group_link("dp", 2, 4, 1, 4)     # pp 2 x dp 4: one node of 8; not of 4
+    ('intra', 'inter')
+    >>> group_link("dp", 8, 8, 8, None), group_link("tp", 8, 8, 8, None)
+    ('inter', 'intra')
+    """
+    if kind not in GROUPS:
+        raise ValueError(f"group kind {kind!r}; use one of {GROUPS}")
+    p, d, t = int(num_stages), int(data_parallel), int(tensor_parallel)
+    if min(p, d, t) < 1:
+        raise ValueError(f"num_stages, data_parallel and tensor_parallel must be >= 1 (got {p}, {d}, {t})")
+    if gpus_per_node is None:
+        return "intra" if kind == "tp" else "inter"
+    g = int(gpus_per_node)
+    if g < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node!r}; use a count >= 1 (or None: not known)")
+    return "intra" if _within_nodes(2 if kind == "tp" else 0, p, d, t, g) else "inter"
+
+
+@functools.lru_cache(maxsize=4096)   # the 3-D search asks for the same few layouts many times
+def _within_nodes(axis: int, p: int, d: int, t: int, g: int) -> bool:
+    """Whether every group along ``axis`` of the ``[replica, pipeline rank, tp rank]`` mesh lies
+    within one node of ``g`` consecutive ranks (:func:`group_link`)."""
+    from engine.ranks import mesh_rank
+
+    node = mesh_rank(np.arange(d)[:, None, None], np.arange(p)[None, :, None], np.arange(t)[None, None, :],
+                     p, t) // g
+    return bool((node == np.take(node, [0], axis=axis)).all())
 
 
 def pipeline_hops(chunk_ranks: Sequence[int], num_stages: int, data_parallel: int, tensor_parallel: int,

@@ -46,7 +46,7 @@ from engine.footprint import GRAD_BUCKET_MB, zero_partition_overlap
 from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message_ends, peak_inflight, send_mode
 
 from .batchsim import compile_schedule, simulate_many
-from .collectives import Links
+from .collectives import Links, group_link, megatron_allreduces
 from .costs import FixedCosts, Profile
 from .memory import (BREAKDOWN_KEYS, SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
                      inflight_per_chunk, kept_output_bytes, layer_transient, peak_state, program_peaks, rank_breakdown,
@@ -374,14 +374,15 @@ class _Parallel:
     links: Links | None = None
 
 
-def _collective_times(profile: Profile, memory: MemorySettings, par: _Parallel, notes: list[str]
+def _collective_times(profile: Profile, memory: MemorySettings, par: _Parallel, notes: list[str], p: int
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per layer: tensor-parallel all-reduce seconds in its forward and in its backward (per
     microbatch, on the critical path: no overlap with compute), and the replicas' collectives
     per step (seconds each): under ZeRO-3 the all-gather of its weights in the compute dtype and
     the reduce-scatter of its fp32 gradients; under ZeRO-0/1/2 (``ag`` zero) its gradients'
     reduction, an fp32 all-reduce (ZeRO-0) or reduce-scatter plus the all-gather of the updated
-    weights (ZeRO-1/2)."""
+    weights (ZeRO-1/2). Each kind on the link its groups take in the ``p``-stage layout
+    (:func:`partitioner.collectives.group_link`)."""
     L, n = profile.layers, len(profile)
     zeros = np.zeros(n)
     tp_f, tp_b, ag, rs = zeros.copy(), zeros.copy(), zeros.copy(), zeros.copy()
@@ -393,13 +394,13 @@ def _collective_times(profile: Profile, memory: MemorySettings, par: _Parallel, 
             notes.append("no links given (DeviceSpec.links): tensor-parallel and data-parallel collectives cost nothing")
         return tp_f, tp_b, ag, rs
     links = par.links
+    tp_link, dp_link = (group_link(kind, p, dp, par.tp, links.gpus_per_node) for kind in ("tp", "dp"))
+    _note_group_links(links, par.tp, dp, tp_link, dp_link, notes)
     if par.tp > 1:
-        from .collectives import megatron_allreduces
-
         counts = profile.meta.get("tp_allreduces") or megatron_allreduces(n)
         for i, (nf, nb) in enumerate(counts):
-            tp_f[i] = nf * links.all_reduce(L[i].output_bytes, par.tp, "intra")
-            tp_b[i] = nb * links.all_reduce(L[i - 1].output_bytes if i > 0 else L[i].output_bytes, par.tp, "intra")
+            tp_f[i] = nf * links.all_reduce(L[i].output_bytes, par.tp, tp_link)
+            tp_b[i] = nb * links.all_reduce(L[i - 1].output_bytes if i > 0 else L[i].output_bytes, par.tp, tp_link)
         timed = (" (the layers' times: DTensor's compute on a tp rank, partitioner.tptime, without them)"
                  if profile.meta.get("tp_time") == "dtensor" else "")
         notes.append(f"tensor parallel {par.tp}: {float(tp_f.sum() + tp_b.sum()) * 1e3:.3f} ms of all-reduces per "
@@ -408,14 +409,30 @@ def _collective_times(profile: Profile, memory: MemorySettings, par: _Parallel, 
         numel = np.array([c.param_bytes for c in L], dtype=np.float64) / profile.itemsize
         if memory.zero3:
             w = memory.gathered_bytes_per_param()
-            ag = np.array([links.all_gather(w * x, dp, "inter") if x else 0.0 for x in numel])
-            rs = np.array([links.reduce_scatter(4.0 * x, dp, "inter") if x else 0.0 for x in numel])
+            ag = np.array([links.all_gather(w * x, dp, dp_link) if x else 0.0 for x in numel])
+            rs = np.array([links.reduce_scatter(4.0 * x, dp, dp_link) if x else 0.0 for x in numel])
         elif memory.zero_stage == 0:
-            rs = np.array([links.all_reduce(4.0 * x, dp, "inter") if x else 0.0 for x in numel])
+            rs = np.array([links.all_reduce(4.0 * x, dp, dp_link) if x else 0.0 for x in numel])
         else:
-            rs = np.array([links.reduce_scatter(4.0 * x, dp, "inter")
-                           + links.all_gather(profile.itemsize * x, dp, "inter") if x else 0.0 for x in numel])
+            rs = np.array([links.reduce_scatter(4.0 * x, dp, dp_link)
+                           + links.all_gather(profile.itemsize * x, dp, dp_link) if x else 0.0 for x in numel])
     return tp_f, tp_b, ag, rs
+
+
+def _note_group_links(links: Links, tp: int, dp: int, tp_link: str, dp_link: str, notes: list[str]) -> None:
+    """One line for the plan's notes: which link the tp and dp collectives run on, and why."""
+    kinds = [(what, link) for what, size, link in (("tensor-parallel", tp, tp_link), ("data-parallel", dp, dp_link))
+             if size > 1]
+    if not kinds:
+        return
+    said = "; ".join(f"{what} on the {link}-node link" for what, link in kinds)
+    if links.gpus_per_node is None:
+        notes.append(f"collectives: {said} (node size not known: tensor parallel taken as within a node, "
+                     "data parallel as across nodes)")
+    else:
+        g = links.gpus_per_node
+        notes.append(f"collectives: {said} ({g} GPU{'s' if g != 1 else ''} per node in the engine's rank order; "
+                     "a group spanning nodes runs at the inter-node rate)")
 
 
 def _rank_caps(memory_limit_bytes: "float | Sequence[float] | None", p: int) -> list[float] | None:
@@ -471,7 +488,7 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
     inflight, pending, states = _counts(profile, schedule, p, m, v, max_inflight, memory, simulate, act, pend)
     source = "engine schedule" if simulate or states else "closed form"
     notes.append(f"in-flight microbatches per stage {inflight} (from the {source})")
-    tp_f, tp_b, ag, rs = _collective_times(profile, memory, par, notes)
+    tp_f, tp_b, ag, rs = _collective_times(profile, memory, par, notes, p)
     whole = np.array([c.backward_s for c in L]) + tp_b
     fwd = np.array([c.forward_s for c in L]) + tp_f
     if memory.reshard_after_forward:   # an all-gather per layer per action, overlapped with its compute

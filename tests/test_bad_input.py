@@ -264,6 +264,18 @@ def test_restarts_need_checkpoints(base_cfg):
     validate_config(_cfg(base_cfg, train__max_restarts=2, checkpoint__every_steps=10))
 
 
+def test_a_node_size_that_is_no_count_or_has_no_links_to_set(base_cfg):
+    gpu = dict(partitioner__profile="analytic", partitioner__device_spec="h100")
+    for bad in (0, -8):
+        with pytest.raises(ConfigError, match=rf"partitioner.gpus_per_node={bad}; give the GPUs one node holds "
+                                              r"\(e.g. partitioner.gpus_per_node=8\)"):
+            validate_config(_cfg(base_cfg, **gpu, partitioner__gpus_per_node=bad))
+    with pytest.raises(ConfigError, match=r"partitioner.gpus_per_node=8 sets the node size of a GPU preset's links, "
+                                          r"but partitioner.profile=measure .* set partitioner.gpus_per_node=null"):
+        validate_config(_cfg(base_cfg, partitioner__gpus_per_node=8))
+    validate_config(_cfg(base_cfg, **gpu, partitioner__gpus_per_node=4))
+
+
 def test_checkpoint_from_another_model(tmp_path):
     mine = {i: dict(nn.Linear(8, 8).state_dict()) for i in range(3)}
     save_checkpoint(tmp_path, 1, layers=mine, num_layers=3)

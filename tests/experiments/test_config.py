@@ -153,6 +153,14 @@ def test_bad_choice_fails_at_composition(compose_cfg, override):
         (["model.heads=3"], "heads dividing dim"),
         (["optimizer.backend=torch", "optimizer.zero_stage=1"], "optimizer.backend=auto"),
         (["optimizer.lr=0"], "optimizer.lr=3e-3"),
+        (["partitioner.profile=analytic", "partitioner.device_spec=h100", "partitioner.gpus_per_node=0"],
+         "e.g. partitioner.gpus_per_node=8"),
+        (["partitioner.profile=analytic", "partitioner.device_spec=h100", "partitioner.gpus_per_node=-4"],
+         "or null for the device spec's own"),
+        (["partitioner.gpus_per_node=8"], "partitioner.profile=measure (measured layers"),
+        (["partitioner.profile=analytic", "partitioner.gpus_per_node=8"], "partitioner.device_spec=null"),
+        (["partitioner.profile=analytic", "partitioner.device_spec=cpu", "partitioner.gpus_per_node=8"],
+         "partitioner.device_spec=cpu has no links"),
     ],
 )
 def test_validate_config_rejects_with_a_remedy(compose_cfg, overrides, remedy):

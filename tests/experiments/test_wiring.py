@@ -45,6 +45,20 @@ def test_partition_kwargs_are_plain_and_accepted_by_partition(compose_cfg):
     assert plan.stage_ranges[0][0] == 0 and plan.stage_ranges[-1][1] == len(spec.layers)
 
 
+def test_the_node_size_reaches_the_plans_links(compose_cfg):
+    base = ("experiment=smoke", "partitioner.profile=analytic", "partitioner.device_spec=h100",
+            "pipeline.data_parallel=2", "optimizer.zero_stage=0")
+    assert partition_kwargs(compose_cfg(*base))["links"].gpus_per_node == 8          # the preset's own
+    cfg = compose_cfg(*base, "partitioner.gpus_per_node=1")
+    assert cfg.partitioner.gpus_per_node == 1 and partition_kwargs(cfg)["links"].gpus_per_node == 1
+    spec = build_model(cfg.model)
+    prof = partitioner.profile(spec.layers, spec.example_input(microbatch_size(cfg)), **profile_kwargs(cfg))
+    node = partitioner.partition(prof, **partition_kwargs(compose_cfg(*base)))       # 2 x 2 ranks on one node
+    apart = partitioner.partition(prof, **partition_kwargs(cfg))                       # a node per GPU
+    assert sum(apart.rank_collective_s) > sum(node.rank_collective_s) > 0
+    assert apart.boundary_links == ["device_spec inter-node"] and node.boundary_links == ["device_spec intra-node"]
+
+
 def test_attention_backend_reaches_the_analytic_profile(compose_cfg):
     base = ("experiment=smoke", "partitioner.profile=analytic", "partitioner.device_spec=h100")
     assert profile_kwargs(compose_cfg(*base))["attention"] is None          # the device spec's
