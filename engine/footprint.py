@@ -145,6 +145,10 @@ class Footprint:
     # backward on (the step frees the previous one). Part of ``backward_temporary`` and
     # ``reduce_temporary``.
     second_buffer: float = 0.0
+    # DeepSpeed's ZeRO-2 builds its gradient buffer at a backward's first reduce and frees it at
+    # the step: none is held before the rank's first backward reduces (a forward, a split
+    # backward's I, or that backward before its reduce).
+    freed_at_step: bool = False
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -203,7 +207,10 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
     separate = a != w                         # 16-bit gradients moved into fp32 grad_accum
     bw = (w * n + 4 * big) if separate else w * big
     own = a * n if zero_stage == 0 and d > 1 else 0.0   # engine.zero's own all-reduce copy
-    return Footprint(w * n, a * n, state, bw, a * n, max(a * bucket, own, after - a * n))
+    # without a separate accumulation buffer the gradients are the parameters' own ``.grad``,
+    # which DeepSpeed's ``zero_grad`` drops at the step: none until the first backward makes them
+    return Footprint(w * n, a * n, state, bw, a * n, max(a * bucket, own, after - a * n),
+                     gradients_from_first_backward=not separate)
 
 
 def _zero2_footprint(n: float, d: int, w: int, a: int, state: float, after: float, bucket: float,
@@ -222,7 +229,8 @@ def _zero2_footprint(n: float, d: int, w: int, a: int, state: float, after: floa
     if a != w:
         cast = a * bucket
         return Footprint(w * n, a * part, state, w * bucket + cast, 0.0, after,
-                         reduce_temporary=cast, reduce_after=after_share)
+                         reduce_temporary=cast, reduce_after=after_share, freed_at_step=True)
     held = min(n, float(overlap) if overlap is not None else part)
     return Footprint(w * n, w * held, state, w * bucket + w * held, 0.0, after,
-                     reduce_temporary=w * held, reduce_after=after_share, second_buffer=w * held)
+                     reduce_temporary=w * held, reduce_after=after_share, second_buffer=w * held,
+                     freed_at_step=True)

@@ -229,12 +229,17 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
                 "optimizer_state": f.optimizer_state, "activations": activations,
                 "communication": communication, "temporary": transient + pending}
     at_reduce_only = f.reduce_temporary - unmade
-    if in_backward and weight_grads and not fresh and at_reduce_only > 0 and microbatch_activations > 0:
+    unbuilt = f.freed_at_step and not gradients_made   # no gradient buffer before the first reduce
+    if in_backward and weight_grads and not fresh and (at_reduce_only > 0 or unbuilt) and microbatch_activations > 0:
         at_reduce = dict(backward, activations=max(0.0, activations - f.reduce_after * microbatch_activations))
         before = dict(backward, temporary=backward["temporary"] - at_reduce_only)
-        if f.second_buffer > 0:   # a reduce runs after its gradients' layers are done: no layer workspace then
+        if unbuilt:
+            before["gradients"] = f.rollback_gradients
+        if f.freed_at_step:   # a reduce runs after its gradients' layers are done: no layer workspace then
             at_reduce["temporary"] = settings.footprint(numel, 0, zero_overlap).backward_temporary - unmade + pending
         backward = max(at_reduce, before, key=lambda d: sum(d.values()))
+    elif unbuilt and not (in_backward and weight_grads):
+        backward["gradients"] = f.rollback_gradients
     step = {"parameters": f.parameters, "gradients": f.step_gradients,
             "optimizer_state": f.optimizer_state, "activations": 0.0, "communication": 0.0,
             "temporary": f.step_temporary}

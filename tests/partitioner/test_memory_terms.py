@@ -181,3 +181,40 @@ def test_zero2_second_buffer_only_after_the_first_backward():
     first = rank_breakdown(s, gradients_made=False, **kw)
     later = rank_breakdown(s, gradients_made=True, **kw)
     assert sum(later.values()) - sum(first.values()) == 4 * 700
+
+
+def test_zero2_buffer_is_built_at_the_first_reduce():
+    """DeepSpeed's ZeRO-2 frees its gradient buffer at the step and builds it at a backward's
+    first reduce: a forward before the rank's first backward holds none, and neither does that
+    backward before its reduce (when all its activations are still held); at the reduce the
+    buffer meets the activations less the share the backward has freed."""
+    from partitioner.memory import MemorySettings, rank_breakdown
+
+    for precision in ("fp32", "bf16"):
+        s = MemorySettings(precision, "adamw", zero_stage=2, data_parallel=2)
+        f = s.footprint(1000, 100, 700)
+        assert f.freed_at_step
+        kw = dict(numel=1000.0, largest=100.0, activations=1e4, communication=0.0, workspace=0.0,
+                  zero_overlap=700.0)
+        forward = rank_breakdown(s, in_backward=False, gradients_made=False, **kw)
+        assert forward["gradients"] == 0.0
+        later = rank_breakdown(s, in_backward=False, gradients_made=True, **kw)
+        assert later["gradients"] == f.gradients > 0
+        first = rank_breakdown(s, gradients_made=False, microbatch_activations=2e3, **kw)
+        # the moment before the reduce (all activations, no buffer) or at it (the buffer, 1/d of
+        # one microbatch's activations freed): the larger
+        share = f.reduce_after * 2e3
+        before = sum(forward.values()) + f.backward_temporary - f.reduce_temporary
+        at_reduce = sum(forward.values()) + f.gradients + f.backward_temporary - f.second_buffer - share
+        assert sum(first.values()) == max(before, at_reduce)
+
+
+def test_zero1_fp32_gradients_are_made_by_the_first_backward():
+    """fp32 ZeRO-1: the gradients are the parameters' own ``.grad``, which DeepSpeed's
+    ``zero_grad`` drops at the step (as the torch backend does); a 16-bit ZeRO-1 with an fp32
+    accumulation buffer or DeepSpeed's bf16 optimizer keeps its buffer."""
+    from engine.footprint import state_footprint
+
+    assert state_footprint(1000, 100, zero_stage=1, data_parallel=2).gradients_from_first_backward
+    assert not state_footprint(1000, 100, precision="fp16", zero_stage=1, data_parallel=2).gradients_from_first_backward
+    assert not state_footprint(1000, 100, precision="bf16", zero_stage=1, data_parallel=2).gradients_from_first_backward
