@@ -149,6 +149,9 @@ class Footprint:
     # the step: none is held before the rank's first backward reduces (a forward, a split
     # backward's I, or that backward before its reduce).
     freed_at_step: bool = False
+    # ZeRO-2 with gradients in the weight dtype: the gradient of the parameter whose hook starts
+    # a reduce, alive through it (at most the rank's largest tensor), beyond ``reduce_temporary``.
+    reduce_gradient: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -202,7 +205,7 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
         # DeepSpeed's BF16_Optimizer: one flat fp32 gradient buffer, filled by hooks
         return Footprint(w * n, 4 * n, state, (w + 4) * big, 4 * n, 0.0)
     if zero_stage == 2:
-        return _zero2_footprint(n, d, w, a, state, after, bucket, zero_overlap)
+        return _zero2_footprint(n, big, d, w, a, state, after, bucket, zero_overlap)
     # ZeRO-1 (and 16-bit ZeRO-0): full gradients until the step's reduce
     separate = a != w                         # 16-bit gradients moved into fp32 grad_accum
     bw = (w * n + 4 * big) if separate else w * big
@@ -213,7 +216,7 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
                      gradients_from_first_backward=not separate)
 
 
-def _zero2_footprint(n: float, d: int, w: int, a: int, state: float, after: float, bucket: float,
+def _zero2_footprint(n: float, big: float, d: int, w: int, a: int, state: float, after: float, bucket: float,
                      overlap: float | None) -> Footprint:
     """ZeRO-2 (DeepSpeed 0.19, ``contiguous_gradients``, reduced at every backward): the reduce
     bucket in the weight dtype (gradients are copied into it, no flattened copy). With an fp32
@@ -233,4 +236,4 @@ def _zero2_footprint(n: float, d: int, w: int, a: int, state: float, after: floa
     held = min(n, float(overlap) if overlap is not None else part)
     return Footprint(w * n, w * held, state, w * bucket + w * held, 0.0, after,
                      reduce_temporary=w * held, reduce_after=after_share, second_buffer=w * held,
-                     freed_at_step=True)
+                     freed_at_step=True, reduce_gradient=w * big)

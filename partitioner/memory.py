@@ -50,7 +50,7 @@ from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule, chunk_ran
 if TYPE_CHECKING:
     from .costs import LayerCost
 
-__all__ = ["static_factor", "inflight_per_chunk", "inflight_from_schedule", "rank_totals",
+__all__ = ["loss_split", "static_factor", "inflight_per_chunk", "inflight_from_schedule", "rank_totals",
            "schedule_states", "peak_state", "held_and_pending", "State",
            "OPTIMIZER_STATE_BYTES", "SCHEDULES", "MemorySettings", "BREAKDOWN_KEYS",
            "rank_breakdown", "ChunkBytes", "RankPeak", "RankPeaks", "program_peaks", "kept_output_bytes",
@@ -191,7 +191,9 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
                    gradients_made: bool = True,
                    layer_transient: tuple[float, float] | None = None,
                    weight_grads: bool = True, gathered: float | None = None,
-                   zero_overlap: float | None = None) -> dict[str, float]:
+                   zero_overlap: float | None = None,
+                   loss_transient: tuple[tuple[float, float], tuple[float, float]] | None = None
+                   ) -> dict[str, float]:
     """The rank's memory at its peak, by :data:`BREAKDOWN_KEYS` (bytes; they sum to the peak;
     under ZeRO-3 ``parameters`` are the fp32 shards and ``gathered_parameters``, after it, the
     unsharded copies in the compute dtype of the ``gathered`` elements held then, None: all):
@@ -220,9 +222,13 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     if layer_transient is None:
         transient = (0.0 if fresh else f.backward_temporary - unmade) + workspace
     else:   # what does not follow one layer's parameters (buckets, flat copies) stays whole
-        transient = (0.0 if fresh or not weight_grads
-                     else settings.footprint(numel, 0, zero_overlap).backward_temporary - unmade) \
-            + layer_transient[1 if fresh else 0]
+        rank_level = (0.0 if fresh or not weight_grads
+                      else settings.footprint(numel, 0, zero_overlap).backward_temporary - unmade)
+        idx = 1 if fresh else 0
+        transient = rank_level + layer_transient[idx]
+        if loss_transient is not None and f.second_buffer > 0:
+            others, loss = loss_transient
+            transient = max(rank_level + others[idx], loss[idx])
     transient = transient if in_backward else 0.0
     backward = {"parameters": f.parameters,
                 "gradients": (0.0 if fresh else f.gradients) + f.rollback_gradients,
@@ -236,7 +242,8 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
         if unbuilt:
             before["gradients"] = f.rollback_gradients
         if f.freed_at_step:   # a reduce runs after its gradients' layers are done: no layer workspace then
-            at_reduce["temporary"] = settings.footprint(numel, 0, zero_overlap).backward_temporary - unmade + pending
+            at_reduce["temporary"] = (settings.footprint(numel, 0, zero_overlap).backward_temporary - unmade
+                                      + f.reduce_gradient + pending)
         backward = max(at_reduce, before, key=lambda d: sum(d.values()))
     elif unbuilt and not (in_backward and weight_grads):
         backward["gradients"] = f.rollback_gradients
@@ -287,6 +294,24 @@ def layer_transient(settings: MemorySettings, largest: list[float], workspace: l
         big, ws, fr = largest[loss_at], workspace[loss_at], freed[loss_at]
         rows[loss_at] = (max(param(big), ws) - fr, ws - fr)
     return max(0.0, max(r[0] for r in rows)), max(0.0, max(r[1] for r in rows))
+
+
+def loss_split(settings: MemorySettings, largest: list[float], workspace: list[float], freed: list[float],
+               loss_at: int | None) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """:func:`layer_transient` of the layers other than the loss's, and of the loss's layer alone
+    (None without a loss layer on the rank).
+
+    >>> s = MemorySettings("bf16", "adamw", zero_stage=2, data_parallel=2)
+    >>> loss_split(s, [10.0, 10.0], [5.0, 50.0], [0.0, 0.0], loss_at=1)
+    ((5.0, 5.0), (50.0, 50.0))
+    """
+    if loss_at is None:
+        return None
+    rest = [j for j in range(len(largest)) if j != loss_at]
+    others = layer_transient(settings, [largest[j] for j in rest], [workspace[j] for j in rest],
+                             [freed[j] for j in rest]) if rest else (0.0, 0.0)
+    own = layer_transient(settings, [largest[loss_at]], [workspace[loss_at]], [freed[loss_at]], loss_at=0)
+    return others, own
 
 
 def static_factor(itemsize: int, optimizer: str = "adamw", zero_stage: int = 1, data_parallel: int = 1,

@@ -49,7 +49,7 @@ from .batchsim import compile_schedule, simulate_many
 from .collectives import Links, group_link, megatron_allreduces
 from .costs import FixedCosts, Profile
 from .memory import (BREAKDOWN_KEYS, SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
-                     inflight_per_chunk, kept_output_bytes, layer_transient, peak_state, program_peaks, rank_breakdown,
+                     inflight_per_chunk, kept_output_bytes, layer_transient, loss_split, peak_state, program_peaks, rank_breakdown,
                      rank_totals, schedule_states)
 from .plan import PartitionError, Plan
 from .transfers import Transfers, transfer_model
@@ -678,7 +678,8 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
                 pending=float(sum(pend[c] * _pending_bytes(prob, *bounds[c], recompute[c]) for c in mine)),
                 microbatch_activations=float(per_mb), in_backward=in_backward, gradients_made=made,
                 layer_transient=transients[kind], weight_grads=kind != "I" or any(recompute[c] for c in mine),
-                gathered=_gathered(prob, bounds, mine, pk.pending), zero_overlap=overlap)
+                gathered=_gathered(prob, bounds, mine, pk.pending), zero_overlap=overlap,
+                loss_transient=transients.get(kind + " loss"))
             if best is None or sum(d.values()) > sum(best[0].values()):
                 best = (d, [held[c] for c in mine], [pend[c] for c in mine])
         if _resharding(prob) and len(mine) > 1:   # the step's last backward: every chunk gathered
@@ -765,7 +766,7 @@ def _last_backward(prob: _Problem, bounds: list[tuple[int, int]], recompute: lis
 
 
 def _transients(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], mine: list[int]
-                ) -> dict[str, tuple[float, float]]:
+                ) -> dict[str, Any]:
     """Per action kind (F, B, I, W), the largest transient of one layer's backward on the rank
     holding chunks ``mine`` (:func:`partitioner.memory.layer_transient`). B: each layer's
     parameter transient and workspace, less what its backward has freed (:func:`_freed`). A
@@ -800,9 +801,11 @@ def _transients(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[b
                 rows["I"].append((0.0, ws, 0.0))
                 rows["W"].append((big, 0.0 if node or i == prob.n - 1 else ws, 0.0 if node else fr))
             k += 1
-    out = {"F": (0.0, 0.0), "B": layer_transient(prob.memory, largest, workspace, freed, loss_at)}
+    out = {"F": (0.0, 0.0), "B": layer_transient(prob.memory, largest, workspace, freed, loss_at),
+           "B loss": loss_split(prob.memory, largest, workspace, freed, loss_at)}
     for kind, got in rows.items():
         out[kind] = layer_transient(prob.memory, *map(list, zip(*got)), loss_at) if got else (0.0, 0.0)
+        out[kind + " loss"] = loss_split(prob.memory, *map(list, zip(*got)), loss_at) if got else None
     return out
 
 

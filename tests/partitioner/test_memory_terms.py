@@ -205,7 +205,8 @@ def test_zero2_buffer_is_built_at_the_first_reduce():
         # one microbatch's activations freed): the larger
         share = f.reduce_after * 2e3
         before = sum(forward.values()) + f.backward_temporary - f.reduce_temporary
-        at_reduce = sum(forward.values()) + f.gradients + f.backward_temporary - f.second_buffer - share
+        at_reduce = (sum(forward.values()) + f.gradients + f.backward_temporary - f.second_buffer - share
+                     + f.reduce_gradient)
         assert sum(first.values()) == max(before, at_reduce)
 
 
@@ -218,3 +219,22 @@ def test_zero1_fp32_gradients_are_made_by_the_first_backward():
     assert state_footprint(1000, 100, zero_stage=1, data_parallel=2).gradients_from_first_backward
     assert not state_footprint(1000, 100, precision="fp16", zero_stage=1, data_parallel=2).gradients_from_first_backward
     assert not state_footprint(1000, 100, precision="bf16", zero_stage=1, data_parallel=2).gradients_from_first_backward
+
+
+def test_zero2_loss_backward_meets_no_bucket():
+    """fp32 ZeRO-2 builds its bucket and buffers at the first gradient hook, after the loss's
+    backward: the loss's workspace meets neither; the other layers' transients meet both. At a
+    reduce the gradient of the parameter that started it is alive too."""
+    from partitioner.memory import MemorySettings, loss_split, rank_breakdown
+
+    s = MemorySettings("fp32", "adamw", zero_stage=2, data_parallel=2)
+    f = s.footprint(1000, 100, 700)
+    assert f.reduce_gradient == 4 * 100
+    split = loss_split(s, [100.0, 100.0], [10.0, 5000.0], [0.0, 0.0], loss_at=1)
+    kw = dict(numel=1000.0, largest=100.0, activations=0.0, communication=0.0, workspace=0.0,
+              zero_overlap=700.0, gradients_made=True)
+    whole = rank_breakdown(s, layer_transient=(5000.0, 5000.0), **kw)
+    apart = rank_breakdown(s, layer_transient=(5000.0, 5000.0), loss_transient=split, **kw)
+    rank_level = s.footprint(1000, 0, 700).backward_temporary
+    assert whole["temporary"] == rank_level + 5000.0
+    assert apart["temporary"] == max(rank_level + split[0][0], 5000.0) == 5000.0
