@@ -114,7 +114,7 @@ class MemorySettings:
     def footprint(self, numel: float, largest: float = 0, zero_overlap: float | None = None) -> Footprint:
         """The optimizer backend's bytes for a rank of ``numel`` parameters (ZeRO-3: every layer
         gathered, :func:`partitioner.zero3.zero3_footprint`; ``zero_overlap``: ZeRO-2's
-        :func:`engine.footprint.zero_partition_overlap`, None: bounded)."""
+        :func:`engine.footprint.zero_partition_overlap`, None: the partition's own)."""
         if self.zero3:
             from .zero3 import zero3_footprint
 
@@ -215,7 +215,11 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     moment makes weight gradients (False: a split backward's I, where the backend's gradient
     transients, its buckets and copies, do not exist; ``layer_transient`` is then I's own).
     ``zero_overlap``: ZeRO-2's whole-parameter elements of the rank's partition
-    (:func:`engine.footprint.zero_partition_overlap`; None: the partition's own)."""
+    (:func:`engine.footprint.zero_partition_overlap`; None: the partition's own).
+    ``loss_transient``: ``layer_transient`` split into the other layers' and the loss layer's own
+    (:func:`loss_split`): a backend that builds its bucket and buffers at the first gradient hook,
+    after the loss's backward (fp32 ZeRO-2: ``Footprint.second_buffer``), meets the loss's with
+    none of them."""
     f = settings.footprint(numel, largest, zero_overlap)
     fresh = not gradients_made and f.gradients_from_first_backward
     unmade = 0.0 if gradients_made else f.second_buffer   # no previous buffer at the first backward
