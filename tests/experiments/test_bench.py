@@ -326,6 +326,7 @@ def test_confirmation_reruns_the_choice_and_the_fastest_sweep_layouts_head_to_he
     assert "auto (A) 1090.0 ms" in line and "B 1010.0" in line and "auto / fastest = 1.079" in line
 
 
+@pytest.mark.long   # 29 s; the paired overhead bench below runs the same engines in the default suite
 @pytest.mark.slow
 def test_overhead_bench_gives_a_cost_per_action_for_each_engine() -> None:
     from experiments.bench.overhead import format_overhead, overhead_spec, run_overhead
