@@ -35,7 +35,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["Layout", "GRID", "SMALL_GRID", "ZERO3_GRID", "TP_GRID", "LAYER_RECOMPUTE_GRID", "LLAMA", "BASE",
+__all__ = ["Layout", "GRID", "SMALL_GRID", "ZERO3_GRID", "TP_GRID", "LAYER_RECOMPUTE_GRID", "ZERO_SCHEDULE_GRID", "LLAMA", "BASE",
            "SCHEDULE_CHUNKS", "full_grid", "layout", "measure_layouts", "format_rows", "summary", "select", "main",
            "smallest_limit"]
 
@@ -152,12 +152,20 @@ LAYER_RECOMPUTE_GRID: list[Layout] = (
        for s in ("1f1b", "zb-h1") for g in ("chunk", "layer")])
 
 
+# DeepSpeed's ZeRO-1/2 with the large head on every schedule it was measured on, on the analytic
+# profile (a fixed split): e.g. --match "analytic v4096 zero"
+ZERO_SCHEDULE_GRID: list[Layout] = [
+    layout(s, prec, profile="analytic", vocab=LARGE_VOCAB, zero=z) for z in (1, 2) for prec in ("fp32", "bf16")
+    for s in ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv")]
+
+
 def full_grid() -> list[Layout]:
     """Every schedule in fp32 and bf16 with the small and the large head (measured profile);
     every schedule on the analytic profile (fp32 small head, bf16 large head); every schedule
     recomputing (large head); ZeRO 0/1/2 with two replicas in fp32 and bf16 (1f1b with the
     small head, zb-h1 with the large one); ZeRO-3 (:data:`ZERO3_GRID`); tensor parallelism
-    (:data:`TP_GRID`); per-layer recompute (:data:`LAYER_RECOMPUTE_GRID`); the chunked loss on
+    (:data:`TP_GRID`); per-layer recompute (:data:`LAYER_RECOMPUTE_GRID`); ZeRO-1/2 on every
+    schedule with the large head (:data:`ZERO_SCHEDULE_GRID`); the chunked loss on
     every schedule (bf16) and in fp32 on both profiles;
     auto recomputation under a limit; SGD with momentum and bf16 autocast."""
     groups = [
@@ -173,6 +181,7 @@ def full_grid() -> list[Layout]:
         ZERO3_GRID,
         TP_GRID,
         LAYER_RECOMPUTE_GRID,
+        ZERO_SCHEDULE_GRID,
         [layout(s, "fp32", vocab=v, recompute="auto", limit_fraction=0.97)
          for s, v in (("1f1b", SMALL_VOCAB), ("zb-h1", SMALL_VOCAB), ("1f1b", LARGE_VOCAB))]
         + [layout("1f1b", "fp32", optimizer="sgd"), layout("1f1b", "bf16-autocast", zero=1)],
