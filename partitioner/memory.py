@@ -223,11 +223,13 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     f = settings.footprint(numel, largest, zero_overlap)
     fresh = not gradients_made and f.gradients_from_first_backward
     unmade = 0.0 if gradients_made else f.second_buffer   # no previous buffer at the first backward
+    # what does not follow one layer's parameters (buckets, flat copies) stays whole
+    buckets = (settings.footprint(numel, 0, zero_overlap).backward_temporary - unmade
+               if layer_transient is not None or f.freed_at_step else 0.0)
     if layer_transient is None:
         transient = (0.0 if fresh else f.backward_temporary - unmade) + workspace
-    else:   # what does not follow one layer's parameters (buckets, flat copies) stays whole
-        rank_level = (0.0 if fresh or not weight_grads
-                      else settings.footprint(numel, 0, zero_overlap).backward_temporary - unmade)
+    else:
+        rank_level = 0.0 if fresh or not weight_grads else buckets
         idx = 1 if fresh else 0
         transient = rank_level + layer_transient[idx]
         if loss_transient is not None and f.second_buffer > 0:
@@ -246,8 +248,7 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
         if unbuilt:
             before["gradients"] = f.rollback_gradients
         if f.freed_at_step:   # a reduce runs after its gradients' layers are done: no layer workspace then
-            at_reduce["temporary"] = (settings.footprint(numel, 0, zero_overlap).backward_temporary - unmade
-                                      + f.reduce_gradient + pending)
+            at_reduce["temporary"] = buckets + f.reduce_gradient + pending
         backward = max(at_reduce, before, key=lambda d: sum(d.values()))
     elif unbuilt and not (in_backward and weight_grads):
         backward["gradients"] = f.rollback_gradients

@@ -801,11 +801,12 @@ def _transients(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[b
                 rows["I"].append((0.0, ws, 0.0))
                 rows["W"].append((big, 0.0 if node or i == prob.n - 1 else ws, 0.0 if node else fr))
             k += 1
+    split = loss_at if prob.memory.zero_stage == 2 else None   # only ZeRO-2 tells the loss's transient apart
     out = {"F": (0.0, 0.0), "B": layer_transient(prob.memory, largest, workspace, freed, loss_at),
-           "B loss": loss_split(prob.memory, largest, workspace, freed, loss_at)}
+           "B loss": loss_split(prob.memory, largest, workspace, freed, split)}
     for kind, got in rows.items():
         out[kind] = layer_transient(prob.memory, *map(list, zip(*got)), loss_at) if got else (0.0, 0.0)
-        out[kind + " loss"] = loss_split(prob.memory, *map(list, zip(*got)), loss_at) if got else None
+        out[kind + " loss"] = loss_split(prob.memory, *map(list, zip(*got)), split) if got else None
     return out
 
 
