@@ -39,7 +39,7 @@ import itertools
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-__all__ = ["zero_bucket_elements", "zero_partition_overlap", "BUCKET_ELEMENTS", "GRAD_BUCKET_MB", "TORCH_BUCKET_BYTES", "Footprint",
+__all__ = ["zero_bucket_elements", "zero_partition_overlap", "ZeroTensors", "zero_tensors", "BUCKET_ELEMENTS", "GRAD_BUCKET_MB", "TORCH_BUCKET_BYTES", "Footprint",
            "state_footprint", "optimizer_state_bytes_per_param", "backend_of"]
 
 # DeepSpeed's default reduce / all-gather bucket, in elements.
@@ -92,6 +92,52 @@ def zero_partition_overlap(numels: Sequence[int], data_parallel: int) -> int:
         last = bisect.bisect_left(starts, hi) - 1             # the tensor holding the last element
         best = max(best, starts[last + 1] - starts[first])
     return best
+
+
+@dataclass(frozen=True)
+class ZeroTensors:
+    """What DeepSpeed 0.19's ZeRO-2 holds that follows a rank's parameter tensors when it keeps
+    gradients in the weight dtype (fp32), from their sizes (:func:`zero_tensors`)."""
+
+    # whole-parameter elements of the largest partition (:func:`zero_partition_overlap`)
+    overlap: float
+    # elements of whole parameters overlapping the partition in the rank's chunks other than its
+    # last: the first backward's epilogue (``get_all_grad_tensors``) holds fp32 zeros for those
+    # without a gradient yet, accumulated into until the step
+    unreached: float = 0.0
+    # every tensor larger than the reduce bucket is its chunk's last, the first one a backward
+    # reduces: its flattened copy is freed before that backward's new gradient buffer exists
+    large_first: bool = False
+    # the rank has one chunk and every tensor larger than the reduce bucket is its first (an
+    # embedding), reduced at the end of a backward, when that microbatch's activations are freed
+    # (on a rank of several chunks the freed chunk's share is not known here)
+    large_last: bool = False
+
+
+def zero_tensors(chunks: Sequence[Sequence[int]], data_parallel: int) -> ZeroTensors:
+    """:class:`ZeroTensors` of a rank whose chunks hold parameter tensors of ``chunks``' sizes
+    (each in ``module.parameters()`` order; the chunks in the rank's order, its last last).
+
+    >>> zero_tensors([[100, 1000], [100]], 2)   # the 1000 straddles the cut at 600
+    ZeroTensors(overlap=1100.0, unreached=1100.0, large_first=True, large_last=False)
+    """
+    flat = [int(n) for c in chunks for n in c if int(n) > 0]
+    d = max(1, int(data_parallel))
+    bucket = zero_bucket_elements(sum(flat), d)
+    owner = [k for k, c in enumerate(chunks) for n in c if int(n) > 0]
+    starts = list(itertools.accumulate(flat, initial=0))
+    total = starts[-1]
+    part = (-(-total // (2 * d)) * 2 * d) // d if total else 0
+    unreached = 0
+    for pid in range(d if total else 0):
+        lo, hi = pid * part, min((pid + 1) * part, total)
+        if lo < hi:
+            first, last = bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi) - 1
+            unreached = max(unreached, sum(flat[i] for i in range(first, last + 1) if owner[i] != len(chunks) - 1))
+    large = [i for i, n in enumerate(flat) if n > bucket]
+    large_first = all(i + 1 == len(flat) or owner[i + 1] != owner[i] for i in large)
+    large_last = bool(large) and len(chunks) == 1 and all(i == 0 for i in large)
+    return ZeroTensors(float(zero_partition_overlap(flat, d)), float(unreached), large_first, large_last)
 
 
 def optimizer_state_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
@@ -152,6 +198,17 @@ class Footprint:
     # ZeRO-2 with gradients in the weight dtype: the gradient of the parameter whose hook starts
     # a reduce, alive through it (at most the rank's largest tensor), beyond ``reduce_temporary``.
     reduce_gradient: float = 0.0
+    # ZeRO-2, a parameter larger than the bucket, reduced apart: what its reduce holds beyond
+    # ``reduce_temporary`` (its gradient, its flattened copy, that copy's fp32 cast with 16-bit
+    # weights), and the share of a microbatch's activations freed by then.
+    large_gradient: float = 0.0
+    large_reduce_after: float = 0.0
+    # that tensor is the first a backward reduces (:attr:`ZeroTensors.large_first`): under a
+    # split backward its W reduces it before any of the microbatch's held activations are freed
+    large_reduced_first: bool = False
+    # ZeRO-2 with gradients in the weight dtype on a rank of several chunks: the fp32 zeros held
+    # from the step's first backward (:attr:`ZeroTensors.unreached`), booked as gradients.
+    unreached_gradients: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -161,13 +218,14 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
                     momentum: float = 0.0, zero_stage: int = 0, data_parallel: int = 1,
                     grad_accum_dtype: str = "fp32", backend: str = "auto", overlap_grad_reduce: bool = True,
                     grad_bucket_mb: float = GRAD_BUCKET_MB, step_sync: str = "global",
-                    grad_clip: bool = True, zero_overlap: float | None = None) -> Footprint:
+                    grad_clip: bool = True, zero_overlap: "float | ZeroTensors | None" = None) -> Footprint:
     """What a rank holding ``numel`` parameters (largest tensor ``largest`` elements) keeps
     (``overlap_grad_reduce`` / ``grad_bucket_mb``: the torch backend's data-parallel reduction;
     ``step_sync="post_validate"``: the rollback snapshot, weights and optimizer state, in
     ``optimizer_state``, and with ``grad_clip`` the kept gradients, ``rollback_gradients``;
-    ``zero_overlap``: under ZeRO-2 with gradients in the weight dtype, the elements of
-    :func:`zero_partition_overlap`; None, the tensors unknown: the partition's own elements).
+    ``zero_overlap``: under ZeRO-2 with gradients in the weight dtype, the rank's
+    :class:`ZeroTensors` (a number: their ``overlap`` alone, :func:`zero_partition_overlap`);
+    None, the tensors unknown: the partition's own elements).
 
     >>> f = state_footprint(1000, 100, optimizer="adamw", zero_stage=0, step_sync="post_validate")
     >>> f.optimizer_state, f.rollback_gradients   # 8 + (4 + 8) bytes per parameter; 4
@@ -217,23 +275,39 @@ def state_footprint(numel: int, largest: int, *, precision: str = "fp32", optimi
 
 
 def _zero2_footprint(n: float, big: float, d: int, w: int, a: int, state: float, after: float, bucket: float,
-                     overlap: float | None) -> Footprint:
+                     tensors: "float | ZeroTensors | None") -> Footprint:
     """ZeRO-2 (DeepSpeed 0.19, ``contiguous_gradients``, reduced at every backward): the reduce
     bucket in the weight dtype (gradients are copied into it, no flattened copy). With an fp32
     accumulation of 16-bit weights the partition accumulates in one fp32 buffer of the
-    partition's size, and the bucket is cast to fp32 while it is reduced. Otherwise (gradients
+    partition's size, and the bucket is flattened and cast to fp32 while it is reduced
+    (``allreduce_bucket``). Otherwise (gradients
     kept in the weight dtype) each backward's first reduce allocates a new buffer of every
     parameter overlapping the partition, whole (:func:`zero_partition_overlap`), while the
     parameters' gradients still view the previous backward's: two exist from that reduce to the
     end of the backward, from the step's second backward on (``second_buffer``; the step's
     ``zero_grad`` frees the last one). Seen in experiments.memcheck's fp32 zero2 rows: two such
-    buffers alive at the last rank's peak."""
+    buffers alive at the last rank's peak. A parameter larger than the bucket is reduced apart
+    (``extra_large_param_to_reduce``): its gradient, its flattened copy and (16-bit weights)
+    that copy's fp32 cast are alive through its reduce (``large_gradient``)."""
     part, after_share = n / d, min(1.0, bucket / max(n, 1.0))
+    # a parameter larger than the bucket is reduced from its own gradient, flattened (a copy: it
+    # straddles partitions) and, with 16-bit weights, cast to fp32, beside the bucket
+    large = big if big > bucket else 0.0
+    zt = tensors if tensors is None or isinstance(tensors, ZeroTensors) else ZeroTensors(float(tensors))
+    large_after = 1.0 if zt is not None and zt.large_last else after_share
+    first = bool(large) and zt is not None and zt.large_first
     if a != w:
-        cast = a * bucket
-        return Footprint(w * n, a * part, state, w * bucket + cast, 0.0, after,
-                         reduce_temporary=cast, reduce_after=after_share, freed_at_step=True)
-    held = min(n, float(overlap) if overlap is not None else part)
+        flat = (w + a) * bucket   # the bucket's slices flattened, and cast to fp32, while reduced
+        return Footprint(w * n, a * part, state, w * bucket + flat, 0.0, after,
+                         reduce_temporary=flat, reduce_after=after_share, freed_at_step=True,
+                         large_gradient=max(0.0, (2 * w + a) * large - flat) if large else 0.0,
+                         large_reduce_after=large_after, large_reduced_first=first)
+    held = min(n, zt.overlap if zt is not None else part)
+    # the oversized tensor's flattened copy meets the new buffer unless it is reduced first
+    flat_large = max(0.0, w * (large - held)) if zt is not None and zt.large_first else w * large
     return Footprint(w * n, w * held, state, w * bucket + w * held, 0.0, after,
                      reduce_temporary=w * held, reduce_after=after_share, second_buffer=w * held,
-                     freed_at_step=True, reduce_gradient=w * big)
+                     freed_at_step=True, reduce_gradient=w * big,
+                     large_gradient=w * large + flat_large if large else 0.0, large_reduce_after=large_after,
+                     large_reduced_first=first,
+                     unreached_gradients=4 * zt.unreached if zt is not None else 0.0)

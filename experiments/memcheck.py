@@ -3,11 +3,12 @@ beside MemTracker's.
 
 For each layout of a grid the configured model is profiled and planned as `experiments.train`
 would, then trained for a few steps on local ranks; every step is measured with torch's
-MemTracker (`engine.memtrack`, independent of the planner's model). A row per pipeline rank of
-replica 0: predicted peak (`plan.rank_memory_bytes`), measured peak (the largest over the
+MemTracker (`engine.memtrack`, independent of the planner's model). A row per pipeline rank:
+predicted peak (`plan.rank_memory_bytes`), measured peak (the largest over the
 steps of MemTracker's peak less the tensors alive before the step that are neither
 parameters, gradients nor optimizer state: the runner's `rank_memory_measured`, see
-`experiments.runner.memory_warning`), their ratio, and both breakdowns. Layouts run one
+`experiments.runner.memory_warning`; of the largest replica, which the plan books), their
+ratio, and both breakdowns. Layouts run one
 spawned job each.
 
 The full grid (:func:`full_grid`) covers every schedule, fp32 and bf16, measured and analytic
@@ -290,30 +291,34 @@ def _local(t: Any) -> Any:
 
 
 def _rows(job: dict[str, Any], per_rank: list[list[dict]]) -> list[dict[str, Any]]:
-    """One row per pipeline rank and tp rank of replica 0: the plan's peak beside the measured
-    one; MemTracker's parameter bytes at the peak (``params``: under ZeRO-3 with the gathered
-    layers), and the bytes of the rank's own parameter shards (``shard_bytes``, what it keeps
-    between steps) beside its layers' whole tensors (``whole_bytes``)."""
-    plan, rows = job["plan"], []
+    """One row per pipeline rank and tp rank: the plan's peak beside the largest measured one over
+    the replicas (the plan books each rank's largest replica: under ZeRO the replicas own
+    different partitions, and differ). ``replica`` is the replica measured; MemTracker's
+    parameter bytes at the peak (``params``: under ZeRO-3 with the gathered layers), and the bytes
+    of the rank's own parameter shards (``shard_bytes``, what it keeps between steps) beside its
+    layers' whole tensors (``whole_bytes``)."""
+    plan, top = job["plan"], {}
     for res in (r[0] for r in per_rank):
-        if res["replica"] != 0:
-            continue
-        j = res["rank"]
+        key = (res["rank"], res["tp_rank"])
+        if key not in top or res["peak"] > top[key]["peak"]:
+            top[key] = res
+    rows = []
+    for (j, tp_rank), res in sorted(top.items()):
         pred = float(plan.rank_memory_bytes[j])
-        rows.append({"layout": job["name"], "rank": j, "tp_rank": res["tp_rank"], "predicted": pred,
-                     "measured": res["peak"], "params": res["breakdown"]["parameters"],
+        rows.append({"layout": job["name"], "rank": j, "tp_rank": tp_rank, "replica": res["replica"],
+                     "predicted": pred, "measured": res["peak"], "params": res["breakdown"]["parameters"],
                      "shard_bytes": res["shard_bytes"], "whole_bytes": res["whole_bytes"],
                      "ratio": res["peak"] / pred, "error": pred / res["peak"] - 1,
                      "breakdown": res["breakdown"], "predicted_breakdown": plan.rank_memory_breakdown[j],
                      "recompute": list(plan.stage_recompute), "losses": res["losses"],
                      "stage_ranges": [list(r) for r in plan.stage_ranges],
                      "numel": res["numel"], "limit": job["limit"]})
-    return sorted(rows, key=lambda r: (r["rank"], r["tp_rank"]))
+    return rows
 
 
 def measure_layouts(layouts: Sequence[Layout], base: Sequence[str] = BASE, steps: int = 3,
                     timeout_s: float = 900.0) -> list[dict[str, Any]]:
-    """Plan and measure every layout; one row per (layout, pipeline rank of replica 0):
+    """Plan and measure every layout; one row per (layout, pipeline rank), its largest replica:
     ``layout``, ``rank``, ``predicted``, ``measured`` (MemTracker's peak less the "other"
     tensors alive before the step, :func:`engine.memtrack.modelled_peak`; the largest over the
     steps), ``ratio`` (measured / predicted), ``error`` (predicted / measured - 1),

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from engine.choices import OPTIMIZERS, PRECISIONS, ZERO_STAGES, check_grad_accum_dtype
-from engine.footprint import (GRAD_BUCKET_MB, Footprint, backend_of, optimizer_state_bytes_per_param,
+from engine.footprint import (GRAD_BUCKET_MB, Footprint, ZeroTensors, backend_of, optimizer_state_bytes_per_param,
                               state_footprint)
 from engine.schedules import SCHEDULE_INFO, SCHEDULES, build_schedule, chunk_ranks
 
@@ -111,10 +111,12 @@ class MemorySettings:
 
         return float(min(weight_bytes(self.precision), 4))
 
-    def footprint(self, numel: float, largest: float = 0, zero_overlap: float | None = None) -> Footprint:
+    def footprint(self, numel: float, largest: float = 0, zero_overlap: "float | ZeroTensors | None" = None
+                  ) -> Footprint:
         """The optimizer backend's bytes for a rank of ``numel`` parameters (ZeRO-3: every layer
         gathered, :func:`partitioner.zero3.zero3_footprint`; ``zero_overlap``: ZeRO-2's
-        :func:`engine.footprint.zero_partition_overlap`, None: the partition's own)."""
+        :class:`engine.footprint.ZeroTensors`, or their overlap alone; None: the partition's
+        own)."""
         if self.zero3:
             from .zero3 import zero3_footprint
 
@@ -191,9 +193,9 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
                    gradients_made: bool = True,
                    layer_transient: tuple[float, float] | None = None,
                    weight_grads: bool = True, gathered: float | None = None,
-                   zero_overlap: float | None = None,
-                   loss_transient: tuple[tuple[float, float], tuple[float, float]] | None = None
-                   ) -> dict[str, float]:
+                   zero_overlap: "float | ZeroTensors | None" = None,
+                   loss_transient: tuple[tuple[float, float], tuple[float, float]] | None = None,
+                   split_weight: bool = False) -> dict[str, float]:
     """The rank's memory at its peak, by :data:`BREAKDOWN_KEYS` (bytes; they sum to the peak;
     under ZeRO-3 ``parameters`` are the fp32 shards and ``gathered_parameters``, after it, the
     unsharded copies in the compute dtype of the ``gathered`` elements held then, None: all):
@@ -214,8 +216,11 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     ``workspace``, as if they met the microbatch's activations all held. ``weight_grads``: the
     moment makes weight gradients (False: a split backward's I, where the backend's gradient
     transients, its buckets and copies, do not exist; ``layer_transient`` is then I's own).
-    ``zero_overlap``: ZeRO-2's whole-parameter elements of the rank's partition
-    (:func:`engine.footprint.zero_partition_overlap`; None: the partition's own).
+    ``zero_overlap``: ZeRO-2's buffers that follow the rank's tensors
+    (:class:`engine.footprint.ZeroTensors`, or their whole-parameter overlap alone; None: the
+    partition's own); its zeros for chunks not yet back-propagated are held once the rank has
+    run a backward. ``split_weight``: the moment is a split backward's W (a tensor larger than the
+    bucket that W reduces first meets all of the microbatch's held activations).
     ``loss_transient``: ``layer_transient`` split into the other layers' and the loss layer's own
     (:func:`loss_split`): a backend that builds its bucket and buffers at the first gradient hook,
     after the loss's backward (fp32 ZeRO-2: ``Footprint.second_buffer``), meets the loss's with
@@ -226,38 +231,70 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     # what does not follow one layer's parameters (buckets, flat copies) stays whole
     buckets = (settings.footprint(numel, 0, zero_overlap).backward_temporary - unmade
                if layer_transient is not None or f.freed_at_step else 0.0)
-    if layer_transient is None:
-        transient = (0.0 if fresh else f.backward_temporary - unmade) + workspace
-    else:
-        rank_level = 0.0 if fresh or not weight_grads else buckets
-        idx = 1 if fresh else 0
-        transient = rank_level + layer_transient[idx]
+    idx = 1 if fresh else 0
+
+    def transient(level: float) -> float:
+        """The backward's transient with ``level`` bytes of the backend's own held (the loss's
+        own backward meets none of them where they are built after it)."""
+        if not in_backward:
+            return 0.0
+        if layer_transient is None:
+            return level + workspace
         if loss_transient is not None and f.second_buffer > 0:
             others, loss = loss_transient
-            transient = max(rank_level + others[idx], loss[idx])
-    transient = transient if in_backward else 0.0
+            return max(level + others[idx], loss[idx])
+        return level + layer_transient[idx]
+
+    if layer_transient is None:
+        level = 0.0 if fresh else f.backward_temporary - unmade
+    else:
+        level = 0.0 if fresh or not weight_grads else buckets
     backward = {"parameters": f.parameters,
-                "gradients": (0.0 if fresh else f.gradients) + f.rollback_gradients,
+                "gradients": ((0.0 if fresh else f.gradients) + f.rollback_gradients
+                              + (f.unreached_gradients if gradients_made else 0.0)),
                 "optimizer_state": f.optimizer_state, "activations": activations,
-                "communication": communication, "temporary": transient + pending}
+                "communication": communication, "temporary": transient(level) + pending}
     at_reduce_only = f.reduce_temporary - unmade
     unbuilt = f.freed_at_step and not gradients_made   # no gradient buffer before the first reduce
     if in_backward and weight_grads and not fresh and (at_reduce_only > 0 or unbuilt) and microbatch_activations > 0:
-        at_reduce = dict(backward, activations=max(0.0, activations - f.reduce_after * microbatch_activations))
-        before = dict(backward, temporary=backward["temporary"] - at_reduce_only)
+        before = dict(backward, temporary=transient(level - at_reduce_only) + pending)
         if unbuilt:
             before["gradients"] = f.rollback_gradients
-        if f.freed_at_step:   # a reduce runs after its gradients' layers are done: no layer workspace then
-            at_reduce["temporary"] = buckets + f.reduce_gradient + pending
-        backward = max(at_reduce, before, key=lambda d: sum(d.values()))
+        backward = max([before, *_reduce_moments(f, backward, buckets + pending, microbatch_activations, split_weight)],
+                       key=lambda d: sum(d.values()))
     elif unbuilt and not (in_backward and weight_grads):
         backward["gradients"] = f.rollback_gradients
+    return _larger_than_step(settings, f, numel, gathered, backward)
+
+
+def _larger_than_step(settings: MemorySettings, f: Footprint, numel: float, gathered: float | None,
+                      backward: dict[str, float]) -> dict[str, float]:
+    """The larger of the forward/backward moment ``backward`` and the step's (ZeRO-3: each with
+    its shards and gathered copies apart, :func:`_zero3_terms`)."""
     step = {"parameters": f.parameters, "gradients": f.step_gradients,
             "optimizer_state": f.optimizer_state, "activations": 0.0, "communication": 0.0,
             "temporary": f.step_temporary}
     if settings.zero3:
         backward, step = _zero3_terms(settings, numel, gathered, backward), _zero3_terms(settings, numel, 0.0, step)
     return backward if sum(backward.values()) >= sum(step.values()) else step
+
+
+def _reduce_moments(f: Footprint, backward: dict[str, float], held: float, microbatch_activations: float,
+                    split_weight: bool) -> list[dict[str, float]]:
+    """A backward's moments at a reduce (``backward``: the moment's terms; ``held``: what the
+    backend holds then beyond the reduce's own, its buckets and the pending gradients): a bucket's
+    reduce, with the microbatch's activations less the share its backward has freed, and a
+    tensor larger than the bucket reduced apart, at the share its position leaves."""
+    acts = backward["activations"]
+    at_reduce = dict(backward, activations=max(0.0, acts - f.reduce_after * microbatch_activations))
+    if f.freed_at_step:   # a reduce runs after its gradients' layers are done: no layer workspace then
+        at_reduce["temporary"] = held + f.reduce_gradient
+    out = [at_reduce]
+    if f.large_gradient > 0:
+        share = 0.0 if split_weight and f.large_reduced_first else f.large_reduce_after
+        out.append(dict(at_reduce, temporary=held + f.large_gradient,
+                        activations=max(0.0, acts - share * microbatch_activations)))
+    return out
 
 
 def _zero3_terms(settings: MemorySettings, numel: float, gathered: float | None, d: dict[str, float]

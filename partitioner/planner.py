@@ -42,7 +42,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from engine.choices import check_recompute_granularity
-from engine.footprint import GRAD_BUCKET_MB, zero_partition_overlap
+from engine.footprint import GRAD_BUCKET_MB, ZeroTensors, zero_tensors
 from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message_ends, peak_inflight, send_mode
 
 from .batchsim import compile_schedule, simulate_many
@@ -657,7 +657,7 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
         mine = [c for c, rank in enumerate(ranks) if rank == r]
         layers = [i for c in mine for i in range(*bounds[c])]
         transients = _transients(prob, bounds, recompute, mine)
-        overlap = _zero_overlap(prob, layers)
+        overlap = _zero_tensors(prob, bounds, mine)
         best = None
         for kind, made, pk in peaks.moments():
             held = dict(zip(mine, pk.held))
@@ -679,7 +679,7 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
                 microbatch_activations=float(per_mb), in_backward=in_backward, gradients_made=made,
                 layer_transient=transients[kind], weight_grads=kind != "I" or any(recompute[c] for c in mine),
                 gathered=_gathered(prob, bounds, mine, pk.pending), zero_overlap=overlap,
-                loss_transient=transients.get(kind + " loss"))
+                loss_transient=transients.get(kind + " loss"), split_weight=kind == "W")
             if best is None or sum(d.values()) > sum(best[0].values()):
                 best = (d, [held[c] for c in mine], [pend[c] for c in mine])
         if _resharding(prob) and len(mine) > 1:   # the step's last backward: every chunk gathered
@@ -690,17 +690,17 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
     return out
 
 
-def _zero_overlap(prob: _Problem, layers: list[int]) -> float | None:
-    """ZeRO-2's whole-parameter elements of the rank's partition (the rank's ``layers`` in
-    order, :func:`engine.footprint.zero_partition_overlap`); None without ZeRO-2, without the
-    profile's tensor sizes, or where they do not add up to the rank's parameters (a sharded
-    profile)."""
+def _zero_tensors(prob: _Problem, bounds: list[tuple[int, int]], mine: list[int]) -> ZeroTensors | None:
+    """ZeRO-2's buffers that follow the rank's parameter tensors (its chunks ``mine`` in order,
+    :func:`engine.footprint.zero_tensors`); None without ZeRO-2, without the profile's tensor
+    sizes, or where they do not add up to the rank's parameters (a sharded profile)."""
     if prob.memory.zero_stage != 2 or prob.param_numels is None:
         return None
-    numels = [n for i in layers for n in prob.param_numels[i]]
-    if sum(numels) != round(float(prob.numel[layers].sum())):
+    chunks = [[n for i in range(*bounds[c]) for n in prob.param_numels[i]] for c in mine]
+    layers = [i for c in mine for i in range(*bounds[c])]
+    if sum(map(sum, chunks)) != round(float(prob.numel[layers].sum())):
         return None
-    return float(zero_partition_overlap(numels, prob.memory.data_parallel))
+    return zero_tensors(chunks, prob.memory.data_parallel)
 
 
 def _rank_collective_s(prob: _Problem, bounds: list[tuple[int, int]]) -> list[float]:

@@ -101,6 +101,71 @@ def test_zero_partition_overlap_is_deepspeeds_partition(seed):
         assert zero_partition_overlap(numels, d) == want, (numels, d)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_zero_tensors_zeros_are_deepspeeds_params_in_partition_of_the_other_chunks(seed):
+    """zero_tensors' ``unreached``: the whole tensors DeepSpeed 0.19's ``get_partition_info``
+    puts in a partition (``params_in_partition``, which ``get_all_grad_tensors`` fills with
+    zeros where no gradient exists yet) from every chunk but the rank's last, the largest over
+    the partitions; ``overlap`` is :func:`zero_partition_overlap`."""
+    import random
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from engine.footprint import zero_partition_overlap, zero_tensors
+
+    rng = random.Random(seed)
+    for _ in range(60):
+        chunks = [[rng.choice([1, 3, 64, 1000, 4096, 65536]) for _ in range(rng.randint(1, 5))]
+                  for _ in range(rng.randint(1, 3))]
+        numels = [n for c in chunks for n in c]
+        d = rng.randint(1, 8)
+        part = -(-sum(numels) // (2 * d)) * 2
+        tensors = [_Sized(n) for n in numels]
+        last = {id(t) for t in tensors[len(numels) - len(chunks[-1]):]}
+        want = max(sum(t.numel() for t in DeepSpeedZeroOptimizer.get_partition_info(None, tensors, part, pid)[0]
+                       if id(t) not in last) for pid in range(d))
+        got = zero_tensors(chunks, d)
+        assert got.unreached == want and got.overlap == zero_partition_overlap(numels, d), (chunks, d)
+
+
+def test_zero_tensors_large_first_is_a_chunks_last_tensor_over_the_bucket():
+    """A tensor larger than the reduce bucket (one partition) is reduced first by a backward
+    when it is its chunk's last tensor (an LM head), last when it is its first (an embedding)."""
+    from engine.footprint import zero_tensors
+
+    head, emb = zero_tensors([[100, 10, 1000]], 2), zero_tensors([[1000, 10, 100]], 2)
+    assert head.large_first and not head.large_last                 # the head: last, over 555
+    assert emb.large_last and not emb.large_first                   # the embedding: first
+    none = zero_tensors([[100, 100, 100]], 2)                       # none over the bucket
+    assert none.large_first and not none.large_last
+    assert not zero_tensors([[1000, 10], [100]], 2).large_last       # two chunks: which one is freed is unknown
+
+
+def test_zero2_reduce_holds_the_flattened_bucket_and_an_oversized_gradient():
+    """DeepSpeed's ``allreduce_bucket`` flattens the bucket's slices (a copy) and, with 16-bit
+    weights, casts that copy to fp32; a parameter larger than the bucket is reduced apart, from
+    its own gradient, flattened and cast. With fp32 gradients the oversized tensor's copy meets
+    the backward's new buffer unless it is the first tensor the backward reduces."""
+    from engine.footprint import ZeroTensors
+
+    bf16 = state_footprint(1000, 600, precision="bf16", zero_stage=2, data_parallel=2)
+    assert bf16.reduce_temporary == (2 + 4) * 500                 # bucket 500: copy + cast
+    assert bf16.backward_temporary == 2 * 500 + (2 + 4) * 500
+    # the oversized 600: its gradient, copy and cast, beside the bucket (large_gradient is beyond
+    # the bucket's own copy and cast)
+    assert bf16.large_gradient + bf16.reduce_temporary == (2 + 2 + 4) * 600
+    assert state_footprint(1000, 400, precision="bf16", zero_stage=2, data_parallel=2).large_gradient == 0.0
+    first = state_footprint(1000, 600, zero_stage=2, data_parallel=2, zero_overlap=ZeroTensors(700, 0, True))
+    later = state_footprint(1000, 600, zero_stage=2, data_parallel=2, zero_overlap=ZeroTensors(700, 0, False))
+    assert first.large_gradient == 4 * 600                         # its gradient; the copy < the new buffer
+    assert later.large_gradient == 4 * 600 + 4 * 600               # its gradient and its copy
+    # an embedding (its chunk's first tensor) is reduced when the microbatch's activations are freed
+    emb = state_footprint(1000, 600, zero_stage=2, data_parallel=2, zero_overlap=ZeroTensors(700, 0, False, True))
+    assert emb.large_reduce_after == 1.0 and later.large_reduce_after == emb.reduce_after == 0.5
+    zeros = state_footprint(1000, 100, zero_stage=2, data_parallel=2, zero_overlap=ZeroTensors(700, 300, True))
+    assert zeros.unreached_gradients == 4 * 300
+
+
 def test_zero2_keeps_weight_dtype_gradients_of_whole_parameters():
     """ZeRO-2 with gradients in the weight dtype (fp32): the whole parameters overlapping the
     partition, and the next backward's buffer beside it; 16-bit weights with fp32 accumulation

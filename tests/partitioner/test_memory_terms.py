@@ -238,3 +238,61 @@ def test_zero2_loss_backward_meets_no_bucket():
     rank_level = s.footprint(1000, 0, 700).backward_temporary
     assert whole["temporary"] == rank_level + 5000.0
     assert apart["temporary"] == max(rank_level + split[0][0], 5000.0) == 5000.0
+
+
+def test_zero2_loss_backward_meets_the_previous_buffer():
+    """From a rank's second backward on, fp32 ZeRO-2's previous gradient buffer (the parameters'
+    gradients view it) is alive while the loss back-propagates: the loss's own transient meets
+    it, whole, beside all of the microbatch's activations (the moment before the first reduce
+    does not lose the next buffer it never held)."""
+    from partitioner.memory import MemorySettings, loss_split, rank_breakdown
+
+    s = MemorySettings("fp32", "adamw", zero_stage=2, data_parallel=2)
+    f = s.footprint(1000, 100, 700)
+    split = loss_split(s, [100.0, 100.0], [10.0, 5000.0], [0.0, 0.0], loss_at=1)
+    d = rank_breakdown(s, numel=1000.0, largest=100.0, activations=1e4, communication=0.0, workspace=0.0,
+                       zero_overlap=700.0, gradients_made=True, microbatch_activations=2e3,
+                       layer_transient=(5000.0, 5000.0), loss_transient=split)
+    assert d["gradients"] == f.gradients == 4 * 700
+    assert sum(d.values()) >= f.parameters + f.gradients + f.optimizer_state + 1e4 + 5000.0
+
+
+def test_zero2_zeros_of_chunks_not_yet_reached_are_held_after_the_first_backward():
+    """fp32 ZeRO-2 on a rank of several chunks: the first backward's epilogue holds fp32 zeros
+    for the partition's tensors of the chunks not yet back-propagated, until the step."""
+    from engine.footprint import ZeroTensors
+    from partitioner.memory import MemorySettings, rank_breakdown
+
+    s = MemorySettings("fp32", "adamw", zero_stage=2, data_parallel=2)
+    kw = dict(numel=1000.0, largest=100.0, activations=1e5, communication=0.0, workspace=0.0,
+              in_backward=False)   # a forward's moment, above the step's
+    zt, none = ZeroTensors(700.0, 300.0, True), ZeroTensors(700.0, 0.0, True)
+    assert (rank_breakdown(s, gradients_made=True, zero_overlap=zt, **kw)["gradients"]
+            - rank_breakdown(s, gradients_made=True, zero_overlap=none, **kw)["gradients"]) == 4 * 300
+    assert rank_breakdown(s, gradients_made=False, zero_overlap=zt, **kw)["gradients"] == 0.0
+
+
+def test_zero2_oversized_tensor_reduce_meets_the_activations_its_position_leaves():
+    """A tensor larger than the ZeRO-2 bucket is reduced apart, with its gradient and flattened
+    copy: an embedding (the first tensor of a rank's one chunk) at the end of its backward, when
+    the microbatch's activations are freed; a head (its chunk's last) first, which under a split
+    backward's W is before any of them are freed, and under a full backward after the bucket's
+    share."""
+    from engine.footprint import ZeroTensors
+    from partitioner.memory import MemorySettings, rank_breakdown
+
+    s = MemorySettings("fp32", "adamw", zero_stage=2, data_parallel=2)
+    kw = dict(numel=1000.0, largest=600.0, activations=1e4, communication=0.0, workspace=0.0,
+              microbatch_activations=4e3, gradients_made=True, layer_transient=(0.0, 0.0))
+    emb, head = ZeroTensors(700.0, 0.0, False, True), ZeroTensors(700.0, 0.0, True, False)
+    assert s.footprint(1000, 600, emb).large_gradient > 0
+    at_emb = rank_breakdown(s, zero_overlap=emb, **kw)
+    at_head_b = rank_breakdown(s, zero_overlap=head, **kw)
+    at_head_w = rank_breakdown(s, zero_overlap=head, split_weight=True, **kw)
+    f = s.footprint(1000, 600, head)
+    assert at_head_w["activations"] == 1e4                       # W: nothing freed yet
+    assert at_head_b["activations"] == 1e4 - f.reduce_after * 4e3  # B: the bucket's share
+    assert sum(at_head_w.values()) > sum(at_head_b.values())
+    assert at_emb["activations"] == 1e4 - 4e3                      # the embedding: all freed
+    # its flattened copy meets the backward's new buffer (it is not the first reduced)
+    assert at_emb["temporary"] == at_head_b["temporary"] + 4 * 600 - max(0.0, 4 * (600 - 700))

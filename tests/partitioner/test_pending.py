@@ -197,8 +197,8 @@ def test_multi_chunk_ranks_take_the_peak_of_the_combined_quantity(schedule, pend
 
 
 def test_zero2_reduce_cast_meets_the_activations_a_backward_has_freed() -> None:
-    """ZeRO-2 with 16-bit buckets: the fp32 cast exists only while a full bucket (1/d of the
-    rank's gradients) is reduced, when that microbatch's backward has freed 1/d of its
+    """ZeRO-2 with 16-bit buckets: the bucket's flattened copy and its fp32 cast exist only while
+    a full bucket (1/d of the rank's gradients) is reduced, when that microbatch's backward has freed 1/d of its
     activations; the peak is the larger of that moment and the one before the reduce."""
     from partitioner.memory import MemorySettings, rank_breakdown
 
@@ -206,8 +206,8 @@ def test_zero2_reduce_cast_meets_the_activations_a_backward_has_freed() -> None:
     mem = MemorySettings(precision="bf16", optimizer="adamw", zero_stage=2, data_parallel=d)
     f = mem.footprint(n, n // 10)
     bucket = n // d
-    assert f.reduce_temporary == 4 * bucket and f.reduce_after == pytest.approx(1 / d)
-    assert f.backward_temporary == 2 * bucket + 4 * bucket   # the bf16 bucket and its fp32 cast
+    assert f.reduce_temporary == (2 + 4) * bucket and f.reduce_after == pytest.approx(1 / d)
+    assert f.backward_temporary == 2 * bucket + (2 + 4) * bucket   # the bf16 bucket, its flat copy, its cast
     kw = dict(numel=n, largest=n // 10, communication=0.0, workspace=0.0)
     plain = rank_breakdown(mem, activations=act, **kw)
     at = rank_breakdown(mem, activations=act, microbatch_activations=mb, **kw)
