@@ -108,10 +108,14 @@ class ZeroTensors:
     # every tensor larger than the reduce bucket is its chunk's last, the first one a backward
     # reduces: its flattened copy is freed before that backward's new gradient buffer exists
     large_first: bool = False
-    # the rank has one chunk and every tensor larger than the reduce bucket is its first (an
-    # embedding), reduced at the end of a backward, when that microbatch's activations are freed
-    # (on a rank of several chunks the freed chunk's share is not known here)
-    large_last: bool = False
+    # the rank has one chunk whose first tensor (an embedding) is its largest: that tensor's
+    # gradient is made last in a backward, when the microbatch's activations are freed, and the
+    # reduce its hook starts (or its own, when larger than the bucket) meets none of them (on a
+    # rank of several chunks the freed chunk's share is not known here)
+    lead_is_largest: bool = False
+    # the largest tensor but that lead (the gradient that can start any other reduce); None: the
+    # largest tensor
+    rest: float | None = None
 
 
 def zero_tensors(chunks: Sequence[Sequence[int]], data_parallel: int) -> ZeroTensors:
@@ -119,7 +123,7 @@ def zero_tensors(chunks: Sequence[Sequence[int]], data_parallel: int) -> ZeroTen
     (each in ``module.parameters()`` order; the chunks in the rank's order, its last last).
 
     >>> zero_tensors([[100, 1000], [100]], 2)   # the 1000 straddles the cut at 600
-    ZeroTensors(overlap=1100.0, unreached=1100.0, large_first=True, large_last=False)
+    ZeroTensors(overlap=1100.0, unreached=1100.0, large_first=True, lead_is_largest=False, rest=None)
     """
     flat = [int(n) for c in chunks for n in c if int(n) > 0]
     d = max(1, int(data_parallel))
@@ -136,8 +140,9 @@ def zero_tensors(chunks: Sequence[Sequence[int]], data_parallel: int) -> ZeroTen
             unreached = max(unreached, sum(flat[i] for i in range(first, last + 1) if owner[i] != len(chunks) - 1))
     large = [i for i, n in enumerate(flat) if n > bucket]
     large_first = all(i + 1 == len(flat) or owner[i + 1] != owner[i] for i in large)
-    large_last = bool(large) and len(chunks) == 1 and all(i == 0 for i in large)
-    return ZeroTensors(float(zero_partition_overlap(flat, d)), float(unreached), large_first, large_last)
+    lead = len(chunks) == 1 and bool(flat) and flat[0] == max(flat)
+    rest = float(max(flat[1:], default=0)) if lead else None
+    return ZeroTensors(float(zero_partition_overlap(flat, d)), float(unreached), large_first, lead, rest)
 
 
 def optimizer_state_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
@@ -200,7 +205,9 @@ class Footprint:
     reduce_gradient: float = 0.0
     # ZeRO-2, a parameter larger than the bucket, reduced apart: what its reduce holds beyond
     # ``reduce_temporary`` (its gradient, its flattened copy, that copy's fp32 cast with 16-bit
-    # weights), and the share of a microbatch's activations freed by then.
+    # weights), and the share of a microbatch's activations freed by then. With fp32 gradients
+    # also an embedding's (:attr:`ZeroTensors.lead_is_largest`) gradient at the reduce its hook
+    # starts, when the microbatch's activations are freed.
     large_gradient: float = 0.0
     large_reduce_after: float = 0.0
     # that tensor is the first a backward reduces (:attr:`ZeroTensors.large_first`): under a
@@ -294,7 +301,8 @@ def _zero2_footprint(n: float, big: float, d: int, w: int, a: int, state: float,
     # straddles partitions) and, with 16-bit weights, cast to fp32, beside the bucket
     large = big if big > bucket else 0.0
     zt = tensors if tensors is None or isinstance(tensors, ZeroTensors) else ZeroTensors(float(tensors))
-    large_after = 1.0 if zt is not None and zt.large_last else after_share
+    lead = zt is not None and zt.lead_is_largest
+    large_after = 1.0 if lead else after_share
     first = bool(large) and zt is not None and zt.large_first
     if a != w:
         flat = (w + a) * bucket   # the bucket's slices flattened, and cast to fp32, while reduced
@@ -304,10 +312,12 @@ def _zero2_footprint(n: float, big: float, d: int, w: int, a: int, state: float,
                          large_reduce_after=large_after, large_reduced_first=first)
     held = min(n, zt.overlap if zt is not None else part)
     # the oversized tensor's flattened copy meets the new buffer unless it is reduced first
-    flat_large = max(0.0, w * (large - held)) if zt is not None and zt.large_first else w * large
+    flat_large = max(0.0, w * (large - held)) if first else w * large
+    # the largest tensor's gradient: where it is the lead, alive only when the activations are freed
+    own = w * big + (flat_large if large else 0.0) if lead or large else 0.0
+    trigger = w * min(big, zt.rest) if lead and zt.rest is not None else w * big
     return Footprint(w * n, w * held, state, w * bucket + w * held, 0.0, after,
                      reduce_temporary=w * held, reduce_after=after_share, second_buffer=w * held,
-                     freed_at_step=True, reduce_gradient=w * big,
-                     large_gradient=w * large + flat_large if large else 0.0, large_reduce_after=large_after,
-                     large_reduced_first=first,
+                     freed_at_step=True, reduce_gradient=trigger,
+                     large_gradient=own, large_reduce_after=large_after, large_reduced_first=first,
                      unreached_gradients=4 * zt.unreached if zt is not None else 0.0)

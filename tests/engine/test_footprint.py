@@ -134,11 +134,11 @@ def test_zero_tensors_large_first_is_a_chunks_last_tensor_over_the_bucket():
     from engine.footprint import zero_tensors
 
     head, emb = zero_tensors([[100, 10, 1000]], 2), zero_tensors([[1000, 10, 100]], 2)
-    assert head.large_first and not head.large_last                 # the head: last, over 555
-    assert emb.large_last and not emb.large_first                   # the embedding: first
-    none = zero_tensors([[100, 100, 100]], 2)                       # none over the bucket
-    assert none.large_first and not none.large_last
-    assert not zero_tensors([[1000, 10], [100]], 2).large_last       # two chunks: which one is freed is unknown
+    assert head.large_first and not head.lead_is_largest            # the head: last, over 555
+    assert emb.lead_is_largest and not emb.large_first and emb.rest == 100   # the embedding: first
+    none = zero_tensors([[200, 150, 150]], 2)                       # none over the bucket (250)
+    assert none.large_first and none.lead_is_largest and none.rest == 150
+    assert not zero_tensors([[1000, 10], [100]], 2).lead_is_largest  # two chunks: which one is freed is unknown
 
 
 def test_zero2_reduce_holds_the_flattened_bucket_and_an_oversized_gradient():
@@ -160,8 +160,12 @@ def test_zero2_reduce_holds_the_flattened_bucket_and_an_oversized_gradient():
     assert first.large_gradient == 4 * 600                         # its gradient; the copy < the new buffer
     assert later.large_gradient == 4 * 600 + 4 * 600               # its gradient and its copy
     # an embedding (its chunk's first tensor) is reduced when the microbatch's activations are freed
-    emb = state_footprint(1000, 600, zero_stage=2, data_parallel=2, zero_overlap=ZeroTensors(700, 0, False, True))
+    emb = state_footprint(1000, 600, zero_stage=2, data_parallel=2, zero_overlap=ZeroTensors(700, 0, False, True, 50))
     assert emb.large_reduce_after == 1.0 and later.large_reduce_after == emb.reduce_after == 0.5
+    assert emb.reduce_gradient == 4 * 50            # another reduce is started by a smaller gradient
+    # an embedding within the bucket: its gradient starts a reduce when the activations are freed
+    small = state_footprint(1000, 400, zero_stage=2, data_parallel=2, zero_overlap=ZeroTensors(700, 0, True, True, 50))
+    assert small.large_gradient == 4 * 400 and small.large_reduce_after == 1.0 and small.reduce_gradient == 4 * 50
     zeros = state_footprint(1000, 100, zero_stage=2, data_parallel=2, zero_overlap=ZeroTensors(700, 300, True))
     assert zeros.unreached_gradients == 4 * 300
 

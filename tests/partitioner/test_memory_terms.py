@@ -284,7 +284,7 @@ def test_zero2_oversized_tensor_reduce_meets_the_activations_its_position_leaves
     s = MemorySettings("fp32", "adamw", zero_stage=2, data_parallel=2)
     kw = dict(numel=1000.0, largest=600.0, activations=1e4, communication=0.0, workspace=0.0,
               microbatch_activations=4e3, gradients_made=True, layer_transient=(0.0, 0.0))
-    emb, head = ZeroTensors(700.0, 0.0, False, True), ZeroTensors(700.0, 0.0, True, False)
+    emb, head = ZeroTensors(700.0, 0.0, False, True, 100.0), ZeroTensors(700.0, 0.0, True, False)
     assert s.footprint(1000, 600, emb).large_gradient > 0
     at_emb = rank_breakdown(s, zero_overlap=emb, **kw)
     at_head_b = rank_breakdown(s, zero_overlap=head, **kw)
