@@ -336,18 +336,18 @@ def measure_layouts(layouts: Sequence[Layout], base: Sequence[str] = BASE, steps
 
 
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a markdown table (MiB; the error is predicted / measured - 1; MemTracker's
-    parameter bytes at the peak, and the rank's parameter shards over its layers' whole
-    tensors, where the rows have them).
+    """The rows as a markdown table (MiB; the error is predicted / measured - 1; the replica
+    measured, the largest; MemTracker's parameter bytes at the peak, and the rank's parameter
+    shards over its layers' whole tensors, where the rows have them).
 
     >>> print(format_rows([{"layout": "1f1b", "rank": 0, "predicted": 2**20, "measured": 2**20,
     ...                     "error": 0.0, "limit": None}]).splitlines()[2])
-    | 1f1b | 0 | 0 | 1.00 | 1.00 | +0.0% |  |  |  |
+    | 1f1b | 0 | 0 | 0 | 1.00 | 1.00 | +0.0% |  |  |  |
     """
-    head = ("| layout | rank | tp rank | predicted MiB | measured MiB | error | limit MiB | parameters MiB "
-            "at the peak | shards / whole MiB |\n|---|---|---|---|---|---|---|---|---|\n")
-    return head + "".join(f"| {r['layout']} | {r['rank']} | {r.get('tp_rank', 0)} | {r['predicted'] / 2**20:.2f} | "
-                          f"{r['measured'] / 2**20:.2f} | {r['error']:+.1%} | "
+    head = ("| layout | rank | tp rank | replica | predicted MiB | measured MiB | error | limit MiB | parameters MiB "
+            "at the peak | shards / whole MiB |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(f"| {r['layout']} | {r['rank']} | {r.get('tp_rank', 0)} | {r.get('replica', 0)} | "
+                          f"{r['predicted'] / 2**20:.2f} | {r['measured'] / 2**20:.2f} | {r['error']:+.1%} | "
                           f"{'' if r['limit'] is None else format(r['limit'] / 2**20, '.2f')} | "
                           f"{_params(r)} |\n" for r in rows)
 
