@@ -77,21 +77,25 @@ def zero_partition_overlap(numels: Sequence[int], data_parallel: int) -> int:
     (300, 600)
     """
     sizes = [int(n) for n in numels if int(n) > 0]
-    if not sizes:
-        return 0
+    starts = list(itertools.accumulate(sizes, initial=0))
+    return max((starts[last + 1] - starts[first] for first, last in _partition_spans(sizes, data_parallel)),
+               default=0)
+
+
+def _partition_spans(sizes: Sequence[int], data_parallel: int) -> list[tuple[int, int]]:
+    """For each of DeepSpeed's ``data_parallel`` partitions of the flat group of tensors of
+    ``sizes`` (padded to a multiple of ``2 * data_parallel`` elements, cut equally) that holds
+    any element: the indices of the first and last tensor overlapping it."""
     d = max(1, int(data_parallel))
     starts = list(itertools.accumulate(sizes, initial=0))   # starts[i]: where tensor i begins; starts[-1]: total
     total = starts[-1]
-    part = (-(-total // (2 * d)) * 2 * d) // d   # padded to a multiple of 2 d, cut in d
-    best = 0
-    for pid in range(d):
+    part = (-(-total // (2 * d)) * 2 * d) // d
+    spans = []
+    for pid in range(d if total else 0):
         lo, hi = pid * part, min((pid + 1) * part, total)
-        if lo >= hi:
-            continue
-        first = bisect.bisect_right(starts, lo) - 1           # the tensor holding the first element
-        last = bisect.bisect_left(starts, hi) - 1             # the tensor holding the last element
-        best = max(best, starts[last + 1] - starts[first])
-    return best
+        if lo < hi:
+            spans.append((bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi) - 1))
+    return spans
 
 
 @dataclass(frozen=True)
@@ -126,23 +130,15 @@ def zero_tensors(chunks: Sequence[Sequence[int]], data_parallel: int) -> ZeroTen
     ZeroTensors(overlap=1100.0, unreached=1100.0, large_first=True, lead_is_largest=False, rest=None)
     """
     flat = [int(n) for c in chunks for n in c if int(n) > 0]
-    d = max(1, int(data_parallel))
-    bucket = zero_bucket_elements(sum(flat), d)
     owner = [k for k, c in enumerate(chunks) for n in c if int(n) > 0]
-    starts = list(itertools.accumulate(flat, initial=0))
-    total = starts[-1]
-    part = (-(-total // (2 * d)) * 2 * d) // d if total else 0
-    unreached = 0
-    for pid in range(d if total else 0):
-        lo, hi = pid * part, min((pid + 1) * part, total)
-        if lo < hi:
-            first, last = bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi) - 1
-            unreached = max(unreached, sum(flat[i] for i in range(first, last + 1) if owner[i] != len(chunks) - 1))
+    bucket = zero_bucket_elements(sum(flat), data_parallel)
+    unreached = max((sum(flat[i] for i in range(first, last + 1) if owner[i] != len(chunks) - 1)
+                     for first, last in _partition_spans(flat, data_parallel)), default=0)
     large = [i for i, n in enumerate(flat) if n > bucket]
     large_first = all(i + 1 == len(flat) or owner[i + 1] != owner[i] for i in large)
     lead = len(chunks) == 1 and bool(flat) and flat[0] == max(flat)
     rest = float(max(flat[1:], default=0)) if lead else None
-    return ZeroTensors(float(zero_partition_overlap(flat, d)), float(unreached), large_first, lead, rest)
+    return ZeroTensors(float(zero_partition_overlap(flat, data_parallel)), float(unreached), large_first, lead, rest)
 
 
 def optimizer_state_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
@@ -314,7 +310,7 @@ def _zero2_footprint(n: float, big: float, d: int, w: int, a: int, state: float,
     # the oversized tensor's flattened copy meets the new buffer unless it is reduced first
     flat_large = max(0.0, w * (large - held)) if first else w * large
     # the largest tensor's gradient: where it is the lead, alive only when the activations are freed
-    own = w * big + (flat_large if large else 0.0) if lead or large else 0.0
+    own = w * big + flat_large if lead or large else 0.0
     trigger = w * min(big, zt.rest) if lead and zt.rest is not None else w * big
     return Footprint(w * n, w * held, state, w * bucket + w * held, 0.0, after,
                      reduce_temporary=w * held, reduce_after=after_share, second_buffer=w * held,

@@ -697,8 +697,7 @@ def _zero_tensors(prob: _Problem, bounds: list[tuple[int, int]], mine: list[int]
     if prob.memory.zero_stage != 2 or prob.param_numels is None:
         return None
     chunks = [[n for i in range(*bounds[c]) for n in prob.param_numels[i]] for c in mine]
-    layers = [i for c in mine for i in range(*bounds[c])]
-    if sum(map(sum, chunks)) != round(float(prob.numel[layers].sum())):
+    if sum(map(sum, chunks)) != round(float(sum(prob.numel[slice(*bounds[c])].sum() for c in mine))):
         return None
     return zero_tensors(chunks, prob.memory.data_parallel)
 
