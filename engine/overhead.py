@@ -42,7 +42,15 @@ main thread's ``time.thread_time``, every thread's ``/proc/self/task/*/schedstat
   bytes (a least-squares line over ping-pongs of several sizes); ``message_busy_bytes``: the size
   ``message_busy_s`` is measured at (its CPU is inside that figure already);
 - ``transport_s_per_step``: per mode and microbatch count, the other threads' CPU per step on the
-  compute-free pipeline (a record: what gloo's transport thread costs a step).
+  compute-free pipeline (a record: what gloo's transport thread costs a step);
+- ``shared``: a pipeline of three ranks pinned to two cores, each rank two generic compute layers
+  (384 -> 1536 -> 384), its step measured under 1F1B, GPipe and ZB-H2 at 4 and 8 microbatches
+  and interleaved 1F1B at 6 (every runtime mode of ``engine.schedules.send_mode``; the runtime's
+  defaults, SGD), and one layer's forward, backward and the engine's split backward (I, W)
+  timed alone, as a profile times them: the partitioner fits from it the fraction of the cores'
+  time that ranks outnumbering them get
+  (``partitioner.shared.fit_shared_efficiency``: cores left idle while a woken rank waits for
+  one, context switches and the caches they cost, beyond the time-sharing the plan simulates).
 
 Example::
 
@@ -79,8 +87,15 @@ _RUNTIME_VERSION = 11
 # on 2 ranks, one thread each; 2: and busy, 4 ranks on 2 cores between compute units).
 _COLLECTIVES_VERSION = 2
 _COLLECTIVE_SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)  # bytes: the whole tensor
-# Bump when the CPU measurement changes (1: main-thread CPU per step, CPU per message end and byte).
-_CPU_VERSION = 1
+# Bump when the CPU measurement changes (1: main-thread CPU per step, CPU per message end and byte;
+# 2: and a pipeline of three ranks on two cores with compute, for the shared cores' efficiency).
+_CPU_VERSION = 2
+# the shared-cores pipeline: ranks on cores, microbatch size, and (schedule, microbatches) of each
+# run, every runtime mode of engine.schedules.send_mode (interleaved-1f1b: two chunks of one layer
+# per rank, microbatches a multiple of the ranks)
+_SHARED = {"ranks": 3, "cores": 2, "size": 48,
+           "runs": (("1f1b", 4), ("gpipe", 4), ("zb-h2", 4), ("1f1b", 8), ("gpipe", 8), ("zb-h2", 8),
+                    ("interleaved-1f1b", 6))}
 _BUSY_BYTES = 16384   # the message size of the busy per-message cost (``_exchange_cost``)
 _CPU_SIZES = (256, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)   # ping-pong sizes of the per-byte CPU
 
@@ -185,13 +200,15 @@ def measure_cpu_costs(*, microbatches: Sequence[int] = (8, 16, 24, 32), steps: i
 
     results = launch(_cpu_worker, 2, tuple(int(m) for m in microbatches), int(steps), tuple(int(b) for b in sizes),
                      timeout_s=timeout_s, backend="gloo", local=True)
+    shared = launch(_shared_worker, _SHARED["ranks"], max(1, int(steps) // 2), timeout_s=timeout_s,
+                    backend="gloo", local=True)[0]
     main = {mode: [(int(m), statistics.fmean(r["main"][mode][m] for r in results)) for m in r0]
             for mode, r0 in results[0]["main"].items()}
     ends = [(b, statistics.fmean(r["message"][b] for r in results)) for b in results[0]["message"]]
     per_end, per_byte = _line(ends)
     costs = {"step_cpu_s": {mode: max(0.0, _line(pts)[0]) for mode, pts in main.items()},
              "message_cpu_s": max(0.0, per_end), "message_cpu_byte_s": max(0.0, per_byte),
-             "message_busy_bytes": _BUSY_BYTES,
+             "message_busy_bytes": _BUSY_BYTES, "shared": shared,
              "measured": {"main_cpu_s_per_step": main, "message_end_cpu_s": ends,
                           "transport_s_per_step": {mode: {m: statistics.fmean(r["transport"][mode][m] for r in results)
                                                           for m in r0} for mode, r0 in results[0]["transport"].items()},
@@ -454,6 +471,95 @@ def _cpu_worker(microbatches: tuple[int, ...], steps: int, sizes: tuple[int, ...
     med = lambda d: {w: {m: statistics.median(v) for m, v in ts.items()} for w, ts in d.items()}  # noqa: E731
     return {"main": med(main), "transport": med(others),
             "message": {b: statistics.median(v) for b, v in message.items()}}
+
+
+def _shared_layer() -> Any:
+    from torch import nn
+    return nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 384))
+
+
+def _alone_layer_s(layer: Any, x: Any, repeats: int, out: dict[str, list[float]]) -> None:
+    """Time ``layer`` on ``x`` alone ``repeats`` times, as a profile times a layer
+    (``partitioner.profile``): its forward, its backward, and the engine's split backward's
+    input-gradient (I) and weight-gradient (W) halves (seconds, appended to ``out``'s lists)."""
+    import torch
+
+    from engine.stage import Chunk
+
+    chunk, grads = Chunk(0, 0, [layer], measure_activations=False), [torch.ones(x.shape[0], 384)]
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        y = layer(x)
+        t1 = time.perf_counter()
+        y.backward(grads[0])
+        t2 = time.perf_counter()
+        chunk.forward(0, x, split=True)
+        t3 = time.perf_counter()
+        chunk.backward_input(0, grads, _UnitSeed())
+        t4 = time.perf_counter()
+        chunk.backward_weight(0, _UnitSeed())
+        t5 = time.perf_counter()
+        for key, t in (("forward_s", t1 - t0), ("backward_s", t2 - t1), ("input_grad_s", t4 - t3),
+                       ("weight_grad_s", t5 - t4)):
+            out[key].append(t)
+
+
+class _UnitSeed:
+    """What ``engine.stage.Chunk`` asks of an optimizer in backward, without one."""
+
+    @staticmethod
+    def backward(outs: Any, grads: Any, inputs: Any = None) -> None:
+        import torch
+
+        torch.autograd.backward(outs, grads, inputs=inputs)
+
+
+def _shared_worker(steps: int, rounds: int = 3) -> dict[str, Any]:
+    """The ``shared`` record (module docstring): ranks pinned to ``_SHARED["cores"]`` cores; in
+    each of ``rounds`` rounds, a layer timed alone on rank 0 (the others waiting at a barrier),
+    then each run's ``steps`` timed steps (the order flips every round); medians."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from engine.optim import OptimizerConfig
+    from engine.runtime import Pipeline
+
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(allowed) >= _SHARED["cores"]:
+        os.sched_setaffinity(0, allowed[:_SHARED["cores"]])
+    torch.set_num_threads(1)
+    p, size = dist.get_world_size(), _SHARED["size"]
+    chunks = {1: [(2 * r, 2 * r + 2) for r in range(p)], 2: [(k, k + 1) for k in range(2 * p)]}
+    pipes = [Pipeline([_shared_layer] * (2 * p), chunks[_chunks_per_rank(s)], loss_fn=nn.functional.mse_loss, schedule=s,
+                      microbatches=m, virtual_stages=_chunks_per_rank(s), optimizer=OptimizerConfig(name="sgd", lr=1e-3))
+             for s, m in _SHARED["runs"]]
+    layer, probe = _shared_layer(), torch.randn(size, 384, requires_grad=True)
+    alone: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "input_grad_s": [], "weight_grad_s": []}
+    times: list[list[float]] = [[] for _ in pipes]
+    for r in range(rounds):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            _alone_layer_s(layer, probe, 3, {k: [] for k in alone})   # warm-up
+            _alone_layer_s(layer, probe, 20, alone)
+        for i in (range(len(pipes)) if r % 2 == 0 else range(len(pipes) - 1, -1, -1)):
+            m = _SHARED["runs"][i][1]
+            x, y = torch.randn(size * m, 384), torch.randn(size * m, 384)
+            for k in range(steps + 2):
+                dist.barrier()
+                t0 = time.perf_counter()
+                pipes[i].train_step(x, y, diagnose=False)
+                dist.barrier()
+                if k >= 2:
+                    times[i].append(time.perf_counter() - t0)
+    return {"ranks": p, "cores": _SHARED["cores"], "layers_per_rank": 2, "size": size, "width": 384, "hidden": 1536,
+            "layer": {k: statistics.median(v) for k, v in alone.items() if v},
+            "runs": [{"schedule": s, "microbatches": m, "virtual_stages": _chunks_per_rank(s), "step_s": statistics.median(t)}
+                     for (s, m), t in zip(_SHARED["runs"], times)]}
+
+
+def _chunks_per_rank(schedule: str) -> int:
+    return 2 if schedule == "interleaved-1f1b" else 1
 
 
 def _round_trip(buf: Any, rank: int) -> None:

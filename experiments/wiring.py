@@ -541,7 +541,8 @@ def with_fixed_costs(cfg: Any, prof: Any) -> Any:
     machine) when `partitioner.fixed_costs` is on and layers are measured here on the CPU (the
     costs are measured with gloo on the CPU; other devices get none), with the cores the local
     ranks share and, when the job's ranks outnumber them, the CPU a rank spends off its actions
-    (`engine.overhead.measure_cpu_costs`, cached per machine: load on the shared cores)."""
+    (`engine.overhead.measure_cpu_costs`, cached per machine: load on the shared cores) and the
+    fraction of the cores' time they get (`partitioner.shared.fit_shared_efficiency`)."""
     import dataclasses
 
     from partitioner import FixedCosts
@@ -552,7 +553,12 @@ def with_fixed_costs(cfg: Any, prof: Any) -> Any:
 
     cores = available_cores()
     cpu = measure_cpu_costs() if world_size(cfg) > cores else {}
-    return dataclasses.replace(prof, fixed=FixedCosts.from_dict({**measure_fixed_costs(), **cpu, "cores": cores}))
+    fixed = FixedCosts.from_dict({**measure_fixed_costs(), **cpu, "cores": cores})
+    if "shared" in cpu:   # ranks outnumbering the cores: the fraction of the cores' time they get
+        from partitioner.shared import fit_shared_efficiency
+
+        fixed = dataclasses.replace(fixed, shared_efficiency=fit_shared_efficiency(cpu["shared"], fixed))
+    return dataclasses.replace(prof, fixed=fixed)
 
 
 def measures_fixed_costs(cfg: Any) -> bool:

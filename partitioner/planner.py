@@ -1147,15 +1147,18 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
     param_c = [prob.sums(a, e)[4] / shard for a, e in bounds]
     per_rank = [float(x) for x in rank_totals(param_c, prob.schedule, prob.p, prob.v)]
     sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
-    action, step = fixed.runtime_costs(send_mode(sched))
+    mode = send_mode(sched)
+    action, step = fixed.runtime_costs(mode)
     # the replicas' pipelines, and each pipeline rank's tp ranks, run on the machine's cores at
     # once (the local launcher): a simulated rank needs tensor_parallel of them
     cores = fixed.cores / (settings["data_parallel"] * settings.get("tensor_parallel", 1)) if fixed.cores else None
+    if cores is not None and cores < prob.p:   # ranks outnumbering the cores get less than all their time
+        cores *= fixed.shared_efficiency
     # the CPU off the actions, charged only when the ranks outnumber the cores (Plan.shares_cores)
-    shared = [fixed.shared_cpu(send_mode(sched), float(prob.out[e - 1])) for _, e in bounds[:-1]]
+    shared = [fixed.shared_cpu(mode, float(prob.out[e - 1])) for _, e in bounds[:-1]]
     return {"action_s": action, "message_busy_s": fixed.message_busy_s,
             "step_fixed_s": step, "shared_cores": cores,
-            "step_cpu_s": fixed.shared_cpu(send_mode(sched), 0.0)[0], "boundary_cpu_s": [x for _, x in shared],
+            "step_cpu_s": fixed.shared_cpu(mode, 0.0)[0], "boundary_cpu_s": [x for _, x in shared],
             "rank_optimizer_s": [fixed.optimizer_s(settings["optimizer"], x) for x in per_rank]}
 
 

@@ -1,0 +1,70 @@
+"""partitioner.shared: the shared cores' efficiency fitted on plain numbers, and the planner
+simulating ranks that outnumber their cores on that fraction of them."""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from partitioner import FixedCosts, LayerCost, Profile, partition
+from partitioner.shared import EFFICIENCY_RANGE, fit_shared_efficiency, shared_pipeline_steps
+
+RUNS = [{"schedule": s, "microbatches": m, "step_s": 0.0} for m in (4, 8) for s in ("1f1b", "gpipe", "zb-h2")]
+RUNS.append({"schedule": "interleaved-1f1b", "microbatches": 6, "virtual_stages": 2, "step_s": 0.0})
+REC = {"ranks": 3, "cores": 2, "layers_per_rank": 2, "size": 48, "width": 384, "hidden": 1536,
+       "layer": {"forward_s": 1.3e-3, "backward_s": 3.0e-3, "input_grad_s": 1.5e-3, "weight_grad_s": 1.6e-3},
+       "runs": RUNS}
+FIXED = FixedCosts(action_s=1e-4, message_latency_s=7e-5, link_bytes_per_s=5e9, step_s=6e-4,
+                   optimizer_s_per_byte={"sgd": 6e-11}, message_busy_s=4e-5, cores=2,
+                   step_cpu_s={"compute": 3e-4, "step": 3e-4, "yield": 3e-4})
+
+
+def _with_steps(steps: list[float]) -> dict:
+    return {**REC, "runs": [{**run, "step_s": t} for run, t in zip(RUNS, steps)]}
+
+
+@pytest.mark.parametrize("true", [0.55, 0.8, 0.95])
+def test_the_fit_recovers_the_efficiency_the_steps_were_made_with(true):
+    got = fit_shared_efficiency(_with_steps(shared_pipeline_steps(REC, FIXED, true)), FIXED)
+    assert got == pytest.approx(true, abs=2e-3)
+
+
+def test_the_fit_takes_the_geometric_mean_over_the_runs():
+    """Runs made at two efficiencies (the 4-microbatch ones at 0.6, the rest at 0.9) fit between,
+    where the runs' log errors cancel."""
+    lo, hi = shared_pipeline_steps(REC, FIXED, 0.6), shared_pipeline_steps(REC, FIXED, 0.9)
+    steps = [a if run["microbatches"] == 4 else b for run, a, b in zip(RUNS, lo, hi)]
+    e = fit_shared_efficiency(_with_steps(steps), FIXED)
+    assert 0.6 < e < 0.9
+    pred = shared_pipeline_steps(REC, FIXED, e)
+    assert sum(math.log(p / m) for p, m in zip(pred, steps)) == pytest.approx(0, abs=1e-2)
+
+
+def test_less_of_the_cores_predicts_a_longer_step():
+    steps = [shared_pipeline_steps(REC, FIXED, e) for e in (1.0, 0.8, 0.6)]
+    assert all(a < b < c for a, b, c in zip(*steps))
+
+
+def test_the_fit_is_clamped_to_its_range():
+    fast = [t * 0.5 for t in shared_pipeline_steps(REC, FIXED, 1.0)]
+    slow = [t * 3 for t in shared_pipeline_steps(REC, FIXED, 0.3)]
+    assert fit_shared_efficiency(_with_steps(fast), FIXED) == EFFICIENCY_RANGE[1]
+    assert fit_shared_efficiency(_with_steps(slow), FIXED) == EFFICIENCY_RANGE[0]
+
+
+def _profile(efficiency: float) -> Profile:
+    layer = LayerCost(forward_s=1e-3, backward_s=2e-3, param_bytes=4096, activation_bytes=1024, output_bytes=512)
+    return Profile([layer] * 6, fixed=replace(FIXED, shared_efficiency=efficiency))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2"])
+def test_the_planner_shares_only_the_cores_ranks_outnumber(schedule):
+    """Three ranks on two cores run on efficiency x 2 of them, and predict a longer step; two
+    ranks on the same two cores have a core each and are planned as before."""
+    def plan(p: int, e: float):
+        return partition(_profile(e), p, schedule=schedule, microbatches=4, optimizer="sgd")
+
+    assert plan(3, 1.0).shared_cores == 2 and plan(3, 0.6).shared_cores == pytest.approx(1.2)
+    assert plan(3, 0.6).step_s > plan(3, 1.0).step_s
+    assert plan(2, 0.6).shared_cores == plan(2, 1.0).shared_cores == 2
+    assert plan(2, 0.6).step_s == plan(2, 1.0).step_s
