@@ -1078,6 +1078,7 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
     # stages; for other schedules only a fallback when the simulator is not used)
     closed = float(sum(f_c) + sum(b_c) + 2 * sum(comm_b) + (prob.m - 1) * float(np.max(t_stage)))
     lower, lb_b = _lower_bound(prob)
+    fixed = _fixed_fields(prob, bounds, settings)
     return Plan(
         stage_ranges=[(int(a), int(e)) for a, e in bounds], stage_time_s=[float(x) for x in t_stage],
         stage_memory_bytes=[int(math.ceil(x)) for x in mem_stage], bottleneck_s=float(np.max(t_stage)),
@@ -1091,9 +1092,8 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
         stage_backward_s=b_c, stage_weight_s=w_c, boundary_comm_s=comm_b,
         rank_memory_bytes=[int(math.ceil(x)) for x in rank_mem], rank_fits=rank_fits,
         rank_memory_breakdown=[{k: int(math.ceil(x)) for k, x in d.items()} for d in breakdown],
-        precision=prob.memory.precision, layer_names=prob.names, notes=notes,
-        rank_collective_s=_rank_collective_s(prob, bounds),
-        **_fixed_fields(prob, bounds, settings), **settings)
+        precision=prob.memory.precision, layer_names=prob.names, notes=notes + _shared_cores_note(prob, fixed),
+        rank_collective_s=_rank_collective_s(prob, bounds), **fixed, **settings)
 
 
 def _chunk_times(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool]
@@ -1135,6 +1135,18 @@ def _chunk_shares(prob: _Problem, bounds: list[tuple[int, int]], act_c: list[flo
         state = d["parameters"] + d["gradients"] + d["optimizer_state"] + d["temporary"]
         shares.append(frac * state + held + comm)
     return shares
+
+
+def _shared_cores_note(prob: _Problem, fixed: dict[str, Any]) -> list[str]:
+    """The plan's note when its ranks outnumber the CPU cores they share and get a measured
+    fraction of their time (``FixedCosts.shared_efficiency``)."""
+    e = prob.fixed.shared_efficiency if prob.fixed is not None else 1.0
+    cores = fixed.get("shared_cores")
+    if cores is None or cores >= prob.p or e == 1.0:
+        return []
+    return [f"{prob.p} ranks share {cores / e:g} CPU cores: simulated on {cores:.2f} of them (the fraction "
+            f"{e:.3f} of the cores' time such ranks got on this machine's measured pipeline, "
+            "partitioner.shared)"]
 
 
 def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[str, Any]) -> dict[str, Any]:

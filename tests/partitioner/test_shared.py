@@ -66,5 +66,9 @@ def test_the_planner_shares_only_the_cores_ranks_outnumber(schedule):
 
     assert plan(3, 1.0).shared_cores == 2 and plan(3, 0.6).shared_cores == pytest.approx(1.2)
     assert plan(3, 0.6).step_s > plan(3, 1.0).step_s
+    said = [n for n in plan(3, 0.6).notes if "CPU cores" in n]
+    assert said == ["3 ranks share 2 CPU cores: simulated on 1.20 of them (the fraction 0.600 of the cores' "
+                    "time such ranks got on this machine's measured pipeline, partitioner.shared)"]
+    assert not [n for n in plan(3, 1.0).notes + plan(2, 0.6).notes if "CPU cores" in n]
     assert plan(2, 0.6).shared_cores == plan(2, 1.0).shared_cores == 2
     assert plan(2, 0.6).step_s == plan(2, 1.0).step_s
