@@ -148,7 +148,9 @@ LAYER_RECOMPUTE_GRID: list[Layout] = (
      for s in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b")]
     + [layout("1f1b", "fp32", recompute="auto", limit_fraction=0.97, granularity="layer"),
        layout("1f1b", "fp32", zero=3, reshard="false", recompute="on", granularity="layer")]
-    # the same split for both granularities (the analytic profile does not vary between runs)
+    # the same split for both granularities (the analytic profile's memory does not vary between
+    # runs; its CPU times scale with the matmul rate each process measures, which moves a split
+    # only where the refinement has a near tie)
     + [layout(s, "fp32", profile="analytic", vocab=LARGE_VOCAB, recompute="on", granularity=g)
        for s in ("1f1b", "zb-h1") for g in ("chunk", "layer")])
 
