@@ -90,12 +90,12 @@ _COLLECTIVE_SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)  # bytes:
 # Bump when the CPU measurement changes (1: main-thread CPU per step, CPU per message end and byte;
 # 2: and a pipeline of three ranks on two cores with compute, for the shared cores' efficiency).
 _CPU_VERSION = 2
-# the shared-cores pipeline: ranks on cores, microbatch size, and (schedule, microbatches) of each
-# run, every runtime mode of engine.schedules.send_mode (interleaved-1f1b: two chunks of one layer
-# per rank, microbatches a multiple of the ranks)
+# the shared-cores pipeline: ranks on cores, microbatch size, and (schedule, microbatches, chunks
+# per rank) of each run, every runtime mode of engine.schedules.send_mode (interleaved-1f1b: two
+# chunks of one layer per rank, microbatches a multiple of the ranks)
 _SHARED = {"ranks": 3, "cores": 2, "size": 48,
-           "runs": (("1f1b", 4), ("gpipe", 4), ("zb-h2", 4), ("1f1b", 8), ("gpipe", 8), ("zb-h2", 8),
-                    ("interleaved-1f1b", 6))}
+           "runs": (("1f1b", 4, 1), ("gpipe", 4, 1), ("zb-h2", 4, 1), ("1f1b", 8, 1), ("gpipe", 8, 1), ("zb-h2", 8, 1),
+                    ("interleaved-1f1b", 6, 2))}
 _BUSY_BYTES = 16384   # the message size of the busy per-message cost (``_exchange_cost``)
 _CPU_SIZES = (256, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)   # ping-pong sizes of the per-byte CPU
 
@@ -484,7 +484,7 @@ def _alone_layer_s(layer: Any, x: Any, repeats: int, out: dict[str, list[float]]
     input-gradient (I) and weight-gradient (W) halves (seconds, appended to ``out``'s lists)."""
     import torch
 
-    from engine.stage import Chunk
+    from engine.stage import Chunk, PlainBackward
 
     chunk, grads = Chunk(0, 0, [layer], measure_activations=False), [torch.ones(x.shape[0], 384)]
     for _ in range(repeats):
@@ -495,23 +495,13 @@ def _alone_layer_s(layer: Any, x: Any, repeats: int, out: dict[str, list[float]]
         t2 = time.perf_counter()
         chunk.forward(0, x, split=True)
         t3 = time.perf_counter()
-        chunk.backward_input(0, grads, _UnitSeed())
+        chunk.backward_input(0, grads, PlainBackward())
         t4 = time.perf_counter()
-        chunk.backward_weight(0, _UnitSeed())
+        chunk.backward_weight(0, PlainBackward())
         t5 = time.perf_counter()
         for key, t in (("forward_s", t1 - t0), ("backward_s", t2 - t1), ("input_grad_s", t4 - t3),
                        ("weight_grad_s", t5 - t4)):
             out[key].append(t)
-
-
-class _UnitSeed:
-    """What ``engine.stage.Chunk`` asks of an optimizer in backward, without one."""
-
-    @staticmethod
-    def backward(outs: Any, grads: Any, inputs: Any = None) -> None:
-        import torch
-
-        torch.autograd.backward(outs, grads, inputs=inputs)
 
 
 def _shared_worker(steps: int, rounds: int = 3) -> dict[str, Any]:
@@ -531,9 +521,9 @@ def _shared_worker(steps: int, rounds: int = 3) -> dict[str, Any]:
     torch.set_num_threads(1)
     p, size = dist.get_world_size(), _SHARED["size"]
     chunks = {1: [(2 * r, 2 * r + 2) for r in range(p)], 2: [(k, k + 1) for k in range(2 * p)]}
-    pipes = [Pipeline([_shared_layer] * (2 * p), chunks[_chunks_per_rank(s)], loss_fn=nn.functional.mse_loss, schedule=s,
-                      microbatches=m, virtual_stages=_chunks_per_rank(s), optimizer=OptimizerConfig(name="sgd", lr=1e-3))
-             for s, m in _SHARED["runs"]]
+    pipes = [Pipeline([_shared_layer] * (2 * p), chunks[v], loss_fn=nn.functional.mse_loss, schedule=s,
+                      microbatches=m, virtual_stages=v, optimizer=OptimizerConfig(name="sgd", lr=1e-3))
+             for s, m, v in _SHARED["runs"]]
     layer, probe = _shared_layer(), torch.randn(size, 384, requires_grad=True)
     alone: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "input_grad_s": [], "weight_grad_s": []}
     times: list[list[float]] = [[] for _ in pipes]
@@ -554,12 +544,8 @@ def _shared_worker(steps: int, rounds: int = 3) -> dict[str, Any]:
                     times[i].append(time.perf_counter() - t0)
     return {"ranks": p, "cores": _SHARED["cores"], "layers_per_rank": 2, "size": size, "width": 384, "hidden": 1536,
             "layer": {k: statistics.median(v) for k, v in alone.items() if v},
-            "runs": [{"schedule": s, "microbatches": m, "virtual_stages": _chunks_per_rank(s), "step_s": statistics.median(t)}
-                     for (s, m), t in zip(_SHARED["runs"], times)]}
-
-
-def _chunks_per_rank(schedule: str) -> int:
-    return 2 if schedule == "interleaved-1f1b" else 1
+            "runs": [{"schedule": s, "microbatches": m, "virtual_stages": v, "step_s": statistics.median(t)}
+                     for (s, m, v), t in zip(_SHARED["runs"], times)]}
 
 
 def _round_trip(buf: Any, rank: int) -> None:

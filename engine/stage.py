@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from engine.choices import check_recompute_granularity
 from engine.comm import flatten, unflatten
 
-__all__ = ["Chunk", "build_layers", "LayerSpec"]
+__all__ = ["Chunk", "build_layers", "LayerSpec", "PlainBackward"]
 
 LayerSpec = Any  # an nn.Sequential, or a sequence of zero-argument nn.Module factories
 
@@ -110,6 +110,27 @@ class _MbState:
     saved_bytes: int = 0
     loss: Tensor | None = None
     whole: bool = False                        # one checkpointed unit: I is the full backward
+
+
+class PlainBackward:
+    """The optimizer interface :class:`Chunk` calls in backward, without an optimizer: the loss
+    unscaled, plain autograd (to time or run a chunk alone, e.g. in ``partitioner.profile``).
+
+    >>> PlainBackward.loss_grad(torch.tensor(2.0))
+    tensor(1.)
+    """
+
+    @staticmethod
+    def scale_loss(loss: Tensor) -> Tensor:
+        return loss
+
+    @staticmethod
+    def loss_grad(loss: Tensor) -> Tensor:
+        return torch.ones_like(loss)
+
+    @staticmethod
+    def backward(outs: Sequence[Tensor], grads: Sequence[Tensor] | None, inputs: Sequence[Tensor] | None = None) -> None:
+        torch.autograd.backward(outs, grads, inputs=inputs)
 
 
 class Chunk:

@@ -584,45 +584,29 @@ def _time_split(chunk, x, grads, dev, kept_bytes: bool = True,
                 clock: Callable[[], float] = time.perf_counter) -> tuple[float, float, int]:
     """One run of the engine's split backward on ``chunk``: (I seconds, W seconds, kept bytes;
     0 without ``kept_bytes``)."""
+    from engine.stage import PlainBackward
+
     chunk.forward(0, x, split=True)
     _sync(dev)
     t0 = clock()
-    chunk.backward_input(0, list(grads), _PlainBackward())
+    chunk.backward_input(0, list(grads), PlainBackward())
     _sync(dev)
     t1 = clock()
     kept = chunk.kept_grad_bytes(0) if kept_bytes else 0
     t2 = clock()
-    chunk.backward_weight(0, _PlainBackward())
+    chunk.backward_weight(0, PlainBackward())
     _sync(dev)
     return t1 - t0, clock() - t2, kept
-
-
-class _PlainBackward:
-    """The optimizer interface :class:`engine.stage.Chunk` calls in backward, without an optimizer."""
-
-    @staticmethod
-    def scale_loss(loss):
-        return loss
-
-    @staticmethod
-    def loss_grad(loss):
-        import torch
-
-        return torch.ones_like(loss)
-
-    @staticmethod
-    def backward(outs, grads, inputs=None) -> None:
-        import torch
-
-        torch.autograd.backward(outs, grads, inputs=inputs)
 
 
 def _measure_pending(layer, x, grads) -> int:
     """What one microbatch keeps between I and W on ``layer`` alone: the engine's own split path
     (``Chunk.forward(split=True)`` then ``backward_input``), its kept gradients summed."""
+    from engine.stage import PlainBackward
+
     chunk = _split_chunk(layer)
     chunk.forward(0, x, split=True)
-    chunk.backward_input(0, list(grads), _PlainBackward())
+    chunk.backward_input(0, list(grads), PlainBackward())
     out = chunk.kept_grad_bytes(0)
     chunk.state.clear()   # W is not run: the parameters' .grad stay untouched
     return out
