@@ -30,6 +30,7 @@ from typing import Any, List, Optional, Union
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from engine.caches import CACHE_MODES
 from engine.choices import (BACKENDS, GRAD_ACCUM_DTYPES, NONFINITE, OPTIMIZERS, PRECISIONS, RECOMPUTE_GRANULARITIES,
                             STEP_SYNCS, check_recompute_granularity)
 from engine.footprint import GRAD_BUCKET_MB
@@ -48,6 +49,7 @@ __all__ = [
     "ScheduleName",
     "PartitionMethod",
     "ProfileMode",
+    "ProfileCaches",
     "AttentionBackend",
     "OptimizerName",
     "OptimizerBackend",
@@ -135,6 +137,7 @@ def _choice(name: str, values: tuple[str, ...]) -> type[Choice]:
 ScheduleName = _choice("ScheduleName", (*SCHEDULES, AUTO))
 PartitionMethod = _choice("PartitionMethod", METHODS)
 ProfileMode = _choice("ProfileMode", ("measure", "analytic"))
+ProfileCaches = _choice("ProfileCaches", CACHE_MODES)
 AttentionBackend = _choice("AttentionBackend", ATTENTION_BACKENDS)
 OptimizerName = _choice("OptimizerName", OPTIMIZERS)
 OptimizerBackend = _choice("OptimizerBackend", BACKENDS)
@@ -260,6 +263,7 @@ class PartitionerConfig:
     repeats: int = 5  # measure: timed repeats per layer (median is used)
     warmup: int = 2  # measure: untimed repeats before timing
     sweeps: int = 3  # measure: profile the model this many times, median per layer (a slow spell of the machine hits one sweep)
+    caches: ProfileCaches = ProfileCaches["hot"]  # measure: hot (each layer timed as it repeats: what plans use) | cold (other data read through the caches before each timed phase: an upper bound on what the caches cost a step, engine.caches)
     device_spec: Optional[str] = None  # analytic: device preset (partitioner.DEVICE_PRESETS, e.g. h100); null = this CPU
     attention: Optional[AttentionBackend] = None  # analytic: SDPA kernel attention is costed through: flash | efficient | math | unfused (Megatron legacy core attention); null = the device spec's (flash)
     link_bytes_per_s: Optional[float] = None  # stage-to-stage bandwidth for transfer costs, every boundary (wins over the others); null = the link measured with the fixed costs, else the device spec's NVLink / NIC by whether neighbouring ranks share a node (analytic GPU presets, partitioner.gpus_per_node per node), else free

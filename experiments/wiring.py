@@ -122,7 +122,7 @@ def profile_kwargs(cfg: Any, device: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"mode": mode, "dtype": torch_dtype(cfg)}
     if mode == "measure":
         out.update(device=device or resolve_device(cfg), repeats=int(part.repeats),
-                   warmup=int(part.warmup), sweeps=int(part.sweeps))
+                   warmup=int(part.warmup), sweeps=int(part.sweeps), caches=_text(part.caches))
     else:
         out.update(device_spec=part.device_spec,
                    attention=_text(part.attention) if part.attention is not None else None)

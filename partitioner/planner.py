@@ -488,6 +488,9 @@ def _problem(profile: Profile, p: int, m: int, v: int, schedule: str, max_inflig
     inflight, pending, states = _counts(profile, schedule, p, m, v, max_inflight, memory, simulate, act, pend)
     source = "engine schedule" if simulate or states else "closed form"
     notes.append(f"in-flight microbatches per stage {inflight} (from the {source})")
+    if profile.meta.get("caches") == "cold":   # the bound, not the default (engine.caches)
+        notes.append("layer times measured with cold caches (partitioner.caches=cold): every layer's data read "
+                     "from memory, an upper bound on what the caches cost a step")
     tp_f, tp_b, ag, rs = _collective_times(profile, memory, par, notes, p)
     whole = np.array([c.backward_s for c in L]) + tp_b
     fwd = np.array([c.forward_s for c in L]) + tp_f

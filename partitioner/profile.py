@@ -53,6 +53,7 @@ import statistics
 import time
 from typing import Any, Callable
 
+from engine.caches import CacheEvictor, check_caches
 from .costs import LayerCost, Profile
 from .devices import ATTENTION_BACKENDS, DeviceSpec, get_device_spec
 
@@ -202,7 +203,7 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
             repeats: int = 5, warmup: int = 2, weight_grad: bool = True, min_time_s: float = 0.2,
             sweeps: int = 1, device_spec: "str | DeviceSpec | None" = None, cache: bool = True,
             attention: str | None = None, loss_fn: Callable | None = None, example_target: Any = None,
-            loss_variants: dict[str, tuple[Callable, Callable]] | None = None) -> Profile:
+            loss_variants: dict[str, tuple[Callable, Callable]] | None = None, caches: str = "hot") -> Profile:
     """Profile every layer; see the module docstring. Returns a :class:`Profile`.
 
     ``device``: where "measure" runs (default: CPU). ``repeats`` is the least number of timed
@@ -221,7 +222,10 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
     flash/efficient attention saves O(s) per head, not the s x s probabilities of the meta
     device's math path. "measure" runs the device's own choice. ``loss_fn`` /
     ``example_target`` (one microbatch's target) / ``loss_variants``: the loss profiled with the
-    last layer (module docstring).
+    last layer (module docstring). ``caches`` ("measure"): ``"hot"`` times each layer as it
+    repeats (the default: what plans use); ``"cold"`` first reads other data through the caches
+    before each timed phase, an instrument to bound what the caches cost a step
+    (:mod:`engine.caches`; the profile's meta says which).
     """
     import torch
 
@@ -246,10 +250,11 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "meta":
         raise ValueError("mode='measure' needs a real device; use mode='analytic' for the meta device")
+    evict = CacheEvictor() if check_caches(caches) == "cold" else None
     runs = [_profile_measure(sources, example_input, dev, tdtype, repeats, warmup, weight_grad,
-                             min_time_s) for _ in range(sweeps)]
+                             min_time_s, evict=evict) for _ in range(sweeps)]
     prof = _median_profile(runs)
-    prof.meta["input_requires_grad"] = grad_in
+    prof.meta.update(input_requires_grad=grad_in, caches=caches)
     return _loss_meta(prof, loss_fn)
 
 
@@ -443,7 +448,7 @@ def _dtype_name(layer_dtype, x) -> str:
 
 
 def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight_grad,
-                     min_time_s, input_grad: bool = False) -> Profile:
+                     min_time_s, input_grad: bool = False, evict: Callable[[], None] | None = None) -> Profile:
     import torch
 
     costs: list[LayerCost] = []
@@ -473,7 +478,7 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
         xs = [t for t in _tensors(x) if t.requires_grad]
         del out, out_tensors
         f_s, b_s, split, pending = _time_layer(layer, x, grads, params, xs, dev, repeats, warmup,
-                                               weight_grad, min_time_s)
+                                               weight_grad, min_time_s, evict=evict)
         i_s, w_s = split_times(b_s, split, bool(params), bool(xs))
         costs.append(LayerCost(forward_s=f_s, backward_s=b_s, param_bytes=int(param_bytes),
                                activation_bytes=int(act_bytes), output_bytes=int(out_bytes),
@@ -482,7 +487,7 @@ def _profile_measure(sources, example_input, dev, dtype, repeats, warmup, weight
                                largest_param_bytes=_largest_param_bytes(layer), param_numels=_param_numels(layer), pending_grad_bytes=pending))
         if isinstance(src, LayerWithLoss):
             costs[-1] = _with_loss_costs(costs[-1], src, layer, x, variants, lambda v: _profile_measure(
-                [v], x, dev, dtype, repeats, warmup, weight_grad, min_time_s, input_grad=True).layers[0])
+                [v], x, dev, dtype, repeats, warmup, weight_grad, min_time_s, input_grad=True, evict=evict).layers[0])
         x = _map(lambda t: t.requires_grad_(True) if t.is_floating_point() else t, nxt)
         prev_name = name
         del layer, nxt
@@ -527,13 +532,15 @@ def _median_profile(runs: list[Profile]) -> Profile:
 
 
 def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, min_time_s,
-                kept_bytes: bool = True, clock: Callable[[], float] = time.perf_counter):
+                kept_bytes: bool = True, clock: Callable[[], float] = time.perf_counter,
+                evict: Callable[[], None] | None = None):
     """Medians of one layer's forward, whole backward and (``weight_grad``, a layer with
     parameters and an input gradient) the engine's split backward ``(I, W)``, plus the bytes the
     split keeps from I to W (0 without ``kept_bytes``: times only, e.g. of DTensor layers,
     ``partitioner.tptime``). ``clock``: wall time (default), or e.g. ``time.thread_time`` for
     the calling thread's CPU time. Backwards run as the engine runs them: gradients accumulate
-    into the parameters' ``.grad``."""
+    into the parameters' ``.grad``. ``evict`` (untimed) runs before each timed forward, backward
+    and backward half (cold caches, :mod:`engine.caches`)."""
     import torch
 
     fw, bw, bi, bwt = [], [], [], []
@@ -546,23 +553,17 @@ def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, 
             break
         for t in xs:
             t.grad = None
-        _sync(dev)
-        t0 = clock()
-        o = layer(x)
-        _sync(dev)
-        t1 = clock()
+        f_s, o = _timed(lambda: layer(x), dev, clock, evict)
         oo = [t for t in _tensors(o) if t.requires_grad]
-        if oo and params + xs:
-            torch.autograd.backward(oo, grads, inputs=params + xs)
-        _sync(dev)
-        t2 = clock()
+        b_s, _ = _timed(lambda: torch.autograd.backward(oo, grads, inputs=params + xs) if oo and params + xs
+                        else None, dev, clock, evict)
         del o, oo
         if r >= warmup:
-            fw.append(t1 - t0)
-            bw.append(t2 - t1)
-            measured += t2 - t0
+            fw.append(f_s)
+            bw.append(b_s)
+            measured += f_s + b_s
         if chunk is not None:
-            ti, tw, pending = _time_split(chunk, x, grads, dev, kept_bytes, clock)
+            ti, tw, pending = _time_split(chunk, x, grads, dev, kept_bytes, clock, evict)
             if r >= warmup:
                 bi.append(ti)
                 bwt.append(tw)
@@ -573,6 +574,18 @@ def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, 
     return statistics.median(fw), statistics.median(bw), split, pending
 
 
+def _timed(fn: Callable[[], Any], dev, clock: Callable[[], float], evict: Callable[[], None] | None
+           ) -> tuple[float, Any]:
+    """``(seconds, fn())``, the device synchronised around it; ``evict`` first, untimed."""
+    if evict is not None:
+        evict()
+    _sync(dev)
+    t0 = clock()
+    out = fn()
+    _sync(dev)
+    return clock() - t0, out
+
+
 def _split_chunk(layer):
     """``layer`` alone as the engine's model chunk, to run its split backward."""
     from engine.stage import Chunk
@@ -581,22 +594,17 @@ def _split_chunk(layer):
 
 
 def _time_split(chunk, x, grads, dev, kept_bytes: bool = True,
-                clock: Callable[[], float] = time.perf_counter) -> tuple[float, float, int]:
+                clock: Callable[[], float] = time.perf_counter,
+                evict: Callable[[], None] | None = None) -> tuple[float, float, int]:
     """One run of the engine's split backward on ``chunk``: (I seconds, W seconds, kept bytes;
     0 without ``kept_bytes``)."""
     from engine.stage import PlainBackward
 
     chunk.forward(0, x, split=True)
-    _sync(dev)
-    t0 = clock()
-    chunk.backward_input(0, list(grads), PlainBackward())
-    _sync(dev)
-    t1 = clock()
+    i_s, _ = _timed(lambda: chunk.backward_input(0, list(grads), PlainBackward()), dev, clock, evict)
     kept = chunk.kept_grad_bytes(0) if kept_bytes else 0
-    t2 = clock()
-    chunk.backward_weight(0, PlainBackward())
-    _sync(dev)
-    return t1 - t0, clock() - t2, kept
+    w_s, _ = _timed(lambda: chunk.backward_weight(0, PlainBackward()), dev, clock, evict)
+    return i_s, w_s, kept
 
 
 def _measure_pending(layer, x, grads) -> int:

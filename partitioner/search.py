@@ -317,6 +317,12 @@ def affine_profile(low: Profile, low_size: int, high: Profile, high_size: int, s
                    fixed=low.fixed)
 
 
+
+def _caches_label(prof: Profile) -> str:
+    """"cold caches" for a profile measured so (``engine.caches``; hot, the default, goes unsaid)."""
+    return "cold caches" if prof.meta.get("caches") == "cold" else ""
+
+
 def _profile_source(profile: ProfileSource, profile_microbatch: int | None, scaling: str,
                     spent: list[float]) -> Callable[[int], tuple[Profile | None, str]]:
     """A cached ``size -> (Profile or None, how it was obtained)`` (module docstring); the
@@ -338,8 +344,8 @@ def _profile_source(profile: ProfileSource, profile_microbatch: int | None, scal
             if isinstance(profile, Profile):
                 return profile, "one profile (microbatch size not given)"
             prof = profile(size)   # type: ignore[operator]
-            mode = prof.meta.get("mode")
-            return prof, f"profiled at {size}" + (f" ({mode})" if mode else "")
+            how = ", ".join(x for x in (prof.meta.get("mode"), _caches_label(prof)) if x)
+            return prof, f"profiled at {size}" + (f" ({how})" if how else "")
         if size in known:
             return known[size], f"profiled at {size}"
         if scaling == "linear":

@@ -37,7 +37,7 @@ import random
 import statistics
 from typing import Any, Sequence
 
-__all__ = ["OVERRIDES", "check", "main", "overrides", "ratio_interval", "table_rows"]
+__all__ = ["OVERRIDES", "PROBE_MICROBATCHES", "check", "drift", "main", "overrides", "probe_speed", "ratio_interval", "table_rows"]
 
 OVERRIDES = ["experiment=mlp_profile", "model.depth=12", "model.dim=256", "model.width=1024", "model.profile=uniform",
              "data=synthetic", "pipeline.stages=3", "pipeline.microbatches=8", "train.batch_size=256",
@@ -174,6 +174,41 @@ def _format(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+PROBE_MICROBATCHES = 4
+"""The drift probe profiles the microbatch of the batch over this many (64 samples: every choice of
+the check's runs so far)."""
+
+
+def probe_speed(cfg: Any) -> float:
+    """The summed forward + backward of every layer at the batch over :data:`PROBE_MICROBATCHES`, profiled as the
+    search profiles (``experiments.bench.problem.profile_model``: a fresh single-threaded process,
+    ``partitioner.sweeps`` medians): the machine's speed at that moment, for the model at hand."""
+    import dataclasses
+
+    from experiments.bench.problem import profile_model
+    from experiments.config import as_config
+
+    cfg = as_config(cfg)
+    c = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, microbatches=PROBE_MICROBATCHES))
+    return sum(x.forward_s + x.backward_s for x in profile_model(c).layers)
+
+
+def drift(error: float | None, before_s: float, after_s: float) -> dict[str, Any]:
+    """How the machine's speed moved between the search's profile and the measurement
+    (``drift``: after / before - 1, from :func:`probe_speed`), and the chosen layout's error
+    had its prediction moved by as much (``error_drift_scaled``; None without an error). The
+    check's verdict stays on the unscaled error: this separates the plan's error from the
+    machine's drift, it does not replace it.
+
+    >>> d = drift(0.2, 0.1, 0.12)
+    >>> round(d["drift"], 3), round(d["error_drift_scaled"], 3)
+    (0.2, 0.0)
+    """
+    k = after_s / before_s
+    return {"drift": k - 1, "probe_before_s": before_s, "probe_after_s": after_s,
+            "error_drift_scaled": None if error is None else (1 + error) / k - 1}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--top", type=int, default=5, help="layouts of the search measured (its best predicted)")
@@ -190,14 +225,22 @@ def main() -> None:
     kw = {**dict(top=args.top, rounds=args.rounds, steps=args.steps, warmup=args.warmup), **tiny}
     cfg = compose_config(*overrides(tiny=args.tiny, **kw))
     load0 = os.getloadavg()
+    before = probe_speed(cfg)
     result = run_bench(cfg)
+    after = probe_speed(cfg)
     rows = table_rows(result)
     verdict = check(rows)
+    verdict.update(drift(verdict.get("error"), before, after))
     print(f"\nthe search's top {kw['top']}, measured ({kw['rounds']} rounds of {kw['steps']} steps, then again "
           f"head to head; * = chosen; error = measured / predicted - 1):")
     print(_format(rows))
     print("\n" + json.dumps(verdict, indent=1))
     print(_verdict(verdict))
+    print(f"drift probe (the model's forward + backward at {int(cfg.train.batch_size) // PROBE_MICROBATCHES} samples, "
+          "profiled as the search does): "
+          f"{before * 1e3:.1f} ms before the search, {after * 1e3:.1f} ms after the measurement "
+          f"({verdict['drift']:+.1%}); the chosen layout's error with its prediction scaled by it: "
+          + ("-" if verdict["error_drift_scaled"] is None else f"{verdict['error_drift_scaled']:+.1%}"))
     print(f"load average start {load0[0]:.1f} end {os.getloadavg()[0]:.1f} (2 shared cores: timings under load "
           "measure the neighbours too)")
     if args.json:

@@ -178,6 +178,15 @@ def test_mlp_search_check_states_both_verdicts():
     assert v["no_slower_than_best"] and v["interval_against"] == "b" and "next fastest (b)" in mod._verdict(v)
 
 
+def test_mlp_search_check_separates_the_machines_drift_from_the_plans_error():
+    """drift(): the probe's after / before, and the error had the prediction moved by as much;
+    the verdict itself (check) is not touched by it."""
+    mod = _script("mlp_search_check")
+    d = mod.drift(-0.24, 0.150, 0.114)   # the machine sped up 24% between the profile and the runs
+    assert abs(d["drift"] + 0.24) < 1e-9 and abs(d["error_drift_scaled"]) < 1e-9
+    assert mod.drift(None, 1.0, 1.0)["error_drift_scaled"] is None
+
+
 def test_gen_bench_model_builds_the_generation_workload(tmp_path):
     """scripts/gen_bench_model.py (docs/performance.md, "Generation"): a Llama checkpoint that
     transformers loads, and 32 prompts of 16-32 in-vocabulary ids beside it (tiny sizes here)."""

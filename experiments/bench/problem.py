@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from experiments.bench.measure import launch_fresh
 from experiments.bench.spec import BenchSpec, uniform_ranges
+from experiments.fields import choice_text
 
 __all__ = ["DatasetBatches", "bench_spec", "profile_model", "measure_link", "LossLayer"]
 
@@ -87,7 +88,7 @@ class LossLayer(nn.Module):
         return self.loss_fn(x, self.target)
 
 
-def _profile_worker(cfg: Any, repeats: int, warmup: int, sweeps: int = 1) -> Any:
+def _profile_worker(cfg: Any, repeats: int, warmup: int, sweeps: int = 1, caches: str = "hot") -> Any:
     import partitioner
     from experiments.models import build_model
     from partitioner import LayerCost, Profile
@@ -96,7 +97,8 @@ def _profile_worker(cfg: Any, repeats: int, warmup: int, sweeps: int = 1) -> Any
     mb = int(cfg.train.batch_size) // int(cfg.pipeline.microbatches)
     x, y = DatasetBatches(cfg, mb)(0)
     layers = list(model.layers) + [functools.partial(LossLayer, model.loss_fn, y)]
-    prof = partitioner.profile(layers, x, mode="measure", repeats=repeats, warmup=warmup, sweeps=sweeps)
+    prof = partitioner.profile(layers, x, mode="measure", repeats=repeats, warmup=warmup, sweeps=sweeps,
+                               caches=caches)
     *body, last, loss = prof.layers
     merged = LayerCost(
         forward_s=last.forward_s + loss.forward_s, backward_s=last.backward_s + loss.backward_s,
@@ -119,7 +121,7 @@ def profile_model(cfg: Any, *, repeats: int | None = None, warmup: int | None = 
     part = c.partitioner
     return launch_fresh(_profile_worker, 1, c, int(repeats or part.repeats),
                         int(warmup if warmup is not None else part.warmup), int(part.sweeps),
-                        timeout_s=timeout_s)[0]
+                        choice_text(part.caches), timeout_s=timeout_s)[0]
 
 
 def _link_worker(nbytes: int, repeats: int) -> float:

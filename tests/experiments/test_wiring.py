@@ -59,6 +59,14 @@ def test_the_node_size_reaches_the_plans_links(compose_cfg):
     assert apart.boundary_links == ["device_spec inter-node"] and node.boundary_links == ["device_spec intra-node"]
 
 
+def test_caches_reach_the_measured_profile(compose_cfg):
+    assert profile_kwargs(compose_cfg("experiment=smoke"))["caches"] == "hot"      # the default: what plans use
+    kw = profile_kwargs(compose_cfg("experiment=smoke", "partitioner.caches=cold"))
+    assert kw["caches"] == "cold" and type(kw["caches"]) is str
+    with pytest.raises(Exception, match="caches"):
+        compose_cfg("experiment=smoke", "partitioner.caches=auto")
+
+
 def test_attention_backend_reaches_the_analytic_profile(compose_cfg):
     base = ("experiment=smoke", "partitioner.profile=analytic", "partitioner.device_spec=h100")
     assert profile_kwargs(compose_cfg(*base))["attention"] is None          # the device spec's
