@@ -250,7 +250,10 @@ def profile(layers: Any, example_input: Any, *, mode: str = "measure", device: A
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "meta":
         raise ValueError("mode='measure' needs a real device; use mode='analytic' for the meta device")
-    evict = CacheEvictor() if check_caches(caches) == "cold" else None
+    if check_caches(caches) == "cold" and dev.type != "cpu":
+        raise ValueError(f"caches='cold' evicts the CPU's caches, not a {dev.type} device's: profile on "
+                         f"{dev.type} with caches='hot' (partitioner.caches=hot)")
+    evict = CacheEvictor() if caches == "cold" else None
     runs = [_profile_measure(sources, example_input, dev, tdtype, repeats, warmup, weight_grad,
                              min_time_s, evict=evict) for _ in range(sweeps)]
     prof = _median_profile(runs)

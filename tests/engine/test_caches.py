@@ -45,6 +45,11 @@ def test_an_unknown_mode_is_refused_with_the_choices():
         profile([lambda: nn.Linear(4, 4)], torch.randn(2, 4), caches="warm")
 
 
+def test_cold_is_refused_off_the_cpu_with_the_remedy():
+    with pytest.raises(ValueError, match="partitioner.caches=hot"):
+        profile([lambda: nn.Linear(4, 4)], torch.randn(2, 4), device="cuda", caches="cold")
+
+
 def test_the_evictor_reads_twice_the_cache_at_most_512_mib():
     ev = CacheEvictor(1 << 16)
     ev()
