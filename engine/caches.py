@@ -13,7 +13,7 @@ predicts it (docs/performance.md, issue 39's MLP check): a single process runnin
 layers in turn measured within 1.3% of the hot profile's sum (the hardware prefetches a
 sequential pass), while cold layers of 256 -> 1024 -> 256 took 0.9-1.0 ms more each at 32
 samples (+50-85%) and 0.4-1.1 ms more at 64 (+13-45%). A 3-rank pipeline on the 2 cores lay
-between the two: planned from hot times its 8-microbatch layouts measured 18-27% above the plan,
+between the two: planned from hot times its 8-microbatch layouts measured 8-27% above the plan,
 from cold times 29-31% below it. So plans use hot times (the default) and
 ``partitioner.caches=cold`` is there to measure the bound.
 
