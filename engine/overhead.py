@@ -504,10 +504,11 @@ def _alone_layer_s(layer: Any, x: Any, repeats: int, out: dict[str, list[float]]
             out[key].append(t)
 
 
-def _shared_worker(steps: int, rounds: int = 3) -> dict[str, Any]:
+def _shared_worker(steps: int, rounds: int = 3, size: int = _SHARED["size"]) -> dict[str, Any]:
     """The ``shared`` record (module docstring): ranks pinned to ``_SHARED["cores"]`` cores; in
     each of ``rounds`` rounds, a layer timed alone on rank 0 (the others waiting at a barrier),
-    then each run's ``steps`` timed steps (the order flips every round); medians."""
+    then each run's ``steps`` timed steps (the order flips every round); medians. ``size``: the
+    microbatch's samples (``scripts/shared_sizes_check.py`` measures other sizes)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -519,7 +520,7 @@ def _shared_worker(steps: int, rounds: int = 3) -> dict[str, Any]:
     if len(allowed) >= _SHARED["cores"]:
         os.sched_setaffinity(0, allowed[:_SHARED["cores"]])
     torch.set_num_threads(1)
-    p, size = dist.get_world_size(), _SHARED["size"]
+    p = dist.get_world_size()
     chunks = {1: [(2 * r, 2 * r + 2) for r in range(p)], 2: [(k, k + 1) for k in range(2 * p)]}
     pipes = [Pipeline([_shared_layer] * (2 * p), chunks[v], loss_fn=nn.functional.mse_loss, schedule=s,
                       microbatches=m, virtual_stages=v, optimizer=OptimizerConfig(name="sgd", lr=1e-3))

@@ -13,17 +13,8 @@ machine::
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-__all__ = ["main", "worker"]
-
-
-def worker(size: int, steps: int) -> dict[str, Any]:
-    """One rank of the shared pipeline at microbatches of ``size`` samples (its ``shared`` record)."""
-    import engine.overhead as ov
-
-    ov._SHARED["size"] = size
-    return ov._shared_worker(steps)
+__all__ = ["main"]
 
 
 def main() -> None:
@@ -40,7 +31,7 @@ def main() -> None:
     fixed = FixedCosts.from_dict({**ov.measure_fixed_costs(), **ov.measure_cpu_costs(), "cores": 2})
     for _ in range(args.rounds):
         for size in args.sizes:
-            rec = launch(worker, 3, size, args.steps, timeout_s=600)[0]
+            rec = launch(ov._shared_worker, 3, args.steps, 3, size, timeout_s=600)[0]
             e = fit_shared_efficiency(rec, fixed)
             runs = ", ".join(f"{r['schedule']} m={r['microbatches']} {r['step_s'] * 1e3:.1f} ms ({r['step_s'] / p - 1:+.0%})"
                              for r, p in zip(rec["runs"], shared_pipeline_steps(rec, fixed, e)))
