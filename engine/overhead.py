@@ -47,9 +47,10 @@ main thread's ``time.thread_time``, every thread's ``/proc/self/task/*/schedstat
   (384 -> 1536 -> 384), its step measured under 1F1B, GPipe and ZB-H2 at 4 and 8 microbatches
   and interleaved 1F1B at 6 (every runtime mode of ``engine.schedules.send_mode``; the runtime's
   defaults, SGD), and one layer's forward, backward and the engine's split backward (I, W)
-  timed alone, as a profile times them: the partitioner fits from it the fraction of the cores'
-  time that ranks outnumbering them get
-  (``partitioner.shared.fit_shared_efficiency``: cores left idle while a woken rank waits for
+  timed alone, as a profile times them; a list of two such records, at microbatches of 48 and 12
+  samples (alternating in each round). The partitioner fits from them the fraction of the cores'
+  time that ranks outnumbering them get and what each compute action costs them beyond its own
+  compute (``partitioner.shared.fit_shared_costs``: cores left idle while a woken rank waits for
   one, context switches and the caches they cost, beyond the time-sharing the plan simulates).
 
 Example::
@@ -88,12 +89,14 @@ _RUNTIME_VERSION = 11
 _COLLECTIVES_VERSION = 2
 _COLLECTIVE_SIZES = (4 * 1024, 64 * 1024, 512 * 1024, 2 * 1024 * 1024)  # bytes: the whole tensor
 # Bump when the CPU measurement changes (1: main-thread CPU per step, CPU per message end and byte;
-# 2: and a pipeline of three ranks on two cores with compute, for the shared cores' efficiency).
-_CPU_VERSION = 2
-# the shared-cores pipeline: ranks on cores, microbatch size, and (schedule, microbatches, chunks
+# 2: and a pipeline of three ranks on two cores with compute, for the shared cores' efficiency;
+# 3: that pipeline at two microbatch sizes, for the efficiency and a cost per action together).
+_CPU_VERSION = 3
+# the shared-cores pipeline: ranks on cores, microbatch sizes (two, a quarter apart: the efficiency
+# and the cost per action are told apart by the actions' size), and (schedule, microbatches, chunks
 # per rank) of each run, every runtime mode of engine.schedules.send_mode (interleaved-1f1b: two
 # chunks of one layer per rank, microbatches a multiple of the ranks)
-_SHARED = {"ranks": 3, "cores": 2, "size": 48,
+_SHARED = {"ranks": 3, "cores": 2, "sizes": (48, 12),
            "runs": (("1f1b", 4, 1), ("gpipe", 4, 1), ("zb-h2", 4, 1), ("1f1b", 8, 1), ("gpipe", 8, 1), ("zb-h2", 8, 1),
                     ("interleaved-1f1b", 6, 2))}
 _BUSY_BYTES = 16384   # the message size of the busy per-message cost (``_exchange_cost``)
@@ -504,11 +507,11 @@ def _alone_layer_s(layer: Any, x: Any, repeats: int, out: dict[str, list[float]]
             out[key].append(t)
 
 
-def _shared_worker(steps: int, rounds: int = 3, size: int = _SHARED["size"]) -> dict[str, Any]:
-    """The ``shared`` record (module docstring): ranks pinned to ``_SHARED["cores"]`` cores; in
-    each of ``rounds`` rounds, a layer timed alone on rank 0 (the others waiting at a barrier),
-    then each run's ``steps`` timed steps (the order flips every round); medians. ``size``: the
-    microbatch's samples (``scripts/shared_sizes_check.py`` measures other sizes)."""
+def _shared_worker(steps: int, rounds: int = 3, sizes: Sequence[int] = _SHARED["sizes"]) -> list[dict[str, Any]]:
+    """The ``shared`` records (module docstring), one per microbatch size of ``sizes``: ranks
+    pinned to ``_SHARED["cores"]`` cores; in each of ``rounds`` rounds, for each size in turn, a
+    layer timed alone on rank 0 (the others waiting at a barrier), then each run's ``steps``
+    timed steps (the runs' order flips every round); medians."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -525,28 +528,40 @@ def _shared_worker(steps: int, rounds: int = 3, size: int = _SHARED["size"]) -> 
     pipes = [Pipeline([_shared_layer] * (2 * p), chunks[v], loss_fn=nn.functional.mse_loss, schedule=s,
                       microbatches=m, virtual_stages=v, optimizer=OptimizerConfig(name="sgd", lr=1e-3))
              for s, m, v in _SHARED["runs"]]
-    layer, probe = _shared_layer(), torch.randn(size, 384, requires_grad=True)
-    alone: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "input_grad_s": [], "weight_grad_s": []}
-    times: list[list[float]] = [[] for _ in pipes]
+    layer = _shared_layer()
+    alone = {n: {k: [] for k in ("forward_s", "backward_s", "input_grad_s", "weight_grad_s")} for n in sizes}
+    times: dict[int, list[list[float]]] = {n: [[] for _ in pipes] for n in sizes}
     for r in range(rounds):
-        dist.barrier()
-        if dist.get_rank() == 0:
-            _alone_layer_s(layer, probe, 3, {k: [] for k in alone})   # warm-up
-            _alone_layer_s(layer, probe, 20, alone)
-        for i in (range(len(pipes)) if r % 2 == 0 else range(len(pipes) - 1, -1, -1)):
-            m = _SHARED["runs"][i][1]
-            x, y = torch.randn(size * m, 384), torch.randn(size * m, 384)
-            for k in range(steps + 2):
-                dist.barrier()
-                t0 = time.perf_counter()
-                pipes[i].train_step(x, y, diagnose=False)
-                dist.barrier()
-                if k >= 2:
-                    times[i].append(time.perf_counter() - t0)
-    return {"ranks": p, "cores": _SHARED["cores"], "layers_per_rank": 2, "size": size, "width": 384, "hidden": 1536,
-            "layer": {k: statistics.median(v) for k, v in alone.items() if v},
-            "runs": [{"schedule": s, "microbatches": m, "virtual_stages": v, "step_s": statistics.median(t)}
-                     for (s, m, v), t in zip(_SHARED["runs"], times)]}
+        for size in sizes:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                probe = torch.randn(size, 384, requires_grad=True)
+                _alone_layer_s(layer, probe, 3, {k: [] for k in alone[size]})   # warm-up
+                _alone_layer_s(layer, probe, 20, alone[size])
+            order = range(len(pipes)) if r % 2 == 0 else range(len(pipes) - 1, -1, -1)
+            _shared_steps(pipes, order, size, steps, times[size])
+    return [{"ranks": p, "cores": _SHARED["cores"], "layers_per_rank": 2, "size": n, "width": 384, "hidden": 1536,
+             "layer": {k: statistics.median(v) for k, v in alone[n].items() if v},
+             "runs": [{"schedule": s, "microbatches": m, "virtual_stages": v, "step_s": statistics.median(t)}
+                      for (s, m, v), t in zip(_SHARED["runs"], times[n])]} for n in sizes]
+
+
+def _shared_steps(pipes: list[Any], order: Any, size: int, steps: int, times: list[list[float]]) -> None:
+    """Time ``steps`` steps (after two untimed) of each pipeline in ``order`` on microbatches of
+    ``size`` samples, appending each step's seconds to ``times[i]``."""
+    import torch
+    import torch.distributed as dist
+
+    for i in order:
+        m = _SHARED["runs"][i][1]
+        x, y = torch.randn(size * m, 384), torch.randn(size * m, 384)
+        for k in range(steps + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipes[i].train_step(x, y, diagnose=False)
+            dist.barrier()
+            if k >= 2:
+                times[i].append(time.perf_counter() - t0)
 
 
 def _round_trip(buf: Any, rank: int) -> None:

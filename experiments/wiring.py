@@ -25,7 +25,7 @@ plain layout.
 from __future__ import annotations
 
 import dataclasses
-
+import functools
 import json
 import os
 from pathlib import Path
@@ -420,9 +420,6 @@ def _gpt_tp_spec(model: Any, t: int) -> Any:
     """One tp rank's GPT (`tp_model_spec`): built with the vocabulary / t (the vocabulary-parallel
     embedding and head, and token ids in range), each block with its plan's shard shapes
     (`engine.tp.shard_shapes`: heads, q/k/v and the MLP's width / t)."""
-    import dataclasses
-    import functools
-
     from experiments.models import build_model
 
     bad = [f"{k}={v}" for k, v in (("model.heads", int(model.heads)), ("model.vocab", int(model.vocab)),
@@ -531,8 +528,6 @@ def _tp_timed(cfg: Config, prof: Any, size: int, kwargs: dict[str, Any], compute
 def profiles_by_size(cfg: Any, spec: Any) -> Any:
     """`size -> Profile` for the search: the model profiled at each microbatch size it asks for
     (once per size)."""
-    import functools
-
     return functools.lru_cache(maxsize=None)(functools.partial(profile_model, cfg, spec))
 
 
@@ -541,8 +536,9 @@ def with_fixed_costs(cfg: Any, prof: Any) -> Any:
     machine) when `partitioner.fixed_costs` is on and layers are measured here on the CPU (the
     costs are measured with gloo on the CPU; other devices get none), with the cores the local
     ranks share and, when the job's ranks outnumber them, the CPU a rank spends off its actions
-    (`engine.overhead.measure_cpu_costs`, cached per machine: load on the shared cores) and the
-    fraction of the cores' time they get (`partitioner.shared.fit_shared_efficiency`)."""
+    (`engine.overhead.measure_cpu_costs`, cached per machine: load on the shared cores), the
+    fraction of the cores' time they get and what each compute action costs them
+    (`partitioner.shared.fit_shared_costs`)."""
     import dataclasses
 
     from partitioner import FixedCosts
@@ -555,10 +551,19 @@ def with_fixed_costs(cfg: Any, prof: Any) -> Any:
     cpu = measure_cpu_costs() if world_size(cfg) > cores else {}
     fixed = FixedCosts.from_dict({**measure_fixed_costs(), **cpu, "cores": cores})
     if "shared" in cpu:   # ranks outnumbering the cores: the fraction of the cores' time they get
-        from partitioner.shared import fit_shared_efficiency
-
-        fixed = dataclasses.replace(fixed, shared_efficiency=fit_shared_efficiency(cpu["shared"], fixed))
+        fit = _shared_fit(json.dumps(cpu["shared"], sort_keys=True), json.dumps(dataclasses.asdict(fixed), sort_keys=True))
+        fixed = dataclasses.replace(fixed, shared_efficiency=fit.efficiency, shared_action_s=fit.action_s)
     return dataclasses.replace(prof, fixed=fixed)
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_fit(shared: str, fixed: str) -> Any:
+    """`partitioner.shared.fit_shared_costs` of the JSON ``shared`` records under the JSON
+    ``fixed`` costs, once per process (a search plans many layouts on the same machine)."""
+    from partitioner import FixedCosts
+    from partitioner.shared import fit_shared_costs
+
+    return fit_shared_costs(json.loads(shared), FixedCosts.from_dict(json.loads(fixed)))
 
 
 def measures_fixed_costs(cfg: Any) -> bool:

@@ -200,9 +200,13 @@ class FixedCosts:
       on); the plan time-shares them when a pipeline has more ranks than cores. None: one
       processor per rank.
     - ``shared_efficiency``: the fraction of those cores' time that ranks outnumbering them get
-      (``partitioner.shared.fit_shared_efficiency``, from a pipeline of three ranks on two cores
-      measured by ``engine.overhead.measure_cpu_costs``); the plan simulates such a pipeline on
-      ``cores x shared_efficiency``. 1.0: not measured.
+      (``partitioner.shared.fit_shared_costs``, from a pipeline of three ranks on two cores
+      measured by ``engine.overhead.measure_cpu_costs`` at two microbatch sizes); the plan
+      simulates such a pipeline on ``cores x shared_efficiency``. 1.0: not measured.
+    - ``shared_action_s``: what each compute action costs such ranks beyond ``action_s`` (a
+      switch between ranks and the caches it refills; fitted with ``shared_efficiency``, which
+      the size of the actions tells apart from it); charged only when ranks outnumber the cores.
+      0.0: not measured.
 
     The CPU a rank spends off its compute, charged as load on the shared cores only when a
     pipeline's ranks outnumber them (``engine.overhead.measure_cpu_costs``; the figures above are
@@ -231,6 +235,7 @@ class FixedCosts:
     step_s_yield: float | None = None
     cores: int | None = None
     shared_efficiency: float = 1.0
+    shared_action_s: float = 0.0
     step_cpu_s: dict[str, float] = field(default_factory=dict)
     message_cpu_s: float = 0.0
     message_cpu_byte_s: float = 0.0

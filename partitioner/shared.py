@@ -10,15 +10,21 @@ actions' CPU times simulates 14-17% short on every schedule, and one smaller cor
 them all (docs/performance.md).
 
 :func:`fit_shared_efficiency` fits that fraction on a generic pipeline measured once per machine
-(``engine.overhead.measure_cpu_costs``'s ``shared`` record: three ranks on two cores, two layers
+(``engine.overhead.measure_cpu_costs``'s ``shared`` records: three ranks on two cores, two layers
 each, 1F1B, GPipe and ZB-H2 at 4 and 8 microbatches and interleaved 1F1B at 6, so every way the
 runtime waits for its sends, ``engine.schedules.send_mode``): the efficiency ``e`` such that the
 plan of the same pipeline, with this machine's fixed costs and the layers' times measured alone,
 predicts the measured steps on ``e x cores`` cores (a geometric mean over the runs). One figure
 for every mode: fitted per mode, the modes differed by less than the held-out check's noise, and
-in opposite directions on the generic pipeline and on issue 39's MLP (docs/performance.md). The
-planner simulates a pipeline whose ranks outnumber its cores on ``FixedCosts.shared_efficiency x
-cores``.
+in opposite directions on the generic pipeline and on issue 39's MLP (docs/performance.md).
+
+A switch between ranks costs per action, not per unit of compute (the woken rank refills its
+caches): an efficiency fitted on large actions overstates what ranks with small ones get. The
+pipeline is measured at two microbatch sizes, 48 and 12 samples, and :func:`fit_shared_costs`
+fits the efficiency and a cost per compute action together (the pair that predicts both sizes'
+runs alike, on average); one size cannot tell them apart. The planner simulates a pipeline
+whose ranks outnumber its cores on ``FixedCosts.shared_efficiency x cores``, each compute action
+charged ``FixedCosts.shared_action_s`` more.
 
 Example::
 
@@ -33,15 +39,20 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import replace
-from typing import Any, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
 
 from .costs import FixedCosts, LayerCost, Profile
 
-__all__ = ["fit_shared_efficiency", "shared_pipeline_steps", "EFFICIENCY_RANGE"]
+__all__ = ["fit_shared_efficiency", "fit_shared_costs", "SharedFit", "shared_pipeline_steps", "EFFICIENCY_RANGE",
+           "ACTION_RANGE_S"]
 
 EFFICIENCY_RANGE = (0.3, 1.0)
 """The fitted efficiency is clamped to this range (1.0: the ranks get all of the cores' time)."""
+
+ACTION_RANGE_S = (0.0, 4e-3)
+"""The per-action cost :func:`fit_shared_costs` searches (seconds): up to about three times what
+this machine's shared pipeline fitted (1.2 ms, docs/performance.md)."""
 
 
 def _profile(rec: Mapping[str, Any], fixed: FixedCosts) -> Profile:
@@ -73,14 +84,17 @@ def _plans(rec: Mapping[str, Any], fixed: FixedCosts) -> list[Any]:
     return out
 
 
-def _step(plan: Any, efficiency: float) -> float:
-    shared = replace(plan, shared_cores=plan.shared_cores * efficiency) if plan.shared_cores else plan
+def _step(plan: Any, efficiency: float, action_s: float = 0.0) -> float:
+    shared = replace(plan, shared_cores=plan.shared_cores * efficiency, action_s=plan.action_s + action_s) \
+        if plan.shared_cores else plan
     return shared.predicted_step_s(shared.simulate())
 
 
-def shared_pipeline_steps(rec: Mapping[str, Any], fixed: FixedCosts, efficiency: float) -> list[float]:
+def shared_pipeline_steps(rec: Mapping[str, Any], fixed: FixedCosts, efficiency: float,
+                          action_s: float = 0.0) -> list[float]:
     """Per run of ``rec`` (in order), the step the plan predicts for the measured pipeline when
-    its ranks get ``efficiency`` of the cores' time.
+    its ranks get ``efficiency`` of the cores' time and each compute action costs ``action_s``
+    more (``FixedCosts.shared_action_s``).
 
     >>> rec = {"ranks": 3, "cores": 2, "layers_per_rank": 2, "size": 8, "width": 16, "hidden": 64,
     ...        "layer": {"forward_s": 1e-3, "backward_s": 2e-3},
@@ -88,18 +102,25 @@ def shared_pipeline_steps(rec: Mapping[str, Any], fixed: FixedCosts, efficiency:
     >>> shared_pipeline_steps(rec, FixedCosts(cores=2), 0.5)[0] > shared_pipeline_steps(rec, FixedCosts(cores=2), 1.0)[0]
     True
     """
-    return [_step(plan, efficiency) for plan in _plans(rec, fixed)]
+    return [_step(plan, efficiency, action_s) for plan in _plans(rec, fixed)]
 
 
-def fit_shared_efficiency(rec: Mapping[str, Any], fixed: FixedCosts, *, tolerance: float = 1e-3) -> float:
-    """The efficiency (within :data:`EFFICIENCY_RANGE`) at which the plan predicts ``rec``'s
-    measured steps: the mean over its runs of log(predicted / measured) brought to 0 by bisection
-    (the prediction grows as the efficiency falls). ``rec``: the ``shared`` record of
-    ``engine.overhead.measure_cpu_costs``; ``fixed``: this machine's fixed costs."""
-    runs = [(plan, float(run["step_s"])) for plan, run in zip(_plans(rec, fixed), rec["runs"])]
+def _records(recs: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One record (a mapping) or several as a list."""
+    return [recs] if isinstance(recs, Mapping) else list(recs)
 
+
+def _runs(recs: Mapping[str, Any] | Sequence[Mapping[str, Any]], fixed: FixedCosts) -> list[tuple[Any, float]]:
+    """Every run of every record: (its plan, its measured step)."""
+    return [(plan, float(run["step_s"])) for rec in _records(recs)
+            for plan, run in zip(_plans(rec, fixed), rec["runs"])]
+
+
+def _fit_efficiency(runs: list[tuple[Any, float]], action_s: float, tolerance: float) -> float:
+    """The efficiency within :data:`EFFICIENCY_RANGE` that brings the runs' mean log(predicted /
+    measured) to 0 (bisection: the prediction grows as the efficiency falls)."""
     def excess(e: float) -> float:
-        return sum(math.log(_step(plan, e) / measured) for plan, measured in runs) / len(runs)
+        return sum(math.log(_step(plan, e, action_s) / measured) for plan, measured in runs) / len(runs)
 
     lo, hi = EFFICIENCY_RANGE
     if excess(hi) >= 0:
@@ -110,3 +131,71 @@ def fit_shared_efficiency(rec: Mapping[str, Any], fixed: FixedCosts, *, toleranc
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
     return (lo + hi) / 2
+
+
+def fit_shared_efficiency(rec: Mapping[str, Any] | Sequence[Mapping[str, Any]], fixed: FixedCosts, *,
+                          action_s: float = 0.0, tolerance: float = 1e-3) -> float:
+    """The efficiency (within :data:`EFFICIENCY_RANGE`) at which the plan predicts ``rec``'s
+    measured steps, each compute action charged ``action_s`` more: the mean over its runs of
+    log(predicted / measured) brought to 0 by bisection. ``rec``: the ``shared`` record of
+    ``engine.overhead.measure_cpu_costs`` (or a list of them, e.g. one per microbatch size);
+    ``fixed``: this machine's fixed costs."""
+    return _fit_efficiency(_runs(rec, fixed), action_s, tolerance)
+
+
+@dataclass(frozen=True)
+class SharedFit:
+    """What :func:`fit_shared_costs` fitted: ``efficiency`` (``FixedCosts.shared_efficiency``),
+    ``action_s`` (``FixedCosts.shared_action_s``) and ``rms_log_error``, the root mean square
+    over the runs of log(predicted / measured) at them."""
+
+    efficiency: float
+    action_s: float
+    rms_log_error: float
+
+
+def _errors(runs: list[tuple[Any, float]], efficiency: float, action_s: float) -> list[float]:
+    return [math.log(_step(plan, efficiency, action_s) / measured) for plan, measured in runs]
+
+
+def _rms(runs: list[tuple[Any, float]], efficiency: float, action_s: float) -> float:
+    errs = _errors(runs, efficiency, action_s)
+    return math.sqrt(sum(x * x for x in errs) / len(errs))
+
+
+def fit_shared_costs(recs: Mapping[str, Any] | Sequence[Mapping[str, Any]], fixed: FixedCosts, *,
+                     max_action_s: float = ACTION_RANGE_S[1], tolerance: float = 1e-3) -> SharedFit:
+    """The efficiency and the per-action cost that ranks outnumbering their cores pay, fitted
+    together on the shared pipeline measured at two or more microbatch sizes (``recs``: the
+    ``shared`` records of ``engine.overhead.measure_cpu_costs``). For a per-action cost in
+    ``[0, max_action_s]``, the efficiency of :func:`fit_shared_efficiency` over every run; the
+    cost is the one at which each size's runs are predicted as well as the others' (the sizes'
+    mean log errors closest to each other: a grid, then a golden section around its best point).
+    Each size's mean is over the same schedules, so a schedule the plan favours weighs the same
+    at every size and only the actions' size tells the two apart; one size cannot (a longer step
+    is either). A cost per action weighs four times as much at a quarter of the samples.
+
+    >>> rec = {"ranks": 3, "cores": 2, "layers_per_rank": 2, "size": 8, "width": 16, "hidden": 64,
+    ...        "layer": {"forward_s": 1e-3, "backward_s": 2e-3},
+    ...        "runs": [{"schedule": "1f1b", "microbatches": 4, "step_s": 0.03}]}
+    >>> fit_shared_costs([rec], FixedCosts(cores=2)).efficiency <= 1.0
+    True
+    """
+    groups = [_runs(rec, fixed) for rec in _records(recs)]
+    runs = [run for group in groups for run in group]
+
+    def spread(a: float) -> float:   # how far apart the sizes' mean log errors are at this cost
+        e = _fit_efficiency(runs, a, tolerance)
+        means = [sum(_errors(group, e, a)) / len(group) for group in groups]
+        return max(means) - min(means)
+
+    grid = [max_action_s * k / 16 for k in range(17)]
+    best = min(range(len(grid)), key=lambda k: spread(grid[k]))
+    lo, hi = grid[max(0, best - 1)], grid[min(len(grid) - 1, best + 1)]
+    g = (math.sqrt(5) - 1) / 2
+    while hi - lo > max_action_s * 1e-3:
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        lo, hi = (lo, b) if spread(a) <= spread(b) else (a, hi)
+    a = (lo + hi) / 2
+    e = _fit_efficiency(runs, a, tolerance)
+    return SharedFit(efficiency=e, action_s=a, rms_log_error=_rms(runs, e, a))

@@ -80,10 +80,14 @@ def test_measure_cpu_costs_runs_and_caches(tmp_path, monkeypatch):
     assert all(v >= 0 for v in costs["step_cpu_s"].values())
     assert costs["message_cpu_byte_s"] >= 0 and costs["message_busy_bytes"] == 16384
     assert all(v > 0 for v in dict(costs["measured"]["main_cpu_s_per_step"]["compute"]).values())
-    shared = costs["shared"]   # three ranks on two cores: each schedule's step, a layer alone
-    assert (shared["ranks"], shared["cores"]) == (3, 2)
-    assert {(r["schedule"], r["microbatches"]) for r in shared["runs"]} == {
-        *((s, m) for s in ("1f1b", "gpipe", "zb-h2") for m in (4, 8)), ("interleaved-1f1b", 6)}
-    assert all(r["step_s"] > 0 for r in shared["runs"])
-    assert all(shared["layer"][k] > 0 for k in ("forward_s", "backward_s", "input_grad_s", "weight_grad_s"))
+    # three ranks on two cores at two microbatch sizes: each schedule's step, a layer alone
+    assert [rec["size"] for rec in costs["shared"]] == [48, 12]
+    for shared in costs["shared"]:
+        assert (shared["ranks"], shared["cores"]) == (3, 2)
+        assert {(r["schedule"], r["microbatches"]) for r in shared["runs"]} == {
+            *((s, m) for s in ("1f1b", "gpipe", "zb-h2") for m in (4, 8)), ("interleaved-1f1b", 6)}
+        assert all(r["step_s"] > 0 for r in shared["runs"])
+        assert all(shared["layer"][k] > 0 for k in ("forward_s", "backward_s", "input_grad_s", "weight_grad_s"))
+    small, large = (sum(rec["layer"][k] for k in ("forward_s", "backward_s")) for rec in costs["shared"][::-1])
+    assert small < large   # a quarter of the samples: a smaller action
     assert measure_cpu_costs(microbatches=(2, 4), steps=3, sizes=(256, 1 << 20)) == costs

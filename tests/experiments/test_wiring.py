@@ -330,11 +330,12 @@ def test_an_analytic_gpu_plan_charges_its_transfers_on_the_device_links_unless_a
     assert given.boundary_comm_s[0] > 100 * plan.boundary_comm_s[0]
 
 
-@pytest.mark.parametrize("stages, expected", [(3, 0.7), (2, 1.0)])
-def test_with_fixed_costs_fits_the_shared_cores_efficiency_when_ranks_outnumber_cores(
+@pytest.mark.parametrize("stages, expected", [(3, (0.7, 8e-4)), (2, (1.0, 0.0))])
+def test_with_fixed_costs_fits_the_shared_cores_costs_when_ranks_outnumber_cores(
         compose_cfg, monkeypatch, stages, expected):
-    """Three ranks on two cores: the plan's fixed costs carry the efficiency fitted on the
-    machine's shared-cores record (here made at 0.7); two ranks have a core each (1.0)."""
+    """Three ranks on two cores: the plan's fixed costs carry the efficiency and the cost per
+    action fitted on the machine's shared-cores records at two sizes (here made at 0.7 and
+    0.8 ms); two ranks have a core each (1.0, none)."""
     import engine.overhead as overhead
     import experiments.wiring as wiring
     from partitioner import FixedCosts, LayerCost, Profile
@@ -343,16 +344,19 @@ def test_with_fixed_costs_fits_the_shared_cores_efficiency_when_ranks_outnumber_
     base = {"action_s": 1e-4, "message_latency_s": 7e-5, "link_bytes_per_s": 5e9, "step_s": 6e-4,
             "optimizer_s_per_byte": {"sgd": 6e-11}, "message_busy_s": 4e-5}
     runs = [{"schedule": "1f1b", "microbatches": 4, "step_s": 0.0}, {"schedule": "gpipe", "microbatches": 8, "step_s": 0.0}]
-    rec = {"ranks": 3, "cores": 2, "layers_per_rank": 2, "size": 48, "width": 384, "hidden": 1536,
-           "layer": {"forward_s": 1.3e-3, "backward_s": 3.0e-3}, "runs": runs}
     cpu = {"step_cpu_s": {"compute": 3e-4, "step": 3e-4}, "message_cpu_s": 1e-4, "message_cpu_byte_s": 1e-10}
-    steps = shared_pipeline_steps(rec, FixedCosts.from_dict({**base, **cpu, "cores": 2}), 0.7)
-    rec["runs"] = [{**run, "step_s": t} for run, t in zip(runs, steps)]
+    recs = []
+    for size, scale in ((48, 1.0), (12, 0.25)):
+        rec = {"ranks": 3, "cores": 2, "layers_per_rank": 2, "size": size, "width": 384, "hidden": 1536,
+               "layer": {"forward_s": 1.3e-3 * scale, "backward_s": 3.0e-3 * scale}, "runs": runs}
+        steps = shared_pipeline_steps(rec, FixedCosts.from_dict({**base, **cpu, "cores": 2}), 0.7, 8e-4)
+        recs.append({**rec, "runs": [{**run, "step_s": t} for run, t in zip(runs, steps)]})
     monkeypatch.setattr(overhead, "measure_fixed_costs", lambda: dict(base))
-    monkeypatch.setattr(overhead, "measure_cpu_costs", lambda: {**cpu, "shared": rec})
+    monkeypatch.setattr(overhead, "measure_cpu_costs", lambda: {**cpu, "shared": recs})
     monkeypatch.setattr(wiring, "available_cores", lambda: 2)
     cfg = compose_cfg("experiment=smoke", f"pipeline.stages={stages}", "train.device=cpu",
                       "partitioner.profile=measure", "partitioner.fixed_costs=true")
     layer = LayerCost(forward_s=1e-3, backward_s=2e-3, param_bytes=4096, activation_bytes=1024, output_bytes=512)
     fixed = wiring.with_fixed_costs(cfg, Profile([layer] * 4)).fixed
-    assert fixed.cores == 2 and fixed.shared_efficiency == pytest.approx(expected, abs=2e-3)
+    assert fixed.cores == 2 and fixed.shared_efficiency == pytest.approx(expected[0], abs=0.01)
+    assert fixed.shared_action_s == pytest.approx(expected[1], abs=4e-5)

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from partitioner import FixedCosts, LayerCost, Profile, partition
-from partitioner.shared import EFFICIENCY_RANGE, fit_shared_efficiency, shared_pipeline_steps
+from partitioner.shared import EFFICIENCY_RANGE, fit_shared_costs, fit_shared_efficiency, shared_pipeline_steps
 
 RUNS = [{"schedule": s, "microbatches": m, "step_s": 0.0} for m in (4, 8) for s in ("1f1b", "gpipe", "zb-h2")]
 RUNS.append({"schedule": "interleaved-1f1b", "microbatches": 6, "virtual_stages": 2, "step_s": 0.0})
@@ -72,3 +72,46 @@ def test_the_planner_shares_only_the_cores_ranks_outnumber(schedule):
     assert not [n for n in plan(3, 1.0).notes + plan(2, 0.6).notes if "CPU cores" in n]
     assert plan(2, 0.6).shared_cores == plan(2, 1.0).shared_cores == 2
     assert plan(2, 0.6).step_s == plan(2, 1.0).step_s
+
+
+# the same pipeline at a quarter of the samples: each layer about a quarter of the time
+SMALL = {**REC, "size": 12, "layer": {k: v / 4 for k, v in REC["layer"].items()}}
+
+
+def _made(rec: dict, efficiency: float, action_s: float) -> dict:
+    return {**rec, "runs": [{**run, "step_s": t}
+                            for run, t in zip(RUNS, shared_pipeline_steps(rec, FIXED, efficiency, action_s))]}
+
+
+@pytest.mark.parametrize("true_e, true_a", [(0.95, 1.2e-3), (0.7, 3e-4), (0.8, 0.0)])
+def test_the_joint_fit_recovers_the_efficiency_and_the_cost_per_action(true_e, true_a):
+    """Steps made at two sizes with a known efficiency and cost per compute action: the fit
+    finds both, and predicts every run."""
+    fit = fit_shared_costs([_made(REC, true_e, true_a), _made(SMALL, true_e, true_a)], FIXED)
+    assert fit.efficiency == pytest.approx(true_e, abs=0.01)
+    assert fit.action_s == pytest.approx(true_a, abs=4e-5)
+    assert fit.rms_log_error < 5e-3
+
+
+def test_one_efficiency_cannot_fit_two_sizes_that_a_cost_per_action_made():
+    """A cost per action weighs four times as much at a quarter of the samples: the efficiency
+    alone fits each size to a different figure and misses both together; the joint fit does not."""
+    recs = [_made(REC, 0.95, 1.2e-3), _made(SMALL, 0.95, 1.2e-3)]
+    large, small = (fit_shared_efficiency(rec, FIXED) for rec in recs)
+    assert small < large - 0.1
+    alone = fit_shared_efficiency(recs, FIXED)
+    errors = [math.log(p / r["step_s"]) for rec in recs
+              for p, r in zip(shared_pipeline_steps(rec, FIXED, alone), rec["runs"])]
+    assert math.sqrt(sum(x * x for x in errors) / len(errors)) > 10 * fit_shared_costs(recs, FIXED).rms_log_error
+
+
+def test_the_planner_charges_the_cost_per_action_only_where_ranks_outnumber_cores():
+    layer = LayerCost(forward_s=1e-3, backward_s=2e-3, param_bytes=4096, activation_bytes=1024, output_bytes=512)
+    prof = Profile([layer] * 6, fixed=replace(FIXED, shared_efficiency=0.9, shared_action_s=1e-3))
+    plan = {p: partition(prof, p, schedule="1f1b", microbatches=4, optimizer="sgd") for p in (2, 3)}
+    assert plan[3].action_s == pytest.approx(plan[2].action_s + 1e-3)
+    said = [n for n in plan[3].notes if "CPU cores" in n]
+    assert said and "1.00 ms more per compute action" in said[0]
+    without = partition(replace(prof, fixed=replace(prof.fixed, shared_action_s=0.0)), 3, schedule="1f1b",
+                        microbatches=4, optimizer="sgd")
+    assert plan[3].step_s > without.step_s
