@@ -552,7 +552,8 @@ def with_fixed_costs(cfg: Any, prof: Any) -> Any:
     fixed = FixedCosts.from_dict({**measure_fixed_costs(), **cpu, "cores": cores})
     if "shared" in cpu:   # ranks outnumbering the cores: the fraction of the cores' time they get
         fit = _shared_fit(json.dumps(cpu["shared"], sort_keys=True), json.dumps(dataclasses.asdict(fixed), sort_keys=True))
-        fixed = dataclasses.replace(fixed, shared_efficiency=fit.efficiency, shared_action_s=fit.action_s)
+        fixed = dataclasses.replace(fixed, shared_efficiency=fit.efficiency, shared_action_s=fit.action_s,
+                                    shared_efficiency_by_mode=dict(fit.by_mode))
     return dataclasses.replace(prof, fixed=fixed)
 
 

@@ -203,6 +203,10 @@ class FixedCosts:
       (``partitioner.shared.fit_shared_costs``, from a pipeline of three ranks on two cores
       measured by ``engine.overhead.measure_cpu_costs`` at two microbatch sizes); the plan
       simulates such a pipeline on ``cores x shared_efficiency``. 1.0: not measured.
+    - ``shared_efficiency_by_mode``: per runtime mode (``engine.schedules.send_mode``), that
+      fraction where it was fitted apart (``fit_shared_costs``: the schedules that wait for their
+      sends before each compute block more often); a mode not in it gets ``shared_efficiency``
+      (:meth:`shared_efficiency_for`).
     - ``shared_action_s``: what each compute action costs such ranks beyond ``action_s`` (a
       switch between ranks and the caches it refills; fitted with ``shared_efficiency``, which
       the size of the actions tells apart from it); charged only when ranks outnumber the cores.
@@ -235,6 +239,7 @@ class FixedCosts:
     step_s_yield: float | None = None
     cores: int | None = None
     shared_efficiency: float = 1.0
+    shared_efficiency_by_mode: dict[str, float] = field(default_factory=dict)
     shared_action_s: float = 0.0
     step_cpu_s: dict[str, float] = field(default_factory=dict)
     message_cpu_s: float = 0.0
@@ -256,6 +261,15 @@ class FixedCosts:
         action, step = own[mode]
         return (self.action_s if action is None else action,
                 self.step_s if step is None else step)
+
+    def shared_efficiency_for(self, mode: str) -> float:
+        """The fraction of the shared cores' time that ranks outnumbering them get under a
+        schedule the runtime runs in ``mode`` (``engine.schedules.send_mode``).
+
+        >>> FixedCosts(shared_efficiency=0.8, shared_efficiency_by_mode={"step": 0.9}).shared_efficiency_for("compute")
+        0.8
+        """
+        return float(self.shared_efficiency_by_mode.get(mode, self.shared_efficiency))
 
     def shared_cpu(self, mode: str, message_bytes: float) -> tuple[float, float]:
         """(per step, per message end of ``message_bytes``) CPU seconds that a rank spends off its

@@ -1095,7 +1095,7 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
         stage_backward_s=b_c, stage_weight_s=w_c, boundary_comm_s=comm_b,
         rank_memory_bytes=[int(math.ceil(x)) for x in rank_mem], rank_fits=rank_fits,
         rank_memory_breakdown=[{k: int(math.ceil(x)) for k, x in d.items()} for d in breakdown],
-        precision=prob.memory.precision, layer_names=prob.names, notes=notes + _shared_cores_note(prob, fixed),
+        precision=prob.memory.precision, layer_names=prob.names, notes=notes + _shared_cores_note(prob, fixed, settings),
         rank_collective_s=_rank_collective_s(prob, bounds), **fixed, **settings)
 
 
@@ -1140,17 +1140,19 @@ def _chunk_shares(prob: _Problem, bounds: list[tuple[int, int]], act_c: list[flo
     return shares
 
 
-def _shared_cores_note(prob: _Problem, fixed: dict[str, Any]) -> list[str]:
+def _shared_cores_note(prob: _Problem, fixed: dict[str, Any], settings: dict[str, Any]) -> list[str]:
     """The plan's note when its ranks outnumber the CPU cores they share and get a measured
-    fraction of their time (``FixedCosts.shared_efficiency``) and pay a measured cost per compute
-    action (``FixedCosts.shared_action_s``)."""
-    e = prob.fixed.shared_efficiency if prob.fixed is not None else 1.0
-    a = prob.fixed.shared_action_s if prob.fixed is not None else 0.0
+    fraction of their time (``FixedCosts.shared_efficiency_for`` its runtime mode) and pay a
+    measured cost per compute action (``FixedCosts.shared_action_s``)."""
     cores = fixed.get("shared_cores")
-    if cores is None or cores >= prob.p or (e == 1.0 and a == 0.0):
+    if cores is None or prob.fixed is None or not prob.fixed.cores:
+        return []
+    whole = prob.fixed.cores / (settings["data_parallel"] * settings.get("tensor_parallel", 1))
+    e, a = cores / whole, prob.fixed.shared_action_s
+    if whole >= prob.p or (e == 1.0 and a == 0.0):
         return []
     per_action = f" and {a * 1e3:.2f} ms more per compute action" if a else ""
-    return [f"{prob.p} ranks share {cores / e:g} CPU cores: simulated on {cores:.2f} of them (the fraction "
+    return [f"{prob.p} ranks share {whole:g} CPU cores: simulated on {cores:.2f} of them (the fraction "
             f"{e:.3f} of the cores' time such ranks got on this machine's measured pipeline{per_action}, "
             "partitioner.shared)"]
 
@@ -1171,7 +1173,7 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
     # once (the local launcher): a simulated rank needs tensor_parallel of them
     cores = fixed.cores / (settings["data_parallel"] * settings.get("tensor_parallel", 1)) if fixed.cores else None
     if cores is not None and cores < prob.p:   # ranks outnumbering the cores get less than all their time
-        cores, action = cores * fixed.shared_efficiency, action + fixed.shared_action_s
+        cores, action = cores * fixed.shared_efficiency_for(mode), action + fixed.shared_action_s
     # the CPU off the actions, charged only when the ranks outnumber the cores (Plan.shares_cores)
     shared = [fixed.shared_cpu(mode, float(prob.out[e - 1])) for _, e in bounds[:-1]]
     return {"action_s": action, "message_busy_s": fixed.message_busy_s,

@@ -14,17 +14,18 @@ them all (docs/performance.md).
 each, 1F1B, GPipe and ZB-H2 at 4 and 8 microbatches and interleaved 1F1B at 6, so every way the
 runtime waits for its sends, ``engine.schedules.send_mode``): the efficiency ``e`` such that the
 plan of the same pipeline, with this machine's fixed costs and the layers' times measured alone,
-predicts the measured steps on ``e x cores`` cores (a geometric mean over the runs). One figure
-for every mode: fitted per mode, the modes differed by less than the held-out check's noise, and
-in opposite directions on the generic pipeline and on issue 39's MLP (docs/performance.md).
+predicts the measured steps on ``e x cores`` cores (a geometric mean over the runs).
 
 A switch between ranks costs per action, not per unit of compute (the woken rank refills its
 caches): an efficiency fitted on large actions overstates what ranks with small ones get. The
 pipeline is measured at two microbatch sizes, 48 and 12 samples, and :func:`fit_shared_costs`
 fits the efficiency and a cost per compute action together (the pair that predicts both sizes'
-runs alike, on average); one size cannot tell them apart. The planner simulates a pipeline
-whose ranks outnumber its cores on ``FixedCosts.shared_efficiency x cores``, each compute action
-charged ``FixedCosts.shared_action_s`` more.
+runs alike, on average); one size cannot tell them apart. At that cost it fits the efficiency
+of each runtime mode apart: the schedules that wait for their sends before each compute (1F1B,
+GPipe) get less of the cores than those that wait once per step (the zero-bubble ones), on the
+generic pipeline and on issue 39's MLP alike (docs/performance.md). The planner simulates a
+pipeline whose ranks outnumber its cores on ``FixedCosts.shared_efficiency_for(mode) x cores``,
+each compute action charged ``FixedCosts.shared_action_s`` more.
 
 Example::
 
@@ -39,7 +40,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from .costs import FixedCosts, LayerCost, Profile
@@ -64,7 +65,8 @@ def _profile(rec: Mapping[str, Any], fixed: FixedCosts) -> Profile:
                       output_bytes=w * size * 4)
     n = int(rec["ranks"]) * int(rec["layers_per_rank"])
     return Profile([layer] * n, meta={"what": "engine.overhead shared pipeline"},
-                   fixed=replace(fixed, cores=int(rec["cores"]), shared_efficiency=1.0))
+                   fixed=replace(fixed, cores=int(rec["cores"]), shared_efficiency=1.0, shared_efficiency_by_mode={},
+                                 shared_action_s=0.0))
 
 
 def _plans(rec: Mapping[str, Any], fixed: FixedCosts) -> list[Any]:
@@ -90,11 +92,19 @@ def _step(plan: Any, efficiency: float, action_s: float = 0.0) -> float:
     return shared.predicted_step_s(shared.simulate())
 
 
-def shared_pipeline_steps(rec: Mapping[str, Any], fixed: FixedCosts, efficiency: float,
+def _mode(plan: Any) -> str:
+    """The runtime mode of a plan's schedule (``engine.schedules.send_mode``)."""
+    from engine.schedules import send_mode
+
+    return send_mode(plan.build_schedule())
+
+
+def shared_pipeline_steps(rec: Mapping[str, Any], fixed: FixedCosts, efficiency: float | Mapping[str, float],
                           action_s: float = 0.0) -> list[float]:
     """Per run of ``rec`` (in order), the step the plan predicts for the measured pipeline when
-    its ranks get ``efficiency`` of the cores' time and each compute action costs ``action_s``
-    more (``FixedCosts.shared_action_s``).
+    its ranks get ``efficiency`` of the cores' time (a mapping: per runtime mode,
+    ``SharedFit.by_mode``) and each compute action costs ``action_s`` more
+    (``FixedCosts.shared_action_s``).
 
     >>> rec = {"ranks": 3, "cores": 2, "layers_per_rank": 2, "size": 8, "width": 16, "hidden": 64,
     ...        "layer": {"forward_s": 1e-3, "backward_s": 2e-3},
@@ -102,7 +112,10 @@ def shared_pipeline_steps(rec: Mapping[str, Any], fixed: FixedCosts, efficiency:
     >>> shared_pipeline_steps(rec, FixedCosts(cores=2), 0.5)[0] > shared_pipeline_steps(rec, FixedCosts(cores=2), 1.0)[0]
     True
     """
-    return [_step(plan, efficiency, action_s) for plan in _plans(rec, fixed)]
+    plans = _plans(rec, fixed)
+    if isinstance(efficiency, Mapping):
+        return [_step(plan, float(efficiency[_mode(plan)]), action_s) for plan in plans]
+    return [_step(plan, efficiency, action_s) for plan in plans]
 
 
 def _records(recs: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -120,7 +133,7 @@ def _fit_efficiency(runs: list[tuple[Any, float]], action_s: float, tolerance: f
     """The efficiency within :data:`EFFICIENCY_RANGE` that brings the runs' mean log(predicted /
     measured) to 0 (bisection: the prediction grows as the efficiency falls)."""
     def excess(e: float) -> float:
-        return sum(math.log(_step(plan, e, action_s) / measured) for plan, measured in runs) / len(runs)
+        return sum(_errors(runs, e, action_s)) / len(runs)
 
     lo, hi = EFFICIENCY_RANGE
     if excess(hi) >= 0:
@@ -145,16 +158,20 @@ def fit_shared_efficiency(rec: Mapping[str, Any] | Sequence[Mapping[str, Any]], 
 
 @dataclass(frozen=True)
 class SharedFit:
-    """What :func:`fit_shared_costs` fitted: ``efficiency`` (``FixedCosts.shared_efficiency``),
-    ``action_s`` (``FixedCosts.shared_action_s``) and ``rms_log_error``, the root mean square
-    over the runs of log(predicted / measured) at them."""
+    """What :func:`fit_shared_costs` fitted: ``efficiency`` over every run
+    (``FixedCosts.shared_efficiency``), ``by_mode`` the same per runtime mode
+    (``FixedCosts.shared_efficiency_by_mode``), ``action_s`` (``FixedCosts.shared_action_s``) and
+    ``rms_log_error``, the root mean square over the runs of log(predicted / measured) under
+    ``by_mode`` and ``action_s``."""
 
     efficiency: float
     action_s: float
     rms_log_error: float
+    by_mode: dict[str, float] = field(default_factory=dict)
 
 
 def _errors(runs: list[tuple[Any, float]], efficiency: float, action_s: float) -> list[float]:
+    """Per run, log(predicted / measured)."""
     return [math.log(_step(plan, efficiency, action_s) / measured) for plan, measured in runs]
 
 
@@ -197,5 +214,10 @@ def fit_shared_costs(recs: Mapping[str, Any] | Sequence[Mapping[str, Any]], fixe
         a, b = hi - g * (hi - lo), lo + g * (hi - lo)
         lo, hi = (lo, b) if spread(a) <= spread(b) else (a, hi)
     a = (lo + hi) / 2
-    e = _fit_efficiency(runs, a, tolerance)
-    return SharedFit(efficiency=e, action_s=a, rms_log_error=_rms(runs, e, a))
+    modes: dict[str, list[tuple[Any, float]]] = {}
+    for run in runs:
+        modes.setdefault(_mode(run[0]), []).append(run)
+    by_mode = {mode: _fit_efficiency(group, a, tolerance) for mode, group in sorted(modes.items())}
+    errors = [x for mode, group in modes.items() for x in _errors(group, by_mode[mode], a)]
+    return SharedFit(efficiency=_fit_efficiency(runs, a, tolerance), action_s=a,
+                     rms_log_error=math.sqrt(sum(x * x for x in errors) / len(errors)), by_mode=by_mode)

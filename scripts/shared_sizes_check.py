@@ -33,11 +33,12 @@ def main() -> None:
     for _ in range(args.rounds):
         recs = launch(ov._shared_worker, 3, args.steps, 3, tuple(args.sizes), timeout_s=900)[0]
         fit = fit_shared_costs(recs, fixed)
-        print(f"both sizes: e = {fit.efficiency:.3f}, {fit.action_s * 1e3:.2f} ms per action, "
+        modes = ", ".join(f"{mode} {e:.3f}" for mode, e in fit.by_mode.items())
+        print(f"both sizes: e = {fit.efficiency:.3f} ({modes}), {fit.action_s * 1e3:.2f} ms per action, "
               f"rms log error {fit.rms_log_error:.3f}", flush=True)
         for rec in recs:
             runs = ", ".join(f"{r['schedule']} m={r['microbatches']} {r['step_s'] * 1e3:.1f} ms ({r['step_s'] / p - 1:+.0%})"
-                             for r, p in zip(rec["runs"], shared_pipeline_steps(rec, fixed, fit.efficiency, fit.action_s)))
+                             for r, p in zip(rec["runs"], shared_pipeline_steps(rec, fixed, fit.by_mode, fit.action_s)))
             alone = rec["layer"]["forward_s"] + rec["layer"]["backward_s"]
             print(f"size {rec['size']}: e alone = {fit_shared_efficiency(rec, fixed):.3f}, the layer alone F + B "
                   f"{alone * 1e3:.2f} ms; {runs}", flush=True)

@@ -360,3 +360,4 @@ def test_with_fixed_costs_fits_the_shared_cores_costs_when_ranks_outnumber_cores
     fixed = wiring.with_fixed_costs(cfg, Profile([layer] * 4)).fixed
     assert fixed.cores == 2 and fixed.shared_efficiency == pytest.approx(expected[0], abs=0.01)
     assert fixed.shared_action_s == pytest.approx(expected[1], abs=4e-5)
+    assert fixed.shared_efficiency_by_mode == ({} if stages == 2 else pytest.approx({"compute": 0.7}, abs=0.01))

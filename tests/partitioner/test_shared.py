@@ -89,6 +89,7 @@ def test_the_joint_fit_recovers_the_efficiency_and_the_cost_per_action(true_e, t
     finds both, and predicts every run."""
     fit = fit_shared_costs([_made(REC, true_e, true_a), _made(SMALL, true_e, true_a)], FIXED)
     assert fit.efficiency == pytest.approx(true_e, abs=0.01)
+    assert fit.by_mode == pytest.approx({"compute": true_e, "step": true_e, "yield": true_e}, abs=0.01)
     assert fit.action_s == pytest.approx(true_a, abs=4e-5)
     assert fit.rms_log_error < 5e-3
 
@@ -115,3 +116,26 @@ def test_the_planner_charges_the_cost_per_action_only_where_ranks_outnumber_core
     without = partition(replace(prof, fixed=replace(prof.fixed, shared_action_s=0.0)), 3, schedule="1f1b",
                         microbatches=4, optimizer="sgd")
     assert plan[3].step_s > without.step_s
+
+
+def test_the_fit_gives_each_runtime_mode_its_own_efficiency():
+    """Steps made with the schedules that wait for their sends before each compute (1F1B, GPipe:
+    mode "compute") at 0.7, the zero-bubble ones (mode "step") at 0.85 and interleaved ("yield") at
+    0.8, all with 0.5 ms per action: each mode's efficiency comes back, and the runs are predicted."""
+    true = {"compute": 0.7, "step": 0.85, "yield": 0.8}
+    recs = [{**rec, "runs": [{**run, "step_s": t} for run, t in zip(RUNS, shared_pipeline_steps(rec, FIXED, true, 5e-4))]}
+            for rec in (REC, SMALL)]
+    fit = fit_shared_costs(recs, FIXED)
+    assert fit.by_mode == pytest.approx(true, abs=0.02)
+    assert fit.action_s == pytest.approx(5e-4, abs=1e-4)
+    assert fit.rms_log_error < 0.01
+
+
+def test_the_planner_shares_the_cores_at_its_schedules_own_efficiency():
+    layer = LayerCost(forward_s=1e-3, backward_s=2e-3, param_bytes=4096, activation_bytes=1024, output_bytes=512)
+    fixed = replace(FIXED, shared_efficiency=0.75, shared_efficiency_by_mode={"compute": 0.7, "step": 0.9})
+    prof = Profile([layer] * 6, fixed=fixed)
+    plan = {s: partition(prof, 3, schedule=s, microbatches=6, optimizer="sgd", virtual_stages=2 if s.startswith("inter") else 1)
+            for s in ("1f1b", "gpipe", "zb-h2", "interleaved-1f1b")}
+    assert [plan[s].shared_cores for s in plan] == pytest.approx([1.4, 1.4, 1.8, 1.5])
+    assert "the fraction 0.900 of the cores' time" in [n for n in plan["zb-h2"].notes if "CPU cores" in n][0]
