@@ -175,11 +175,6 @@ def _errors(runs: list[tuple[Any, float]], efficiency: float, action_s: float) -
     return [math.log(_step(plan, efficiency, action_s) / measured) for plan, measured in runs]
 
 
-def _rms(runs: list[tuple[Any, float]], efficiency: float, action_s: float) -> float:
-    errs = _errors(runs, efficiency, action_s)
-    return math.sqrt(sum(x * x for x in errs) / len(errs))
-
-
 def fit_shared_costs(recs: Mapping[str, Any] | Sequence[Mapping[str, Any]], fixed: FixedCosts, *,
                      max_action_s: float = ACTION_RANGE_S[1], tolerance: float = 1e-3) -> SharedFit:
     """The efficiency and the per-action cost that ranks outnumbering their cores pay, fitted
@@ -190,7 +185,9 @@ def fit_shared_costs(recs: Mapping[str, Any] | Sequence[Mapping[str, Any]], fixe
     mean log errors closest to each other: a grid, then a golden section around its best point).
     Each size's mean is over the same schedules, so a schedule the plan favours weighs the same
     at every size and only the actions' size tells the two apart; one size cannot (a longer step
-    is either). A cost per action weighs four times as much at a quarter of the samples.
+    is either). A cost per action weighs four times as much at a quarter of the samples. At that
+    cost, ``SharedFit.by_mode`` is the efficiency fitted on each runtime mode's runs apart
+    (``engine.schedules.send_mode`` of the run's schedule).
 
     >>> rec = {"ranks": 3, "cores": 2, "layers_per_rank": 2, "size": 8, "width": 16, "hidden": 64,
     ...        "layer": {"forward_s": 1e-3, "backward_s": 2e-3},
