@@ -1144,10 +1144,9 @@ def _shared_cores_note(prob: _Problem, fixed: dict[str, Any], settings: dict[str
     """The plan's note when its ranks outnumber the CPU cores they share and get a measured
     fraction of their time (``FixedCosts.shared_efficiency_for`` its runtime mode) and pay a
     measured cost per compute action (``FixedCosts.shared_action_s``)."""
-    cores = fixed.get("shared_cores")
-    if cores is None or prob.fixed is None or not prob.fixed.cores:
+    cores, whole = fixed.get("shared_cores"), _rank_cores(prob.fixed, settings) if prob.fixed is not None else None
+    if cores is None or whole is None:
         return []
-    whole = prob.fixed.cores / (settings["data_parallel"] * settings.get("tensor_parallel", 1))
     e, a = cores / whole, prob.fixed.shared_action_s
     if whole >= prob.p or (e == 1.0 and a == 0.0):
         return []
@@ -1155,6 +1154,13 @@ def _shared_cores_note(prob: _Problem, fixed: dict[str, Any], settings: dict[str
     return [f"{prob.p} ranks share {whole:g} CPU cores: simulated on {cores:.2f} of them (the fraction "
             f"{e:.3f} of the cores' time such ranks got on this machine's measured pipeline{per_action}, "
             "partitioner.shared)"]
+
+
+def _rank_cores(fixed: FixedCosts, settings: dict[str, Any]) -> float | None:
+    """The cores one pipeline's ranks share (None: a processor per rank). The replicas'
+    pipelines, and each pipeline rank's tp ranks, run on the machine's cores at once (the local
+    launcher): a simulated rank needs tensor_parallel of them."""
+    return fixed.cores / (settings["data_parallel"] * settings.get("tensor_parallel", 1)) if fixed.cores else None
 
 
 def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[str, Any]) -> dict[str, Any]:
@@ -1169,9 +1175,7 @@ def _fixed_fields(prob: _Problem, bounds: list[tuple[int, int]], settings: dict[
     sched = build_schedule(prob.schedule, prob.p, prob.m, prob.v, max_inflight=prob.max_inflight)
     mode = send_mode(sched)
     action, step = fixed.runtime_costs(mode)
-    # the replicas' pipelines, and each pipeline rank's tp ranks, run on the machine's cores at
-    # once (the local launcher): a simulated rank needs tensor_parallel of them
-    cores = fixed.cores / (settings["data_parallel"] * settings.get("tensor_parallel", 1)) if fixed.cores else None
+    cores = _rank_cores(fixed, settings)
     if cores is not None and cores < prob.p:   # ranks outnumbering the cores get less than all their time
         cores, action = cores * fixed.shared_efficiency_for(mode), action + fixed.shared_action_s
     # the CPU off the actions, charged only when the ranks outnumber the cores (Plan.shares_cores)

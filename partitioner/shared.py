@@ -205,12 +205,7 @@ def fit_shared_costs(recs: Mapping[str, Any] | Sequence[Mapping[str, Any]], fixe
 
     grid = [max_action_s * k / 16 for k in range(17)]
     best = min(range(len(grid)), key=lambda k: spread(grid[k]))
-    lo, hi = grid[max(0, best - 1)], grid[min(len(grid) - 1, best + 1)]
-    g = (math.sqrt(5) - 1) / 2
-    while hi - lo > max_action_s * 1e-3:
-        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-        lo, hi = (lo, b) if spread(a) <= spread(b) else (a, hi)
-    a = (lo + hi) / 2
+    a = _golden_min(spread, grid[max(0, best - 1)], grid[min(len(grid) - 1, best + 1)], max_action_s * 1e-3)
     modes: dict[str, list[tuple[Any, float]]] = {}
     for run in runs:
         modes.setdefault(_mode(run[0]), []).append(run)
@@ -218,3 +213,21 @@ def fit_shared_costs(recs: Mapping[str, Any] | Sequence[Mapping[str, Any]], fixe
     errors = [x for mode, group in modes.items() for x in _errors(group, by_mode[mode], a)]
     return SharedFit(efficiency=_fit_efficiency(runs, a, tolerance), action_s=a,
                      rms_log_error=math.sqrt(sum(x * x for x in errors) / len(errors)), by_mode=by_mode)
+
+
+def _golden_min(f: Any, lo: float, hi: float, tolerance: float) -> float:
+    """The minimum of a unimodal ``f`` on ``[lo, hi]`` by golden section, one new evaluation per
+    step (the inner point kept is the next step's other)."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = f(a), f(b)
+    while hi - lo > tolerance:
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = f(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = f(b)
+    return (lo + hi) / 2
