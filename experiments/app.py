@@ -10,6 +10,7 @@ Example (an entry point's `main`)::
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 from typing import Any, Callable, Iterator
 
@@ -49,3 +50,7 @@ def hydra_entry(task: Callable[[Any, str], Any]) -> None:
             task(as_config(cfg), HydraConfig.get().runtime.output_dir)
 
     _task()
+    # The interpreter's last garbage collection walks every object torch, Hydra and the app made
+    # (about 0.7 s on 2 cores) only to free memory the process is about to give back; frozen
+    # objects are left out of it. Atexit handlers (W&B, logging) still run.
+    gc.freeze()

@@ -86,6 +86,7 @@ def hf_model_from_layers(model_cfg: Any, layers: Mapping[int, Mapping[str, Any]]
     import torch
 
     from experiments.models.hf import config_from_json, layer_prefixes, meta_reference, model_class
+    from partitioner.meta import meta_device
 
     config_json = _config_json(model_cfg)
     config = config_from_json(config_json)
@@ -101,7 +102,7 @@ def hf_model_from_layers(model_cfg: Any, layers: Mapping[int, Mapping[str, Any]]
         head = state.pop(head_key)
         if not torch.equal(head, state[f"{lay.embed}.weight"]):
             raise ConfigError("the checkpoint's LM head and embedding differ although the model ties them")
-    with torch.device("meta"):
+    with meta_device():
         model = model_class(config)(config)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or [k for k in missing if not (tied and k == head_key)]:

@@ -122,14 +122,14 @@ def encode_prompts(cfg: Config, texts: Sequence[str]) -> tuple[list[list[int]], 
 def stage_split(spec: Any, stages: int, costs: Sequence[float] | None = None) -> list[tuple[int, int]]:
     """Contiguous stage ranges balancing `costs` per pipeline layer (:func:`decode_costs`), or
     without them the parameters that compute (embedding lookups are free)."""
-    import torch
     from torch import nn
 
+    from partitioner.meta import meta_device
     from partitioner.solve import Infeasible, parameter_split
 
     if costs is None:
         costs = []
-        with torch.device("meta"):
+        with meta_device():
             for factory in spec.layers:
                 layer = factory()
                 lookup = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Embedding))
@@ -234,8 +234,6 @@ def generate_worker(job: GenerateJob) -> dict:
 
 def _reference_model(cfg: Config, spec: Any) -> Any:
     """The whole model as a transformers model, with the weights the pipeline used."""
-    import torch
-
     from experiments.export_hf import hf_model_from_layers
 
     pretrained = cfg.model.pretrained

@@ -128,7 +128,12 @@ def _checked_choice(config: Config) -> Config:
 
 
 def _prepare(cfg: Config, run_dir: Path) -> Job:
-    """Model, resume point, plan (printed and saved)."""
+    """Model, resume point, plan (printed and saved). Once the input has passed its checks, the
+    workers' fork server imports torch during planning, on another core: a measured profile
+    beside it times the same within its noise (docs/performance.md), and the fixed costs' own
+    workers wait for it to be ready. A plan that does not fit still refuses the job (exit 2);
+    the idle server then leaves when its import is done."""
+    from engine.launch import prestart
     from experiments.models import build_model
 
     spec = build_model(cfg.model)
@@ -136,6 +141,7 @@ def _prepare(cfg: Config, run_dir: Path) -> Job:
     if resume is not None:
         check_checkpoint_model(resume, spec)
     data = _prepare_data(cfg, resume)
+    prestart()
     plan = _plan_for(cfg, spec, run_dir, resume)
     print(f"model {spec.name}: {len(spec.layers)} pipeline layers, {spec.num_params:,} parameters", flush=True)
     print(plan.summary(), flush=True)

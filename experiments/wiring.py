@@ -356,12 +356,11 @@ def resume_checkpoint(cfg: Any, run_dir: str | os.PathLike) -> Path | None:
 
 def check_checkpoint_model(path: Path, spec: Any) -> None:
     """Fail before any worker starts when the checkpoint is for another model (meta device)."""
-    import torch
-
     from engine.checkpoint import MANIFEST, layer_specs, model_fingerprint
+    from partitioner.meta import meta_device
 
     manifest = json.loads((path / MANIFEST).read_text())
-    with torch.device("meta"):
+    with meta_device():
         mine = layer_specs({i: f().state_dict() for i, f in enumerate(spec.layers)})
     if manifest.get("num_layers") != len(mine) or manifest.get("fingerprint") != model_fingerprint(mine):
         raise ConfigError(

@@ -56,6 +56,7 @@ from typing import Any, Callable
 from engine.caches import CacheEvictor, check_caches
 from .costs import LayerCost, Profile
 from .devices import ATTENTION_BACKENDS, DeviceSpec, get_device_spec
+from .meta import meta_device
 
 __all__ = ["forward_op_times", "profile", "layer_sources", "split_times"]
 
@@ -714,7 +715,7 @@ def forward_op_times(factory: Callable, example_input: Any, *, device_spec: "str
     spec = get_device_spec(device_spec)
     meta = torch.device("meta")
     tdtype = dtype if (dtype is None or isinstance(dtype, torch.dtype)) else getattr(torch, str(dtype))
-    with torch.device(meta):
+    with meta_device():
         layer = _build(factory, meta, tdtype)
     x = _prep_input(example_input, meta, tdtype, True)
     pdtype = next((p.dtype for p in layer.parameters() if p.is_floating_point()), None)
@@ -747,7 +748,6 @@ def _attention_mode(backend: str | None, spec: DeviceSpec | None = None):
     """
     import contextlib
 
-    import torch
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
@@ -870,7 +870,7 @@ def _profile_analytic(sources, example_input, dtype, spec: DeviceSpec, cache: bo
     memo_idx: dict = {}
     classes: list[dict] = []  # per layer: seconds per op class of forward and backward (kernel model)
     for i, src in enumerate(sources):
-        with torch.device(meta):
+        with meta_device():
             layer = _build(src, meta, dtype)
         name = type(layer).__name__
         for p in layer.parameters():

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from partitioner.meta import meta_device
+
 from experiments.models.hf_moe import RouterSpec, layer_stats, meta_experts, router_spec, routers_in
 
 
@@ -741,7 +743,7 @@ def meta_reference(config_json: str) -> tuple[nn.Module, HFLayout]:
     """The whole model on the meta device (no memory) and its layout, cached per process."""
     config = config_from_json(config_json)
     _check_composite(config)
-    with torch.device("meta"):
+    with meta_device():
         model = model_class(config)(config)
     return model, discover_layout(model)
 

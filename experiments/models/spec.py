@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from partitioner.meta import meta_device
+
 __all__ = ["ModelSpec", "LayerFactory", "count_params", "compose"]
 
 LayerFactory = Callable[[], nn.Module]
@@ -63,7 +65,7 @@ def count_params(layers: list[LayerFactory], ties: list[tuple[str, str]] = ()) -
     total = 0
     tied_numel = 0
     tied_second = {b for _, b in ties}
-    with torch.device("meta"):
+    with meta_device():
         for i, factory in enumerate(layers):
             for name, p in factory().named_parameters():
                 total += p.numel()

@@ -212,3 +212,38 @@ def test_restarts_exhausted_raise_the_last_failure(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0_0", "0_1", "1_0", "1_1"]
     with pytest.raises(ValueError, match="max_restarts must be >= 0"):
         launch(_die_until, 2, 0, str(tmp_path), max_restarts=-1)
+
+
+def _parent_and_dynamo():
+    return os.getppid(), "torch._dynamo" in sys.modules
+
+
+def _forkservers() -> set[int]:
+    """This process's children that run multiprocessing's fork server."""
+    found = set()
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        for pid in open(f"/proc/{os.getpid()}/task/{task}/children").read().split():
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            except FileNotFoundError:
+                continue
+            if b"multiprocessing.forkserver" in cmd:
+                found.add(int(pid))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_prestart_starts_the_fork_server_that_launch_forks_from_with_torch_imported():
+    """`prestart` starts the server once (planning runs beside its import); the workers are its
+    children and find torch._dynamo imported (an optimizer's constructor would import it), while
+    a spawned worker starts without it."""
+    from engine.launch import launch, prestart
+
+    prestart(start_method="forkserver")
+    servers = _forkservers()
+    assert len(servers) == 1
+    prestart(start_method="forkserver")
+    assert _forkservers() == servers
+    out = launch(_parent_and_dynamo, 2, start_method="forkserver")
+    assert out == [(next(iter(servers)), True)] * 2
+    assert launch(_parent_and_dynamo, 1, start_method="spawn")[0][1] is False
