@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+import torch  # noqa: F401 - the doctests
 from torch import Tensor
 
 from engine import ckpt_format as fmt

@@ -23,7 +23,6 @@ import sys
 import textwrap
 import tokenize
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 from experiments import config as schema

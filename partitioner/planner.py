@@ -48,7 +48,7 @@ from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message
 from .batchsim import compile_schedule, simulate_many
 from .collectives import Links, group_link, megatron_allreduces
 from .costs import FixedCosts, Profile
-from .memory import (BREAKDOWN_KEYS, SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
+from .memory import (SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
                      inflight_per_chunk, kept_output_bytes, layer_transient, loss_split, peak_state, program_peaks, rank_breakdown,
                      rank_totals, schedule_states)
 from .plan import PartitionError, Plan
@@ -1063,7 +1063,6 @@ def _plan(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[bool], 
     p = prob.p
     t_stage, _ = split_costs(bounds, time=prob.f + prob.b, cut_time=prob.cut_time,
                              recompute_time=prob.f, recompute=recompute, **prob.common)
-    sum_of = lambda arr: [float(arr[a:e].sum()) for a, e in bounds]  # noqa: E731
     f_c, b_c, w_c = _chunk_times(prob, bounds, recompute)
     held, pending = _chunk_counts(prob, bounds, recompute)
     act_c = [_held_activation_bytes(prob, a, e, held[c], recompute[c]) for c, (a, e) in enumerate(bounds)]

@@ -53,7 +53,6 @@ import argparse
 import statistics
 import time
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 __all__ = ["ZB_MODELS", "ZB_PUBLISHED", "ZB_PROFILED", "ZB_RUN", "TORCHTITAN", "TITAN_PEAKS", "llama_row", "zb_row",

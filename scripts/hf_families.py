@@ -75,8 +75,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                            n_group=1, topk_group=1, num_mtp_layers=0),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "mamba2": dict(num_heads=4, head_dim=32, n_groups=1, state_size=16, chunk_size=8),
-    "zamba": dict(layers_block_type=["linear_attention", "hybrid"], attention_head_dim=16, n_mamba_heads=2,
-                  use_mamba_kernels=False, mamba_dt_rank=8),
     "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], n_mamba_heads=4, mamba_d_state=16,
                    use_mamba_kernels=False, chunk_size=8),
     # DSA (indexed attention) off (NOTES); its sliding layers' attention sizes are per layer (swa_*)
@@ -88,7 +86,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "zaya": dict(layer_types=["hybrid", "hybrid"], num_experts_per_tok=1, num_key_value_heads=2, head_dim=16),
     # MoE families whose first layers are dense by default: the second of 2 layers routed
     "flint": dict(mlp_only_layers=[0], head_dim=16, sliding_window=4),
-    "kolibri1_1": dict(mlp_only_layers=[0], head_dim=16, sliding_window=4),
     # sliding layers double the kv heads (and need heads >= 2 x kv heads)
     "mimo_v2_flash": dict(num_key_value_heads=2, head_dim=16, v_head_dim=16, sliding_window=4),
     # a rotary table per layer type
