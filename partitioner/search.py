@@ -231,8 +231,12 @@ def candidate_layouts(num_stages: int, num_layers: int, microbatches: Sequence[i
     """Every (schedule, virtual stages, microbatches, max_inflight) the schedules accept
     (``engine.schedules.build_schedule`` is the judge) with at least one layer per chunk.
 
-    >>> [c.label for c in candidate_layouts(2, 4, [2], schedules=["interleaved-1f1b", "zb-h2"])]
-    ['interleaved-1f1b v=2 m=2', 'zb-h2 m=2 inflight=2', 'zb-h2 m=2 inflight=3']
+    A rank never holds more than its ``m`` microbatches per chunk, so every cap of at least
+    ``m x v`` builds the same program: only the smallest such cap is a candidate (one program,
+    one entry in the search's ranking).
+
+    >>> [c.label for c in candidate_layouts(2, 4, [2, 4], schedules=["interleaved-1f1b", "zb-h2"])]
+    ['interleaved-1f1b v=2 m=2', 'interleaved-1f1b v=2 m=4', 'zb-h2 m=2 inflight=2', 'zb-h2 m=4 inflight=2', 'zb-h2 m=4 inflight=3']
     >>> [c.label for c in candidate_layouts(2, 4, [2], schedules=["zb-h1", "zb-h2"])]
     ['zb-h1 m=2', 'zb-h2 m=2 inflight=3']
     """
@@ -245,15 +249,19 @@ def candidate_layouts(num_stages: int, num_layers: int, microbatches: Sequence[i
     for name in names:
         info = SCHEDULE_INFO[name]
         vs = [info.chunks_per_rank] if info.chunks_per_rank else list(virtual_stages or range(2, max_virtual_stages + 1))
-        caps = list(max_inflight or _default_inflight(p, names)) if info.memory_knob else [None]
+        caps = sorted(set(max_inflight or _default_inflight(p, names))) if info.memory_knob else [None]
         for v in (v for v in vs if p * v <= num_layers):
             for m in microbatches:
+                unbound = False  # a cap of at least m x v, already a candidate
                 for cap in caps:
+                    if unbound and cap >= m * v:
+                        break
                     try:
                         build_schedule(name, p, m, v, max_inflight=cap)
                     except ValueError:
                         continue  # the schedule's own rule (e.g. interleaving needs m % p == 0)
                     out.append(Candidate(name, v, m, cap))
+                    unbound = cap is not None and cap >= m * v
     return out
 
 

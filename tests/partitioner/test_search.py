@@ -311,3 +311,20 @@ def test_scaling_and_interpolation_move_every_per_sample_byte_count():
         assert getattr(doubled, field) == getattr(cost(2), field), field
         assert getattr(middle, field) == getattr(cost(2), field), field
     assert doubled.param_bytes == middle.param_bytes == 8
+
+
+def test_caps_that_cannot_bind_are_one_candidate():
+    """Every max_inflight of at least m builds the same program (checked here with zb-auto's
+    cost-aware builder too), so the search lists it once, at the smallest such cap."""
+    from engine.schedules import build_schedule
+    from partitioner.search import candidate_layouts
+
+    got = [c.label for c in candidate_layouts(3, 12, [4, 8], schedules=["zb-h2", "zb-auto"], max_inflight=[3, 4, 5])]
+    assert got == ["zb-h2 m=4 inflight=3", "zb-h2 m=4 inflight=4", "zb-h2 m=8 inflight=3", "zb-h2 m=8 inflight=4",
+                   "zb-h2 m=8 inflight=5", "zb-auto m=4 inflight=3", "zb-auto m=4 inflight=4",
+                   "zb-auto m=8 inflight=3", "zb-auto m=8 inflight=4", "zb-auto m=8 inflight=5"]
+    costs = dict(forward_s=[1.0, 1.3, 0.8], backward_s=[2.1, 2.5, 1.7], weight_s=[0.9, 1.0, 0.7], comm_s=0.2)
+    for name, kw in (("zb-h2", {}), ("zb-auto", costs)):
+        progs = [[[str(a) for a in r] for r in build_schedule(name, 3, 4, max_inflight=cap, **kw).actions]
+                 for cap in (4, 5)]
+        assert progs[0] == progs[1], name
