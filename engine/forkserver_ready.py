@@ -8,4 +8,6 @@ those pages again (no copy on write).
 
 import gc
 
+__all__: list[str] = []  # imported for its effect only
+
 gc.freeze()
