@@ -49,6 +49,7 @@ parameter (the gradients the split backward records at the weight-owning nodes).
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from typing import Any, Callable
@@ -547,6 +548,7 @@ def _time_layer(layer, x, grads, params, xs, dev, repeats, warmup, weight_grad, 
     and backward half (cold caches, :mod:`engine.caches`)."""
     import torch
 
+    _warm_autograd()
     fw, bw, bi, bwt = [], [], [], []
     chunk = _split_chunk(layer) if weight_grad and params and xs else None
     pending = 0
@@ -588,6 +590,17 @@ def _timed(fn: Callable[[], Any], dev, clock: Callable[[], float], evict: Callab
     out = fn()
     _sync(dev)
     return clock() - t0, out
+
+
+@functools.cache
+def _warm_autograd() -> None:
+    """One untimed backward through ``torch.autograd.backward``'s Python path, once per process.
+    Its first call imports torch.fx's symbolic shapes (sympy, about 0.3 s here), which a
+    profile without warm-up (``warmup=0``) would time as its first layer's backward."""
+    import torch
+
+    t = torch.ones(1, requires_grad=True)
+    torch.autograd.backward([t * 2], [torch.ones(1)])
 
 
 def _split_chunk(layer):

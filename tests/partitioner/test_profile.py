@@ -326,3 +326,29 @@ def test_a_float_input_is_differentiated_only_where_it_requires_grad_as_the_engi
     assert all(p.grad is None for p in chunk.module.parameters())
     chunk.backward_weight(0, Plain())
     assert all(p.grad is not None for p in chunk.module.parameters())
+
+
+def test_no_module_is_imported_inside_a_timed_region():
+    """A fresh process profiling without warm-up times no import: torch's first
+    ``autograd.backward`` imports sympy (0.3 s), which once made a GPT's embedding look 3000x
+    slower than it is and the plan give it a stage of its own."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib\n"
+        "P = importlib.import_module('partitioner.profile')\n"
+        "from experiments.models import build_model\n"
+        "spec = build_model({'name': 'gpt', 'layers': 2, 'dim': 32, 'heads': 2, 'vocab': 64, 'seq_len': 8})\n"
+        "orig, seen = P._timed, []\n"
+        "def timed(*a, **k):\n"
+        "    before = set(sys.modules)\n"
+        "    out = orig(*a, **k)\n"
+        "    seen.extend(sorted(set(sys.modules) - before))\n"
+        "    return out\n"
+        "P._timed = timed\n"
+        "P.profile(spec.layers, spec.example_input(2), loss_fn=spec.loss_fn, example_target=spec.example_target(2),\n"
+        "          repeats=1, warmup=0, min_time_s=0.0)\n"
+        "print(seen)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
