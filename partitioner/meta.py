@@ -26,10 +26,15 @@ __all__ = ["meta_device"]
 _TENSOR_INITS = ("normal_", "uniform_", "zero_", "fill_", "exponential_", "random_", "bernoulli_")
 
 
-def _is_initialiser(func: Any) -> bool:
+@functools.cache
+def _tensor_inits() -> frozenset:
     import torch
 
-    if any(func is getattr(torch.Tensor, name) for name in _TENSOR_INITS):
+    return frozenset(getattr(torch.Tensor, name) for name in _TENSOR_INITS)
+
+
+def _is_initialiser(func: Any) -> bool:
+    if func in _tensor_inits():
         return True
     # nn.init's in-place initialisers (normal_, kaiming_uniform_, ...); not its helpers
     # (calculate_gain, _calculate_fan_in_and_fan_out), which return numbers
