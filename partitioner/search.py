@@ -34,7 +34,9 @@ or its largest layer, or with one chunk per rank its busiest stage's work plus t
 over every split, plus the fixed cost of its actions) is no better than the
 ``top + 1``-th best predicted step cannot enter the table, and is marked ``pruned`` unsolved.
 zbv's exact V split costs O(p n^4) (``partitioner.vsplit``); above ``v_split_budget`` it is
-``skipped``, with a note.
+``skipped``, with a note. Two layouts that run one program (the same split, recompute and
+per-rank actions under two names, e.g. zb-auto building zb-h2's order) are listed once: the
+other is ``skipped``, naming the one kept, so the table's alternatives are different programs.
 
 Example::
 
@@ -78,6 +80,7 @@ SCALINGS: tuple[str, ...] = ("bounded", "linear")
 """How profiles taken at some microbatch sizes price the others (see the module docstring)."""
 
 _STATUS = ("ok", "pruned", "infeasible", "skipped")
+_SAME = "the same program as"
 ProfileSource = Union[Profile, Mapping[int, Profile], Callable[[int], Profile]]
 
 
@@ -87,7 +90,7 @@ class Candidate:
 
     ``status``: ``ok`` (solved and fits), ``pruned`` (its lower bound cannot beat the table),
     ``infeasible`` (no split fits the memory limit; ``note`` says what would), ``skipped``
-    (not solved; ``note`` says why). ``step_s``: the predicted step (``Plan.step_s``);
+    (not solved, or solved and the very program of a layout ranked before it; ``note`` says why). ``step_s``: the predicted step (``Plan.step_s``);
     ``lower_bound_s``: the bound used to prune; ``plan``: the solved plan (not serialised).
     ``profile``: how its microbatch size's costs were obtained (profiled at that size,
     interpolated, scaled).
@@ -586,6 +589,32 @@ def _missing_twin(c: Candidate, solved: dict[tuple, Candidate]) -> Candidate | N
     return twin if not c.sequence_parallel and twin is not None and twin.status == "infeasible" else None
 
 
+def _program_key(c: Candidate) -> tuple:
+    """What two solved layouts share when they run one program (their actions then decide)."""
+    plan = c.plan
+    return (c.microbatches, c.virtual_stages, tuple(map(tuple, plan.stage_ranges)),  # type: ignore[union-attr]
+            tuple(plan.stage_recompute), c.recompute_granularity, c.sequence_parallel)  # type: ignore[union-attr]
+
+
+def _one_of_a_program(c: Candidate, programs: dict[tuple, list[Candidate]]) -> bool:
+    """Whether solved ``c`` runs the very program of a layout solved before it: the same split,
+    recompute and per-rank actions under another name (zb-auto building zb-h2's order, zb-h2
+    whose cap leaves no extra microbatch building zb-h1's). Then the one that ranks first stays
+    and the other is ``skipped``, naming it, so the table lists each program once. Else ``c`` is
+    remembered and False."""
+    group = programs.setdefault(_program_key(c), [])
+    sched = c.plan.build_schedule()  # type: ignore[union-attr]
+    for k, other in enumerate(group):
+        theirs = other.plan.build_schedule()  # type: ignore[union-attr]
+        if theirs.placement == sched.placement and theirs.actions == sched.actions:
+            keep, drop = sorted((other, c), key=_rank_key)
+            drop.status, drop.note = "skipped", f"{_SAME} {keep.label} (its split, recompute and actions)"
+            group[k] = keep
+            return True
+    group.append(c)
+    return False
+
+
 def _run(cands: list[Candidate], profile_for: Callable[[int, bool], tuple[Profile | None, str]], p: int, B: int,
          n: int, kwargs: dict[str, Any], keep: int | None, v_split_budget: float, best: list[float]) -> list[str]:
     """Solve the layouts in order of their lower bounds (a sequence-parallel layout before its
@@ -599,6 +628,7 @@ def _run(cands: list[Candidate], profile_for: Callable[[int, bool], tuple[Profil
         else:
             c.lower_bound_s = _lower_bound(prof, c, p)
     sp_solved: dict[tuple, Candidate] = {}
+    programs: dict[tuple, list[Candidate]] = {}
     for c in sorted(cands, key=lambda c: (c.lower_bound_s, not c.sequence_parallel, c.recompute_granularity != "chunk")):
         if c.status == "skipped":
             continue
@@ -621,10 +651,13 @@ def _run(cands: list[Candidate], profile_for: Callable[[int, bool], tuple[Profil
                                            "least as fast)")
         if c.sequence_parallel:
             sp_solved[_twin_key(c)] = c
-        if c.status == "ok":
+        if c.status == "ok" and not _one_of_a_program(c, programs):
             best.append(c.step_s)  # type: ignore[arg-type]
             best.sort()
-    for why in dict.fromkeys(c.note for c in cands if c.status == "skipped"):
+    same = [c for c in cands if c.status == "skipped" and c.note.startswith(_SAME)]
+    if same:
+        notes.append(f"{len(same)} layout(s) skipped: each {_SAME} a layout ranked before it (its note names which)")
+    for why in dict.fromkeys(c.note for c in cands if c.status == "skipped" and c not in same):
         notes.append(f"{sum(c.note == why for c in cands)} layout(s) skipped: {why}")
     notes.append("microbatch costs: " + "; ".join(sorted({f"m={c.microbatches}: {c.profile}" for c in cands},
                                                           key=lambda x: int(x[2:].split(":")[0]))))

@@ -36,14 +36,17 @@ def _direct(c, prof: Profile, p: int, batch: int, **kw) -> Plan:
 def test_it_picks_the_fastest_predicted_layout_and_ranks_the_rest():
     prof, p, B = _profile(), 3, 24
     res = search(prof, p, B, profile_microbatch=MB, scaling="linear", prune=False)
+    from partitioner.search import _SAME
+
     ok = [c for c in res.candidates if c.status == "ok"]
-    assert len(ok) == len(res.candidates) > 10  # no limit: every layout solves
+    solved = ok + [c for c in res.candidates if c.status == "skipped" and c.note.startswith(_SAME)]
+    assert len(solved) == len(res.candidates) > 10  # no limit: every layout solves (one program listed once)
     steps = [c.step_s for c in ok]
     assert steps == sorted(steps)
     assert res.chosen is ok[0] and res.plan is ok[0].plan and res.plan.step_s == min(steps)
-    for c in ok:  # the search's figure is partition()'s, layout by layout
+    for c in solved:  # the search's figure is partition()'s, layout by layout
         assert c.step_s == pytest.approx(_direct(c, prof, p, B, activation_checkpointing=False).step_s, rel=1e-12)
-    assert {c.schedule for c in ok} == set(SCHEDULES)
+    assert {c.schedule for c in solved} == set(SCHEDULES)
     alts = res.alternatives(5)
     assert [a.label for a in alts] == [c.label for c in ok[1:6]]
     assert (res.plan.schedule, res.plan.microbatches, res.plan.virtual_stages, res.plan.max_inflight) == (
@@ -328,3 +331,31 @@ def test_caps_that_cannot_bind_are_one_candidate():
         progs = [[[str(a) for a in r] for r in build_schedule(name, 3, 4, max_inflight=cap, **kw).actions]
                  for cap in (4, 5)]
         assert progs[0] == progs[1], name
+
+
+def test_one_program_under_two_names_is_listed_once():
+    """zb-auto may build zb-h2's very order: the table then lists that program once, under the
+    simpler name, and the other layout is skipped naming it. No two layouts left in the table
+    run the same split, recompute and actions."""
+    from partitioner.search import _SAME
+
+    skipped = 0
+    for seed in range(4):
+        res = search(_profile(12, seed=seed), 3, 64, microbatches=[4, 8], schedules=["zb-h1", "zb-h2", "zb-auto"],
+                     profile_microbatch=8)
+        ok = [c for c in res.candidates if c.status == "ok"]
+        progs = [(c.microbatches, c.plan.stage_ranges, c.plan.stage_recompute,
+                  [[str(a) for a in r] for r in c.plan.build_schedule().actions]) for c in ok]
+        assert all(a != b for i, a in enumerate(progs) for b in progs[i + 1:]), seed
+        for c in res.candidates:
+            assert c.status in ("ok", "skipped"), c.note
+            if c.status != "skipped":
+                continue
+            skipped += 1
+            kept = next(k for k in ok if c.note == f"{_SAME} {k.label} (its split, recompute and actions)")
+            assert c.schedule == "zb-auto" and kept.schedule == "zb-h2" and kept.step_s == c.step_s
+            assert kept.plan.stage_ranges == c.plan.stage_ranges
+            assert kept.plan.build_schedule().actions == c.plan.build_schedule().actions
+            assert any(n.startswith(f"1 layout(s) skipped: each {_SAME}") or f"layout(s) skipped: each {_SAME}" in n
+                       for n in res.notes)
+    assert skipped >= 2   # seed 0 builds zb-h2's order at m = 4 and 8
