@@ -195,7 +195,7 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
                    weight_grads: bool = True, gathered: float | None = None,
                    zero_overlap: "float | ZeroTensors | None" = None,
                    loss_transient: tuple[tuple[float, float], tuple[float, float]] | None = None,
-                   split_weight: bool = False) -> dict[str, float]:
+                   split_weight: bool = False, unmade_gradients: float = 0.0) -> dict[str, float]:
     """The rank's memory at its peak, by :data:`BREAKDOWN_KEYS` (bytes; they sum to the peak;
     under ZeRO-3 ``parameters`` are the fp32 shards and ``gathered_parameters``, after it, the
     unsharded copies in the compute dtype of the ``gathered`` elements held then, None: all):
@@ -224,7 +224,9 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     ``loss_transient``: ``layer_transient`` split into the other layers' and the loss layer's own
     (:func:`loss_split`): a backend that builds its bucket and buffers at the first gradient hook,
     after the loss's backward (fp32 ZeRO-2: ``Footprint.second_buffer``), meets the loss's with
-    none of them."""
+    none of them. ``unmade_gradients``: with ``gradients_made``, the bytes of the gradients not
+    made yet then (chunks of the rank that have not run their first backward:
+    :attr:`RankPeak.unmade`)."""
     f = settings.footprint(numel, largest, zero_overlap)
     fresh = not gradients_made and f.gradients_from_first_backward
     unmade = 0.0 if gradients_made else f.second_buffer   # no previous buffer at the first backward
@@ -250,7 +252,7 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     else:
         level = 0.0 if fresh or not weight_grads else buckets
     backward = {"parameters": f.parameters,
-                "gradients": ((0.0 if fresh else f.gradients) + f.rollback_gradients
+                "gradients": ((0.0 if fresh else max(0.0, f.gradients - unmade_gradients)) + f.rollback_gradients
                               + (f.unreached_gradients if gradients_made else 0.0)),
                 "optimizer_state": f.optimizer_state, "activations": activations,
                 "communication": communication, "temporary": transient(level) + pending}
@@ -544,12 +546,16 @@ class ChunkBytes:
     backward, :func:`kept_output_bytes`); ``pending``: a microbatch between its I and its W;
     ``input`` / ``output``: the tensors crossing its cuts (its input and, sent back, the input's
     gradient; its output and, received, the output's gradient), 0 at the model's ends or where
-    the neighbouring chunk is on the same rank (a hand-off in memory)."""
+    the neighbouring chunk is on the same rank (a hand-off in memory); ``gradients``: its
+    gradients, where the backend makes them per parameter at the step's first backward that
+    reaches them (``Footprint.gradients_from_first_backward``; else 0: a rank's gradients are
+    booked whole from its first weight gradients on)."""
 
     held: float
     pending: float = 0.0
     input: float = 0.0
     output: float = 0.0
+    gradients: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -557,12 +563,15 @@ class RankPeak:
     """One rank's peak in :func:`program_peaks`: per chunk of the rank (``stages_of`` order)
     the microbatches held and pending, and the bytes of the transfer buffers alive then
     (``communication``: receives posted ahead or arrived and not yet used, gradients being
-    received and sent, sends not yet waited whose tensor nothing else holds)."""
+    received and sent, sends not yet waited whose tensor nothing else holds); ``unmade``: the
+    :attr:`ChunkBytes.gradients` of the rank's chunks whose first B or W has not run yet (after
+    the rank's first weight gradients: a chunk of a rank of several makes its own later)."""
 
     held: tuple[int, ...]
     pending: tuple[int, ...]
     communication: float
     total: float
+    unmade: float = 0.0
 
 
 class RankPeaks(NamedTuple):
@@ -644,6 +653,7 @@ def _walk_rank(mine: list[int], ops: list, chunks: list[ChunkBytes], lookahead: 
     nxt, best = 0, [RankPeak(tuple(held.values()), tuple(pend.values()), 0.0, -1.0)] * 8
     slots = {"F": (0, 2), "B": (1, 3), "I": (4, 5), "W": (6, 7)}   # RankPeaks' order
     phase = 0   # 1 once the rank's first weight gradients exist (after its first B or W)
+    unmade = {s: chunks[s].gradients for s in mine}   # chunks without their gradients yet
 
     def size(kind: str, c: int) -> float:
         return chunks[c].input if kind in ("RECV_F", "SEND_B") else chunks[c].output
@@ -675,8 +685,9 @@ def _walk_rank(mine: list[int], ops: list, chunks: list[ChunkBytes], lookahead: 
         comm = sum(posted.values()) + made + unwaited_b + unwaited_freed
         total = comm + sum(held[s] * chunks[s].held + pend[s] * chunks[s].pending for s in mine)
         slot = slots[op.kind][phase]
-        if total > best[slot].total:
-            best[slot] = RankPeak(tuple(held.values()), tuple(pend.values()), comm, total)
+        missing = sum(unmade.values()) if phase else 0.0
+        if best[slot].total < 0 or total - missing > best[slot].total - best[slot].unmade:
+            best[slot] = RankPeak(tuple(held.values()), tuple(pend.values()), comm, total, missing)
         if op.kind in ("B", "I"):
             posted.pop(("RECV_B", c, i), None)
         if op.kind == "I":
@@ -686,6 +697,7 @@ def _walk_rank(mine: list[int], ops: list, chunks: list[ChunkBytes], lookahead: 
             pend[c] -= op.kind == "W"
             freed.add((c, i))
             unwaited_freed += unwaited_f.pop((c, i), 0.0)
+            unmade.pop(c, None)
         phase = max(phase, int(op.kind in ("B", "W")))
         while nxt < len(recv_at) and len(ahead) < lookahead:   # posted after compute
             r = ops[recv_at[nxt]]

@@ -48,7 +48,7 @@ from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message
 from .batchsim import compile_schedule, simulate_many
 from .collectives import Links, group_link, megatron_allreduces
 from .costs import FixedCosts, Profile
-from .memory import (SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
+from .memory import (_REF_NUMEL, SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
                      inflight_per_chunk, kept_output_bytes, layer_transient, loss_split, peak_state, program_peaks, rank_breakdown,
                      rank_totals, schedule_states)
 from .plan import PartitionError, Plan
@@ -626,6 +626,8 @@ def _chunk_bytes(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[
     """Per chunk, what it holds per held and per pending microbatch and its cut tensors (0 at
     the model's ends and at a hand-off between two chunks of one rank)."""
     ranks, out = prob.ranks, []
+    ref = prob.memory.footprint(_REF_NUMEL)   # gradients made per parameter at the first backward
+    grad_bytes = ref.gradients / _REF_NUMEL if ref.gradients_from_first_backward else 0.0
     for c, (a, e) in enumerate(bounds):
         local_in = c > 0 and ranks[c - 1] == ranks[c]
         local_out = c < prob.k - 1 and ranks[c + 1] == ranks[c]
@@ -635,7 +637,8 @@ def _chunk_bytes(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[
             held -= _kept_output(prob, e, recompute[c])
         out.append(ChunkBytes(held, _pending_bytes(prob, a, e, recompute[c]) - _pending_freed(prob, e, recompute[c]),
                               0.0 if a == 0 or local_in else float(prob.out[a - 1]),
-                              0.0 if e == prob.n or local_out else float(prob.out[e - 1])))
+                              0.0 if e == prob.n or local_out else float(prob.out[e - 1]),
+                              grad_bytes * float(prob.numel[a:e].sum())))
     return out
 
 
@@ -682,7 +685,8 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
                 microbatch_activations=float(per_mb), in_backward=in_backward, gradients_made=made,
                 layer_transient=transients[kind], weight_grads=kind != "I" or any(recompute[c] for c in mine),
                 gathered=_gathered(prob, bounds, mine, pk.pending), zero_overlap=overlap,
-                loss_transient=transients.get(kind + " loss"), split_weight=kind == "W")
+                loss_transient=transients.get(kind + " loss"), split_weight=kind == "W",
+                unmade_gradients=pk.unmade)
             if best is None or sum(d.values()) > sum(best[0].values()):
                 best = (d, [held[c] for c in mine], [pend[c] for c in mine])
         if _resharding(prob) and len(mine) > 1:   # the step's last backward: every chunk gathered
