@@ -223,8 +223,9 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     bucket that W reduces first meets all of the microbatch's held activations).
     ``loss_transient``: ``layer_transient`` split into the other layers' and the loss layer's own
     (:func:`loss_split`): a backend that builds its bucket and buffers at the first gradient hook,
-    after the loss's backward (fp32 ZeRO-2: ``Footprint.second_buffer``), meets the loss's with
-    none of them. ``unmade_gradients``: with ``gradients_made``, the bytes of the gradients not
+    after the loss's backward (ZeRO-2, ``Footprint.freed_at_step``: DeepSpeed allocates the
+    reduce bucket at a backward's first parameter hook and releases it at its end, and in fp32
+    the ``second_buffer`` at the first reduce), meets the loss's with none of them. ``unmade_gradients``: with ``gradients_made``, the bytes of the gradients not
     made yet then (chunks of the rank that have not run their first backward:
     :attr:`RankPeak.unmade`)."""
     f = settings.footprint(numel, largest, zero_overlap)
@@ -242,7 +243,7 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
             return 0.0
         if layer_transient is None:
             return level + workspace
-        if loss_transient is not None and f.second_buffer > 0:
+        if loss_transient is not None and f.freed_at_step:   # ZeRO-2: buckets built at the first hook
             others, loss = loss_transient
             return max(level + others[idx], loss[idx])
         return level + layer_transient[idx]

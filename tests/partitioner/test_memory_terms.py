@@ -240,6 +240,28 @@ def test_zero2_loss_backward_meets_no_bucket():
     assert apart["temporary"] == max(rank_level + split[0][0], 5000.0) == 5000.0
 
 
+def test_bf16_zero2_loss_backward_meets_no_bucket_either():
+    """16-bit weights with fp32 accumulation: DeepSpeed allocates the 16-bit reduce bucket at a
+    backward's first parameter hook (``setup_buckets``) and releases it at the backward's end
+    (``_release_ipg_buffers``), so the loss's backward (no parameters) meets none of it; the fp32
+    partition of the gradients is held throughout. MemTracker on the memcheck grid's 1f1b bf16
+    v4096 ZeRO-2 last rank: the peak is the loss's backward, 4.0 MiB beside the fp32 partition
+    (+5.4% -> +0.3%)."""
+    from partitioner.memory import MemorySettings, loss_split, rank_breakdown
+
+    s = MemorySettings("bf16", "adamw", zero_stage=2, data_parallel=2)
+    f = s.footprint(1000, 100)
+    assert f.second_buffer == 0 and f.freed_at_step and f.gradients == 4 * 500
+    split = loss_split(s, [100.0, 100.0], [10.0, 5000.0], [0.0, 0.0], loss_at=1)
+    kw = dict(numel=1000.0, largest=100.0, activations=1e4, communication=0.0, workspace=0.0,
+              gradients_made=True, microbatch_activations=2e3)
+    whole = rank_breakdown(s, layer_transient=(5000.0, 5000.0), **kw)
+    apart = rank_breakdown(s, layer_transient=(5000.0, 5000.0), loss_transient=split, **kw)
+    bucket = 2 * 500   # the 16-bit bucket: the partition's elements
+    assert whole["temporary"] == bucket + 5000.0
+    assert apart["temporary"] == 5000.0 and apart["gradients"] == f.gradients
+
+
 def test_zero2_loss_backward_meets_the_previous_buffer():
     """From a rank's second backward on, fp32 ZeRO-2's previous gradient buffer (the parameters'
     gradients view it) is alive while the loss back-propagates: the loss's own transient meets
