@@ -225,9 +225,9 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     (:func:`loss_split`): a backend that builds its bucket and buffers at the first gradient hook,
     after the loss's backward (ZeRO-2, ``Footprint.freed_at_step``: DeepSpeed allocates the
     reduce bucket at a backward's first parameter hook and releases it at its end, and in fp32
-    the ``second_buffer`` at the first reduce), meets the loss's with none of them. ``unmade_gradients``: with ``gradients_made``, the bytes of the gradients not
-    made yet then (chunks of the rank that have not run their first backward:
-    :attr:`RankPeak.unmade`)."""
+    the ``second_buffer`` at the first reduce), meets the loss's with none of them.
+    ``unmade_gradients``: with ``gradients_made``, the bytes of the gradients not made yet then
+    (chunks of the rank that have not run their first backward: :attr:`RankPeak.unmade`)."""
     f = settings.footprint(numel, largest, zero_overlap)
     fresh = not gradients_made and f.gradients_from_first_backward
     unmade = 0.0 if gradients_made else f.second_buffer   # no previous buffer at the first backward

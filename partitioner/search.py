@@ -90,8 +90,8 @@ class Candidate:
 
     ``status``: ``ok`` (solved and fits), ``pruned`` (its lower bound cannot beat the table),
     ``infeasible`` (no split fits the memory limit; ``note`` says what would), ``skipped``
-    (not solved, or solved and the very program of a layout ranked before it; ``note`` says why). ``step_s``: the predicted step (``Plan.step_s``);
-    ``lower_bound_s``: the bound used to prune; ``plan``: the solved plan (not serialised).
+    (not solved, or solved and the very program of a layout ranked before it; ``note`` says
+    why). ``step_s``: the predicted step (``Plan.step_s``); ``lower_bound_s``: the bound used to prune; ``plan``: the solved plan (not serialised).
     ``profile``: how its microbatch size's costs were obtained (profiled at that size,
     interpolated, scaled).
     """
