@@ -222,12 +222,10 @@ def rank_breakdown(settings: MemorySettings, *, numel: float, largest: float, ac
     run a backward. ``split_weight``: the moment is a split backward's W (a tensor larger than the
     bucket that W reduces first meets all of the microbatch's held activations).
     ``loss_transient``: ``layer_transient`` split into the other layers' and the loss layer's own
-    (:func:`loss_split`): a backend that builds its bucket and buffers at the first gradient hook,
-    after the loss's backward (ZeRO-2, ``Footprint.freed_at_step``: DeepSpeed allocates the
-    reduce bucket at a backward's first parameter hook and releases it at its end, and in fp32
-    the ``second_buffer`` at the first reduce), meets the loss's with none of them.
-    ``unmade_gradients``: with ``gradients_made``, the bytes of the gradients not made yet then
-    (chunks of the rank that have not run their first backward: :attr:`RankPeak.unmade`)."""
+    (:func:`loss_split`): ZeRO-2 (``Footprint.freed_at_step``) builds its bucket at a backward's
+    first parameter hook, after the loss's backward (fp32 its ``second_buffer`` too), so the
+    loss's meets none of them. ``unmade_gradients``: the gradients of the rank's chunks not yet
+    back-propagated then (:attr:`RankPeak.unmade`)."""
     f = settings.footprint(numel, largest, zero_overlap)
     fresh = not gradients_made and f.gradients_from_first_backward
     unmade = 0.0 if gradients_made else f.second_buffer   # no previous buffer at the first backward
