@@ -13,8 +13,15 @@ def _worker():
 
     from engine.transport import set_transport_threads, transport_threads
 
+    import time
+
     dist.barrier()  # the group's transport thread exists once the group does
+    # ... but names itself from inside, once it runs: on a loaded machine that can come later
+    deadline = time.monotonic() + 10.0
     tids = transport_threads()
+    while not tids and time.monotonic() < deadline:
+        time.sleep(0.01)
+        tids = transport_threads()
     seen = []
     for policy in ("batch", "normal", "batch"):
         assert set_transport_threads(policy) == tids
