@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -136,6 +137,14 @@ class MemorySettings:
         f = self.footprint(numel)
         return (f.parameters + f.gradients + f.optimizer_state + f.backward_temporary
                 + f.rollback_gradients) / max(numel, 1.0)
+
+    @functools.lru_cache(maxsize=64)
+    def made_gradient_bytes_per_param(self) -> float:
+        """Bytes per parameter of the gradients the backend makes per parameter at the step's
+        first backward that reaches it (``Footprint.gradients_from_first_backward``); 0 where it
+        holds them whole from its first weight gradients on (DeepSpeed's flat buffers)."""
+        f = self.footprint(_REF_NUMEL)
+        return f.gradients / _REF_NUMEL if f.gradients_from_first_backward else 0.0
 
     def step_per_param_bytes(self, numel: float = _REF_NUMEL) -> float:
         """Step-phase bytes per parameter of a rank holding ``numel`` parameters."""

@@ -48,7 +48,7 @@ from engine.schedules import SCHEDULE_INFO, build_schedule, chunk_ranks, message
 from .batchsim import compile_schedule, simulate_many
 from .collectives import Links, group_link, megatron_allreduces
 from .costs import FixedCosts, Profile
-from .memory import (_REF_NUMEL, SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
+from .memory import (SCHEDULES, ChunkBytes, MemorySettings, RankPeaks, held_and_pending, inflight_from_schedule,
                      inflight_per_chunk, kept_output_bytes, layer_transient, loss_split, peak_state, program_peaks, rank_breakdown,
                      rank_totals, schedule_states)
 from .plan import PartitionError, Plan
@@ -626,8 +626,7 @@ def _chunk_bytes(prob: _Problem, bounds: list[tuple[int, int]], recompute: list[
     """Per chunk, what it holds per held and per pending microbatch and its cut tensors (0 at
     the model's ends and at a hand-off between two chunks of one rank)."""
     ranks, out = prob.ranks, []
-    ref = prob.memory.footprint(_REF_NUMEL)   # gradients made per parameter at the first backward
-    grad_bytes = ref.gradients / _REF_NUMEL if ref.gradients_from_first_backward else 0.0
+    grad_bytes = prob.memory.made_gradient_bytes_per_param()
     for c, (a, e) in enumerate(bounds):
         local_in = c > 0 and ranks[c - 1] == ranks[c]
         local_out = c < prob.k - 1 and ranks[c + 1] == ranks[c]

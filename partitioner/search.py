@@ -91,7 +91,8 @@ class Candidate:
     ``status``: ``ok`` (solved and fits), ``pruned`` (its lower bound cannot beat the table),
     ``infeasible`` (no split fits the memory limit; ``note`` says what would), ``skipped``
     (not solved, or solved and the very program of a layout ranked before it; ``note`` says
-    why). ``step_s``: the predicted step (``Plan.step_s``); ``lower_bound_s``: the bound used to prune; ``plan``: the solved plan (not serialised).
+    why). ``step_s``: the predicted step (``Plan.step_s``); ``lower_bound_s``: the bound used to
+    prune; ``plan``: the solved plan (not serialised).
     ``profile``: how its microbatch size's costs were obtained (profiled at that size,
     interpolated, scaled).
     """
@@ -596,22 +597,21 @@ def _program_key(c: Candidate) -> tuple:
             tuple(plan.stage_recompute), c.recompute_granularity, c.sequence_parallel)  # type: ignore[union-attr]
 
 
-def _one_of_a_program(c: Candidate, programs: dict[tuple, list[Candidate]]) -> bool:
+def _one_of_a_program(c: Candidate, programs: dict[tuple, list[tuple[Candidate, Any]]]) -> bool:
     """Whether solved ``c`` runs the very program of a layout solved before it: the same split,
     recompute and per-rank actions under another name (zb-auto building zb-h2's order, zb-h2
     whose cap leaves no extra microbatch building zb-h1's). Then the one that ranks first stays
     and the other is ``skipped``, naming it, so the table lists each program once. Else ``c`` is
     remembered and False."""
-    group = programs.setdefault(_program_key(c), [])
+    group = programs.setdefault(_program_key(c), [])   # (layout, its built schedule)
     sched = c.plan.build_schedule()  # type: ignore[union-attr]
-    for k, other in enumerate(group):
-        theirs = other.plan.build_schedule()  # type: ignore[union-attr]
+    for k, (other, theirs) in enumerate(group):
         if theirs.placement == sched.placement and theirs.actions == sched.actions:
             keep, drop = sorted((other, c), key=_rank_key)
             drop.status, drop.note = "skipped", f"{_SAME} {keep.label} (its split, recompute and actions)"
-            group[k] = keep
+            group[k] = (keep, theirs)
             return True
-    group.append(c)
+    group.append((c, sched))
     return False
 
 
@@ -628,7 +628,7 @@ def _run(cands: list[Candidate], profile_for: Callable[[int, bool], tuple[Profil
         else:
             c.lower_bound_s = _lower_bound(prof, c, p)
     sp_solved: dict[tuple, Candidate] = {}
-    programs: dict[tuple, list[Candidate]] = {}
+    programs: dict[tuple, list[tuple[Candidate, Any]]] = {}
     for c in sorted(cands, key=lambda c: (c.lower_bound_s, not c.sequence_parallel, c.recompute_granularity != "chunk")):
         if c.status == "skipped":
             continue
@@ -654,10 +654,10 @@ def _run(cands: list[Candidate], profile_for: Callable[[int, bool], tuple[Profil
         if c.status == "ok" and not _one_of_a_program(c, programs):
             best.append(c.step_s)  # type: ignore[arg-type]
             best.sort()
-    same = [c for c in cands if c.status == "skipped" and c.note.startswith(_SAME)]
+    same = sum(c.status == "skipped" and c.note.startswith(_SAME) for c in cands)
     if same:
-        notes.append(f"{len(same)} layout(s) skipped: each {_SAME} a layout ranked before it (its note names which)")
-    for why in dict.fromkeys(c.note for c in cands if c.status == "skipped" and c not in same):
+        notes.append(f"{same} layout(s) skipped: each {_SAME} a layout ranked before it (its note names which)")
+    for why in dict.fromkeys(c.note for c in cands if c.status == "skipped" and not c.note.startswith(_SAME)):
         notes.append(f"{sum(c.note == why for c in cands)} layout(s) skipped: {why}")
     notes.append("microbatch costs: " + "; ".join(sorted({f"m={c.microbatches}: {c.profile}" for c in cands},
                                                           key=lambda x: int(x[2:].split(":")[0]))))
