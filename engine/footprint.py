@@ -39,7 +39,7 @@ import itertools
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-__all__ = ["zero_bucket_elements", "zero_partition_overlap", "ZeroTensors", "zero_tensors", "BUCKET_ELEMENTS", "GRAD_BUCKET_MB", "TORCH_BUCKET_BYTES", "Footprint",
+__all__ = ["zero_bucket_elements", "zero_partition_overlap", "ZeroTensors", "zero_tensors", "zero_reduces", "BUCKET_ELEMENTS", "GRAD_BUCKET_MB", "TORCH_BUCKET_BYTES", "Footprint",
            "state_footprint", "optimizer_state_bytes_per_param", "backend_of"]
 
 # DeepSpeed's default reduce / all-gather bucket, in elements.
@@ -82,6 +82,13 @@ def zero_partition_overlap(numels: Sequence[int], data_parallel: int) -> int:
                default=0)
 
 
+def _partition_elements(total: int, data_parallel: int) -> int:
+    """DeepSpeed's partition of a flat group of ``total`` elements: padded to a multiple of
+    ``2 * data_parallel``, cut into ``data_parallel`` equal parts."""
+    d = max(1, int(data_parallel))
+    return (-(-int(total) // (2 * d)) * 2 * d) // d
+
+
 def _partition_spans(sizes: Sequence[int], data_parallel: int) -> list[tuple[int, int]]:
     """For each of DeepSpeed's ``data_parallel`` partitions of the flat group of tensors of
     ``sizes`` (padded to a multiple of ``2 * data_parallel`` elements, cut equally) that holds
@@ -89,7 +96,7 @@ def _partition_spans(sizes: Sequence[int], data_parallel: int) -> list[tuple[int
     d = max(1, int(data_parallel))
     starts = list(itertools.accumulate(sizes, initial=0))   # starts[i]: where tensor i begins; starts[-1]: total
     total = starts[-1]
-    part = (-(-total // (2 * d)) * 2 * d) // d
+    part = _partition_elements(total, d)
     spans = []
     for pid in range(d if total else 0):
         lo, hi = pid * part, min((pid + 1) * part, total)
@@ -120,14 +127,22 @@ class ZeroTensors:
     # the largest tensor but that lead (the gradient that can start any other reduce); None: the
     # largest tensor
     rest: float | None = None
+    # each bucket reduce a backward runs (:func:`zero_reduces`): the elements it flattens, the
+    # elements of the gradient whose hook starts it (0 at the backward's end), whether it is one
+    # tensor within one partition (flattened as a view) and the bytes of the microbatch's
+    # activations its backward has freed by then (None: unknown); empty: unknown, a full bucket
+    reduces: tuple[tuple[float, float, bool, float | None], ...] = ()
 
 
-def zero_tensors(chunks: Sequence[Sequence[int]], data_parallel: int) -> ZeroTensors:
+def zero_tensors(chunks: Sequence[Sequence[int]], data_parallel: int,
+                 freed: Sequence[tuple[Sequence[float], float]] | None = None) -> ZeroTensors:
     """:class:`ZeroTensors` of a rank whose chunks hold parameter tensors of ``chunks``' sizes
-    (each in ``module.parameters()`` order; the chunks in the rank's order, its last last).
+    (each in ``module.parameters()`` order; the chunks in the rank's order, its last last;
+    ``freed``: :func:`zero_reduces`').
 
-    >>> zero_tensors([[100, 1000], [100]], 2)   # the 1000 straddles the cut at 600
-    ZeroTensors(overlap=1100.0, unreached=1100.0, large_first=True, lead_is_largest=False, rest=None)
+    >>> zt = zero_tensors([[100, 1000], [100]], 2)   # the 1000 straddles the cut at 600
+    >>> zt.overlap, zt.unreached, zt.large_first, zt.lead_is_largest, zt.reduces   # the 1000: reduced apart
+    (1100.0, 1100.0, True, False, ((100.0, 0.0, True, None), (100.0, 0.0, True, None)))
     """
     flat = [int(n) for c in chunks for n in c if int(n) > 0]
     owner = [k for k, c in enumerate(chunks) for n in c if int(n) > 0]
@@ -138,7 +153,62 @@ def zero_tensors(chunks: Sequence[Sequence[int]], data_parallel: int) -> ZeroTen
     large_first = all(i + 1 == len(flat) or owner[i + 1] != owner[i] for i in large)
     lead = len(chunks) == 1 and bool(flat) and flat[0] == max(flat)
     rest = float(max(flat[1:], default=0)) if lead else None
-    return ZeroTensors(float(zero_partition_overlap(flat, data_parallel)), float(unreached), large_first, lead, rest)
+    return ZeroTensors(float(zero_partition_overlap(flat, data_parallel)), float(unreached), large_first, lead, rest,
+                       zero_reduces(chunks, data_parallel, freed))
+
+
+def zero_reduces(chunks: Sequence[Sequence[int]], data_parallel: int,
+                 freed: Sequence[tuple[Sequence[float], float]] | None = None
+                 ) -> tuple[tuple[float, float, bool, float | None], ...]:
+    """The bucket reduces DeepSpeed 0.19's ZeRO-2 runs in one backward of each chunk (tensors of
+    ``chunks``' sizes, each in ``module.parameters()`` order; their gradients arrive in reverse):
+    a hook whose gradient would overflow the bucket reduces it first, and the backward's
+    epilogue reduces what is left (``engine.zero`` calls it after every backward). Each reduce
+    is (elements flattened, elements of the gradient that started it, 0 at the epilogue, whether
+    it is one tensor within one partition, the bytes of the microbatch's activations the
+    backward has freed then). ``freed``: per chunk, (per tensor, those bytes once the tensor's
+    gradient arrives, the layers after its own done; those at the backward's end); None:
+    unknown. A tensor larger than the bucket is reduced apart (``Footprint.large_gradient``),
+    not listed.
+
+    >>> zero_reduces([[100, 300, 200]], 2)   # bucket 300: 200 then 300 overflow; 100 at the end
+    ((200.0, 300.0, True, None), (300.0, 100.0, False, None), (100.0, 0.0, True, None))
+    >>> zero_reduces([[100, 300, 200]], 2, freed=[([90.0, 50.0, 0.0], 100.0)])   # bytes freed
+    ((200.0, 300.0, True, 50.0), (300.0, 100.0, False, 90.0), (100.0, 0.0, True, 100.0))
+    """
+    keep = [[k for k, n in enumerate(c) if int(n) > 0] for c in chunks]
+    per_chunk = [[int(c[k]) for k in ks] for c, ks in zip(chunks, keep)]
+    shares = None if freed is None else [[float(f[k]) for k in ks] for (f, _), ks in zip(freed, keep)]
+    starts = list(itertools.accumulate((n for c in per_chunk for n in c), initial=0))
+    bucket = zero_bucket_elements(starts[-1], data_parallel)
+    part = _partition_elements(starts[-1], data_parallel)
+    out: list[tuple[float, float, bool, float | None]] = []
+    first = 0
+    for c, sizes in enumerate(per_chunk):
+        held: list[int] = []   # indices (in the rank's flat order) of the gradients in the bucket
+        total = 0
+        for j in reversed(range(first, first + len(sizes))):
+            n = starts[j + 1] - starts[j]
+            if held and total + n > bucket:
+                share = None if shares is None else shares[c][j - first]
+                out += _bucket_reduce(starts, held, total, bucket, part, n, share)
+                held, total = [], 0
+            held.append(j)
+            total += n
+        out += _bucket_reduce(starts, held, total, bucket, part, 0, None if freed is None else float(freed[c][1]))
+        first += len(sizes)
+    return tuple(out)
+
+
+def _bucket_reduce(starts: Sequence[int], held: Sequence[int], total: int, bucket: int, part: int,
+                   trigger: int, share: float | None) -> list[tuple[float, float, bool, float | None]]:
+    """The reduce of the bucket holding tensors ``held`` (``total`` elements), none where it is
+    empty or holds a tensor larger than the bucket (reduced apart)."""
+    if not held or total > bucket:
+        return []
+    j = held[0]
+    one = len(held) == 1 and starts[j] // part == (starts[j + 1] - 1) // part
+    return [(float(total), float(trigger), one, share)]
 
 
 def optimizer_state_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
@@ -178,6 +248,10 @@ class Footprint:
     # with 16-bit buckets casts the bucket to the fp32 communication dtype.
     reduce_temporary: float = 0.0
     reduce_after: float = 0.0
+    # ZeRO-2 with 16-bit weights, the reduces walked (:func:`zero_reduces`): each one's transient
+    # beside the bucket and the bytes of the microbatch's activations freed by then (None: the
+    # share ``reduce_after``); empty: one reduce, ``reduce_temporary`` at ``reduce_after``
+    reduce_moments: tuple[tuple[float, float | None], ...] = ()
     # Whether ``gradients`` first exist at the step's first backward: the torch backend's
     # ``zero_grad`` sets every ``.grad`` to None, so a rank's forwards before its first backward
     # (gpipe's whole forward phase) run without them. DeepSpeed's buffers are kept (False).
@@ -301,9 +375,13 @@ def _zero2_footprint(n: float, big: float, d: int, w: int, a: int, state: float,
     large_after = 1.0 if lead else after_share
     first = bool(large) and zt is not None and zt.large_first
     if a != w:
-        flat = (w + a) * bucket   # the bucket's slices flattened, and cast to fp32, while reduced
+        # the bucket's slices flattened (a view where one tensor) and cast to fp32 while reduced,
+        # beside the gradient whose hook started the reduce
+        walked = tuple(((a if one else w + a) * e + w * trigger, freed)
+                       for e, trigger, one, freed in (zt.reduces if zt is not None else ()))
+        flat = max(b for b, _ in walked) if walked else (w + a) * bucket
         return Footprint(w * n, a * part, state, w * bucket + flat, 0.0, after,
-                         reduce_temporary=flat, reduce_after=after_share, freed_at_step=True,
+                         reduce_temporary=flat, reduce_after=after_share, reduce_moments=walked, freed_at_step=True,
                          large_gradient=max(0.0, (2 * w + a) * large - flat) if large else 0.0,
                          large_reduce_after=large_after, large_reduced_first=first)
     held = min(n, zt.overlap if zt is not None else part)

@@ -299,7 +299,13 @@ def _reduce_moments(f: Footprint, backward: dict[str, float], held: float, micro
     at_reduce = dict(backward, activations=max(0.0, acts - f.reduce_after * microbatch_activations))
     if f.freed_at_step:   # a reduce runs after its gradients' layers are done: no layer workspace then
         at_reduce["temporary"] = held + f.reduce_gradient
-    out = [at_reduce]
+    if f.reduce_moments and f.freed_at_step:   # each reduce walked, at the activations freed by then
+        out = [dict(at_reduce, temporary=held - f.reduce_temporary + own + f.reduce_gradient,
+                    activations=max(0.0, acts - (f.reduce_after * microbatch_activations if freed is None
+                                                 else min(freed, microbatch_activations))))
+               for own, freed in f.reduce_moments]
+    else:
+        out = [at_reduce]
     if f.large_gradient > 0:
         share = 0.0 if split_weight and f.large_reduced_first else f.large_reduce_after
         out.append(dict(at_reduce, temporary=held + f.large_gradient,

@@ -662,7 +662,7 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
         mine = [c for c, rank in enumerate(ranks) if rank == r]
         layers = [i for c in mine for i in range(*bounds[c])]
         transients = _transients(prob, bounds, recompute, mine)
-        overlap = _zero_tensors(prob, bounds, mine)
+        overlap = _zero_tensors(prob, bounds, mine, recompute)
         best = None
         for kind, made, pk in peaks.moments():
             held = dict(zip(mine, pk.held))
@@ -696,16 +696,34 @@ def _rank_moments(prob: _Problem, bounds: list[tuple[int, int]], recompute: list
     return out
 
 
-def _zero_tensors(prob: _Problem, bounds: list[tuple[int, int]], mine: list[int]) -> ZeroTensors | None:
+def _zero_tensors(prob: _Problem, bounds: list[tuple[int, int]], mine: list[int],
+                  recompute: list[bool]) -> ZeroTensors | None:
     """ZeRO-2's buffers that follow the rank's parameter tensors (its chunks ``mine`` in order,
     :func:`engine.footprint.zero_tensors`); None without ZeRO-2, without the profile's tensor
-    sizes, or where they do not add up to the rank's parameters (a sharded profile)."""
+    sizes, or where they do not add up to the rank's parameters (a sharded profile). Each
+    reduce is walked at the activations its backward has freed by then (not on a rank with a
+    recomputing chunk, whose activations are its recomputation's)."""
     if prob.memory.zero_stage != 2 or prob.param_numels is None:
         return None
     chunks = [[n for i in range(*bounds[c]) for n in prob.param_numels[i]] for c in mine]
     if sum(map(sum, chunks)) != round(float(sum(prob.numel[slice(*bounds[c])].sum() for c in mine))):
         return None
-    return zero_tensors(chunks, prob.memory.data_parallel)
+    freed = None if any(recompute[c] for c in mine) else [
+        ([x for i in range(*bounds[c]) for x in _freed_at_tensors(prob, i, bounds[c][1])],
+         _held_activation_bytes(prob, *bounds[c], 1, False)) for c in mine]
+    return zero_tensors(chunks, prob.memory.data_parallel, freed)
+
+
+def _freed_at_tensors(prob: _Problem, i: int, e: int) -> list[float]:
+    """Per parameter tensor of layer ``i`` (a chunk ending before ``e``), the bytes of one
+    microbatch's activations its backward has freed when that tensor's gradient arrives: the
+    layers' after ``i``, and of layer ``i``'s own the share of its tensors after that one (their
+    gradients, made in reverse, came first; an assumption: activations in proportion to them)."""
+    sizes = [float(n) for n in prob.param_numels[i]]
+    after = np.cumsum(sizes[::-1])[::-1] - np.asarray(sizes) if sizes else np.zeros(0)
+    total = sum(sizes)
+    later = float(prob.act[i + 1:e].sum())
+    return [later + (float(prob.act[i]) * a / total if total else 0.0) for a in after]
 
 
 def _rank_collective_s(prob: _Problem, bounds: list[tuple[int, int]]) -> list[float]:

@@ -217,8 +217,62 @@ def run_cases(cases: list[dict], p: int = 2, d: int = 2) -> list[dict]:
     out = []
     for case in cases:
         case = dict(case, mesh=mesh)
-        out.append((run_resume if case.get("resume") else run_case)(case))
+        out.append((run_resume if case.get("resume") else run_reduce_walk if case.get("walk") else run_case)(case))
     return out
+
+
+# ---------------------------------------------------------------------------- ZeRO-2's reduces
+# two chunks of Linear layers (in, out): 3,976 elements, a 1,988-element bucket with d = 2; the
+# first chunk's 32 x 48 weight overflows the bucket its hook meets, then is reduced alone
+WALK_CHUNKS = [[(32, 48), (48, 16)], [(16, 64), (64, 8)]]
+
+
+def run_reduce_walk(case: dict) -> dict:
+    """ZeRO-2 with bf16 weights over two chunks, each back-propagated apart as the pipeline
+    runs them: every bucket DeepSpeed reduces, as (elements, elements of the gradient whose hook
+    started the reduce (0: the backward's epilogue), slices flattened), and the chunks' sizes."""
+    from deepspeed.runtime.zero import stage_1_and_2 as ds
+
+    from engine.zero import DeepSpeedStageOptimizer
+
+    mesh = case["mesh"]
+    torch.manual_seed(0)
+    chunks = [nn.Sequential(*[nn.Linear(i, o) for i, o in dims]) for dims in WALK_CHUNKS]
+    module = nn.ModuleList(chunks).to(torch.bfloat16)
+    opt = DeepSpeedStageOptimizer(make_config(name="sgd", lr=0.1, zero_stage=2), module, dp_group=mesh.dp_group,
+                                  pipeline_group=mesh.pipeline_group, microbatches=1, precision="bf16")
+    seen: list[list[int]] = []
+    trigger = [0]
+    cls, inner = ds.DeepSpeedZeroOptimizer, opt._ds_opt
+    hook, average, flatten = cls.reduce_independent_p_g_buckets_and_remove_grads, cls.average_tensor, inner.flatten
+
+    def on_hook(self: Any, param: torch.Tensor, i: int) -> Any:
+        trigger[0] = param.numel()
+        try:
+            return hook(self, param, i)
+        finally:
+            trigger[0] = 0
+
+    def on_average(self: Any, tensor: torch.Tensor, dtype: torch.dtype) -> Any:
+        seen.append([tensor.numel(), trigger[0], 0])
+        return average(self, tensor, dtype)
+
+    def on_flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+        if seen:
+            seen[-1][2] += len(tensors)
+        return flatten(tensors)
+
+    cls.reduce_independent_p_g_buckets_and_remove_grads, cls.average_tensor = on_hook, on_average
+    inner.flatten = on_flatten
+    try:
+        h = chunks[0](torch.randn(4, 32, dtype=torch.bfloat16))
+        cut = h.detach().requires_grad_()
+        opt.backward([opt.scale_loss(chunks[1](cut).float().pow(2).mean())], None)
+        opt.backward([h], [cut.grad])
+        opt.step()
+    finally:
+        cls.reduce_independent_p_g_buckets_and_remove_grads, cls.average_tensor = hook, average
+    return {"reduces": seen, "sizes": [[p.numel() for p in c.parameters()] for c in chunks]}
 
 
 # ---------------------------------------------------------------------------- runtime resume

@@ -170,6 +170,32 @@ def test_zero2_reduce_holds_the_flattened_bucket_and_an_oversized_gradient():
     assert zeros.unreached_gradients == 4 * 300
 
 
+def test_zero2_16bit_reduce_holds_its_largest_bucket_walked_not_a_full_one():
+    """With 16-bit weights the transient of a reduce is what that reduce flattens (a copy of
+    several tensors and its fp32 cast; one tensor within one partition is flattened as a view,
+    so the cast alone) beside the gradient whose hook started it, each reduce of the rank's walk
+    (:func:`engine.footprint.zero_reduces`) a moment with the activations freed by then; the
+    largest is ``reduce_temporary``, not a full bucket's copy and cast."""
+    from engine.footprint import ZeroTensors, zero_tensors
+
+    whole = state_footprint(1000, 300, precision="bf16", zero_stage=2, data_parallel=2)
+    assert whole.reduce_temporary == (2 + 4) * 500 and whole.reduce_moments == ()   # unknown: a full bucket
+    walked = state_footprint(1000, 300, precision="bf16", zero_stage=2, data_parallel=2,
+                             zero_overlap=ZeroTensors(700, reduces=((200.0, 300.0, False, 40.0), (300.0, 0.0, True, 90.0))))
+    assert walked.reduce_moments == (((2 + 4) * 200 + 2 * 300, 40.0), (4 * 300, 90.0))
+    assert walked.reduce_temporary == max((2 + 4) * 200 + 2 * 300, 4 * 300)
+    assert walked.backward_temporary == 2 * 500 + walked.reduce_temporary   # the bucket is allocated whole
+    # an oversized tensor's own reduce: its gradient, copy and cast in all, as before
+    big = state_footprint(1000, 600, precision="bf16", zero_stage=2, data_parallel=2,
+                          zero_overlap=zero_tensors([[600, 300, 100]], 2))
+    assert big.large_gradient + big.reduce_temporary == (2 + 2 + 4) * 600
+    assert big.reduce_temporary == (2 + 4) * 400 + 2 * 600   # 100 and 300, reduced when the 600's hook overflows
+    # fp32 gradients keep their own model (no flattened copy)
+    fp32 = state_footprint(1000, 300, zero_stage=2, data_parallel=2,
+                           zero_overlap=ZeroTensors(700, reduces=((200.0, 300.0, False, None),)))
+    assert fp32.reduce_temporary == 4 * 700 and fp32.reduce_moments == ()
+
+
 def test_zero2_keeps_weight_dtype_gradients_of_whole_parameters():
     """ZeRO-2 with gradients in the weight dtype (fp32): the whole parameters overlapping the
     partition, and the next backward's buffer beside it; 16-bit weights with fp32 accumulation

@@ -40,7 +40,9 @@ OTHER = [
     # fp32 with a non-finite gradient on one stage: raise everywhere, or skip everywhere
     dict(cfg=dict(SGD, zero_stage=2), steps=2, poison_step=1),
     dict(cfg=dict(SGD, zero_stage=1), steps=3, poison_step=1, nonfinite="skip"),
+    dict(walk=True),   # ZeRO-2's bucket reduces with bf16 weights
 ]
+WALK = len(OTHER) - 1
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +193,24 @@ def test_bad_configs_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         DeepSpeedStageOptimizer(make_config(**{**SGD, "zero_stage": 1, **bad}), module, dp_group=None,
                                 pipeline_group=None, microbatches=2, precision="fp32")
+
+
+def test_zero2_bucket_reduces_are_the_walk_of_the_ranks_tensors(other):
+    """engine.footprint.zero_reduces is DeepSpeed's bucketing: every bucket its ZeRO-2 reduces
+    in a backward of each chunk (16-bit weights), with the gradient whose hook started the
+    reduce; where it calls a reduce one tensor within one partition, every replica flattens one
+    slice (a view), and each reduce it calls a copy flattens several on some replica."""
+    from engine.footprint import zero_bucket_elements, zero_reduces
+
+    sizes = other[0][WALK]["sizes"]
+    want = zero_reduces(sizes, 2)
+    bucket = zero_bucket_elements(sum(map(sum, sizes)), 2)
+    assert {bool(t) for _, t, _, _ in want} == {True, False}, "a hook's reduce and an epilogue's"
+    assert {one for _, _, one, _ in want} == {True, False}, "a view and a copy"
+    for r in other:
+        assert r[WALK]["sizes"] == sizes
+        got = sorted((n, t) for n, t, _ in r[WALK]["reduces"] if n <= bucket)
+        assert got == sorted((int(e), int(t)) for e, t, _, _ in want)
+    for e, t, one, _ in want:
+        slices = [s for r in other for n, tt, s in r[WALK]["reduces"] if (n, tt) == (e, t)]
+        assert (max(slices) == 1) if one else (max(slices) > 1), (e, t, one, slices)

@@ -262,6 +262,36 @@ def test_bf16_zero2_loss_backward_meets_no_bucket_either():
     assert apart["temporary"] == 5000.0 and apart["gradients"] == f.gradients
 
 
+def test_bf16_zero2_each_walked_reduce_meets_the_activations_freed_by_then():
+    """16-bit ZeRO-2 with the rank's tensors known: each reduce of the walk is a moment of its
+    own, its transient beside the bucket and the held activations less what its backward has
+    freed by then (at most one microbatch's); the rank's peak is the largest of them, not the
+    largest transient at the bucket's share. MemTracker on the memcheck grid's bf16 ZeRO-2 first
+    ranks: the embedding's hook starts a reduce of a partial bucket when its chunk's activations
+    are gone (interleaved-1f1b +5.9% -> +0.0%, one-chunk ranks +2.9..3.9% -> -0.5..+0.2%)."""
+    from engine.footprint import ZeroTensors
+    from partitioner.memory import MemorySettings, rank_breakdown
+
+    s = MemorySettings("bf16", "adamw", zero_stage=2, data_parallel=2)
+    early, late = (200.0, 0.0, False, 100.0), (300.0, 500.0, False, 1500.0)   # (elements, trigger, one, freed)
+    kw = dict(numel=1000.0, largest=500.0, activations=1e4, communication=0.0, workspace=0.0, gradients_made=True,
+              microbatch_activations=2e3, layer_transient=(0.0, 0.0))
+    peak = {}
+    for name, reduces in (("early", (early,)), ("late", (late,)), ("both", (early, late))):
+        peak[name] = rank_breakdown(s, zero_overlap=ZeroTensors(700.0, reduces=reduces), **kw)
+        assert peak[name]["temporary"] >= 2 * 500   # the bucket, allocated whole
+    assert peak["early"]["activations"] == 1e4 - 100.0 and peak["late"]["activations"] == 1e4 - 1500.0
+    assert peak["late"]["temporary"] - peak["early"]["temporary"] == (6 * 300 + 2 * 500) - 6 * 200
+    both = sum(peak["both"].values())
+    assert both == max(sum(peak["early"].values()), sum(peak["late"].values())) == sum(peak["late"].values())
+    # the larger transient at the bucket's share (0.5 of the microbatch) would book more than either moment
+    share = s.footprint(1000.0, 500.0).reduce_after
+    assert both < sum(peak["late"].values()) + 1500.0 - share * 2e3
+    # unknown freed bytes: the bucket's share of one microbatch, as without the walk
+    blind = rank_breakdown(s, zero_overlap=ZeroTensors(700.0, reduces=((200.0, 0.0, False, None),)), **kw)
+    assert blind["activations"] == 1e4 - share * 2e3
+
+
 def test_zero2_loss_backward_meets_the_previous_buffer():
     """From a rank's second backward on, fp32 ZeRO-2's previous gradient buffer (the parameters'
     gradients view it) is alive while the loss back-propagates: the loss's own transient meets
