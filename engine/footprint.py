@@ -249,9 +249,10 @@ class Footprint:
     reduce_temporary: float = 0.0
     reduce_after: float = 0.0
     # ZeRO-2 with 16-bit weights, the reduces walked (:func:`zero_reduces`): each one's transient
-    # beside the bucket and the bytes of the microbatch's activations freed by then (None: the
-    # share ``reduce_after``); empty: one reduce, ``reduce_temporary`` at ``reduce_after``
-    reduce_moments: tuple[tuple[float, float | None], ...] = ()
+    # beside the bucket and the bytes of the microbatch's activations freed by then; empty (the
+    # tensors or what their backward frees unknown): one reduce, ``reduce_temporary`` at
+    # ``reduce_after``
+    reduce_moments: tuple[tuple[float, float], ...] = ()
     # Whether ``gradients`` first exist at the step's first backward: the torch backend's
     # ``zero_grad`` sets every ``.grad`` to None, so a rank's forwards before its first backward
     # (gpipe's whole forward phase) run without them. DeepSpeed's buffers are kept (False).
@@ -377,8 +378,10 @@ def _zero2_footprint(n: float, big: float, d: int, w: int, a: int, state: float,
     if a != w:
         # the bucket's slices flattened (a view where one tensor) and cast to fp32 while reduced,
         # beside the gradient whose hook started the reduce
-        walked = tuple(((a if one else w + a) * e + w * trigger, freed)
-                       for e, trigger, one, freed in (zt.reduces if zt is not None else ()))
+        reduces = zt.reduces if zt is not None else ()
+        # walked only where each reduce's freed activations are known (not on a recomputing rank)
+        walked = tuple(((a if one else w + a) * e + w * trigger, freed) for e, trigger, one, freed in reduces
+                       if all(r[3] is not None for r in reduces))
         flat = max(b for b, _ in walked) if walked else (w + a) * bucket
         return Footprint(w * n, a * part, state, w * bucket + flat, 0.0, after,
                          reduce_temporary=flat, reduce_after=after_share, reduce_moments=walked, freed_at_step=True,

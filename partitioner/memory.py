@@ -301,8 +301,7 @@ def _reduce_moments(f: Footprint, backward: dict[str, float], held: float, micro
         at_reduce["temporary"] = held + f.reduce_gradient
     if f.reduce_moments and f.freed_at_step:   # each reduce walked, at the activations freed by then
         out = [dict(at_reduce, temporary=held - f.reduce_temporary + own + f.reduce_gradient,
-                    activations=max(0.0, acts - (f.reduce_after * microbatch_activations if freed is None
-                                                 else min(freed, microbatch_activations))))
+                    activations=max(0.0, acts - min(freed, microbatch_activations)))
                for own, freed in f.reduce_moments]
     else:
         out = [at_reduce]

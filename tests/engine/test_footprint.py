@@ -185,9 +185,12 @@ def test_zero2_16bit_reduce_holds_its_largest_bucket_walked_not_a_full_one():
     assert walked.reduce_moments == (((2 + 4) * 200 + 2 * 300, 40.0), (4 * 300, 90.0))
     assert walked.reduce_temporary == max((2 + 4) * 200 + 2 * 300, 4 * 300)
     assert walked.backward_temporary == 2 * 500 + walked.reduce_temporary   # the bucket is allocated whole
+    blind = state_footprint(1000, 300, precision="bf16", zero_stage=2, data_parallel=2,
+                            zero_overlap=ZeroTensors(700, reduces=((200.0, 300.0, False, None),)))
+    assert blind.reduce_moments == () and blind.reduce_temporary == whole.reduce_temporary   # freed unknown
     # an oversized tensor's own reduce: its gradient, copy and cast in all, as before
     big = state_footprint(1000, 600, precision="bf16", zero_stage=2, data_parallel=2,
-                          zero_overlap=zero_tensors([[600, 300, 100]], 2))
+                          zero_overlap=zero_tensors([[600, 300, 100]], 2, freed=[([0.0, 0.0, 0.0], 0.0)]))
     assert big.large_gradient + big.reduce_temporary == (2 + 2 + 4) * 600
     assert big.reduce_temporary == (2 + 4) * 400 + 2 * 600   # 100 and 300, reduced when the 600's hook overflows
     # fp32 gradients keep their own model (no flattened copy)
