@@ -380,8 +380,9 @@ def _zero2_footprint(n: float, big: float, d: int, w: int, a: int, state: float,
         # beside the gradient whose hook started the reduce
         reduces = zt.reduces if zt is not None else ()
         # walked only where each reduce's freed activations are known (not on a recomputing rank)
-        walked = tuple(((a if one else w + a) * e + w * trigger, freed) for e, trigger, one, freed in reduces
-                       if all(r[3] is not None for r in reduces))
+        known = all(freed is not None for *_, freed in reduces)
+        walked = tuple(((a if one else w + a) * e + w * trigger, freed)
+                       for e, trigger, one, freed in reduces) if known else ()
         flat = max(b for b, _ in walked) if walked else (w + a) * bucket
         return Footprint(w * n, a * part, state, w * bucket + flat, 0.0, after,
                          reduce_temporary=flat, reduce_after=after_share, reduce_moments=walked, freed_at_step=True,
